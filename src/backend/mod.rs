@@ -1,0 +1,73 @@
+//! Data planes. Each backend implements [`BackendOps`]; [`crate::Communicator`] picks the
+//! algorithm (see [`crate::plan`]) and hands the call to its backend.
+
+pub mod cuda;
+pub mod host;
+
+use crate::error::Result;
+use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
+use std::ffi::c_void;
+
+/// Handle of a test/benchmark buffer owned by a backend.
+pub type BufId = usize;
+
+/// One all-reduce call, as the backends see it (algorithm already resolved).
+#[derive(Debug, Clone, Copy)]
+pub struct Call {
+    pub send: BufId,
+    pub recv: BufId,
+    pub count: usize,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub algo: Algorithm,
+}
+
+/// Facts about a backend for reports.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct BackendMeta {
+    pub devices: Vec<String>,
+    pub driver: Option<String>,
+    pub nccl_version: Option<String>,
+}
+
+/// What a backend offers the communicator.
+pub trait BackendOps: Send {
+    fn kind(&self) -> BackendKind;
+
+    /// Enqueues (cuda) or runs (host) one all-reduce. `algo` is never `Auto`.
+    ///
+    /// # Safety
+    /// `send` and `recv` must be valid for `count * dtype.size()` bytes in the backend's
+    /// address space (device pointers for cuda); they may be equal (in place) but must not
+    /// otherwise overlap. `stream` is a `CUstream` (null = the communicator's own stream) for
+    /// cuda and ignored by host.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn all_reduce_raw(
+        &mut self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        algo: Algorithm,
+        stream: *mut c_void,
+    ) -> Result<()>;
+
+    /// Why `algo` cannot run here, if it cannot (e.g. NCCL refused two ranks on one GPU).
+    fn unavailable(&self, algo: Algorithm) -> Option<String>;
+
+    fn meta(&self) -> BackendMeta;
+
+    // --- buffers for tests and benchmarks ---------------------------------------------
+    fn alloc(&mut self, bytes: usize) -> Result<BufId>;
+    fn free(&mut self, id: BufId);
+    fn write(&mut self, id: BufId, data: &[u8]) -> Result<()>;
+    fn read(&mut self, id: BufId, out: &mut [u8]) -> Result<()>;
+    /// Runs `call` on the backend's own buffers.
+    fn run(&mut self, call: &Call) -> Result<()>;
+    /// Waits until all enqueued work is finished.
+    fn synchronize(&mut self) -> Result<()>;
+    /// Median-free mean time of one call in microseconds over `iters` calls after `warmup`.
+    /// `graph = Some(k)`: capture k calls in a CUDA graph and time its replays instead.
+    fn time(&mut self, call: &Call, warmup: usize, iters: usize, graph: Option<usize>) -> Result<f64>;
+}

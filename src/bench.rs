@@ -1,0 +1,1 @@
+//! `ipcreduce bench`: nccl-tests-style timing table, every timed size checked.

@@ -1,0 +1,1 @@
+//! `ipcreduce check`: randomized correctness sweep against the float64 reference.

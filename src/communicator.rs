@@ -1,0 +1,297 @@
+//! The public entry point: a communicator over the ranks of one job.
+
+use crate::backend::{self, BackendMeta, BackendOps, BufId, Call};
+use crate::bootstrap::{Bootstrap, RankInfo};
+use crate::element::{as_bytes, as_bytes_mut, Element};
+use crate::error::{Error, Result};
+use crate::plan;
+use crate::types::{Algorithm, BackendChoice, BackendKind, DType, ReduceOp};
+use std::ffi::c_void;
+use std::time::Duration;
+
+/// How a communicator is built.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub backend: BackendChoice,
+    /// Bound on every wait (bootstrap and collectives). `IPCREDUCE_TIMEOUT_MS` overrides.
+    pub timeout: Duration,
+    /// Bytes of shared workspace per rank (data area); messages above it are chunked.
+    /// None = the backend's default.
+    pub workspace_bytes: Option<usize>,
+    /// Build an NCCL communicator beside ours (cuda backend), for `Algorithm::Nccl`.
+    pub with_nccl: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            backend: BackendChoice::Auto,
+            timeout: timeout_from_env().unwrap_or(Duration::from_secs(30)),
+            workspace_bytes: None,
+            with_nccl: false,
+        }
+    }
+}
+
+/// Reads `IPCREDUCE_TIMEOUT_MS`.
+pub fn timeout_from_env() -> Option<Duration> {
+    std::env::var("IPCREDUCE_TIMEOUT_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(Duration::from_millis)
+}
+
+/// A group of ranks that all-reduce together.
+pub struct Communicator {
+    // Field order matters: the backend (mappings of peers' memory) goes before the bootstrap
+    // (connections) so a peer never sees us leave while we still use its memory.
+    backend: Box<dyn BackendOps>,
+    boot: Bootstrap,
+    algo_env: Option<Algorithm>,
+}
+
+impl Communicator {
+    /// Joins the job described by the environment (see [`RankInfo::from_env`]).
+    pub fn init(opts: &Options) -> Result<Communicator> {
+        Self::with_rank_info(RankInfo::from_env()?, opts)
+    }
+
+    /// Joins the job described by `info`.
+    pub fn with_rank_info(info: RankInfo, opts: &Options) -> Result<Communicator> {
+        let algo_env = Algorithm::from_env().map_err(Error::Config)?;
+        let mut boot = Bootstrap::connect(info, opts.timeout)?;
+        let kind = agree_on_backend(&mut boot, opts.backend)?;
+        let backend: Box<dyn BackendOps> = match kind {
+            BackendKind::Host => Box::new(backend::host::HostComm::new(&mut boot, opts)?),
+            BackendKind::Cuda => Box::new(backend::cuda::CudaComm::new(&mut boot, opts)?),
+        };
+        Ok(Communicator {
+            backend,
+            boot,
+            algo_env,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.boot.rank()
+    }
+
+    pub fn world(&self) -> usize {
+        self.boot.world()
+    }
+
+    pub fn backend(&self) -> BackendKind {
+        self.backend.kind()
+    }
+
+    pub fn meta(&self) -> BackendMeta {
+        self.backend.meta()
+    }
+
+    /// The bootstrap, for exchanging small control messages between ranks.
+    pub fn bootstrap(&mut self) -> &mut Bootstrap {
+        &mut self.boot
+    }
+
+    /// The algorithm a call of `bytes` bytes runs with `requested`.
+    pub fn resolve(&self, requested: Algorithm, bytes: usize) -> Algorithm {
+        plan::choose(requested, self.algo_env, self.backend(), self.world(), bytes)
+    }
+
+    /// All-reduce on raw pointers: device pointers and a `CUstream` (null = the
+    /// communicator's stream) for cuda, host pointers for host. This is what language
+    /// bindings call. `send == recv` is the in-place form.
+    ///
+    /// # Safety
+    /// Both pointers must be valid for `count * dtype.size()` bytes and must not overlap
+    /// unless equal; on cuda they must belong to this communicator's device.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn all_reduce_raw(
+        &mut self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        algo: Algorithm,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        self.check_args(send, recv, count, dtype)?;
+        if count == 0 {
+            return Ok(());
+        }
+        let algo = self.resolve(algo, count * dtype.size());
+        self.backend
+            .all_reduce_raw(send, recv, count, dtype, op, algo, stream)
+    }
+
+    /// All-reduce of host slices (host backend).
+    pub fn all_reduce_host<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        algo: Algorithm,
+    ) -> Result<()> {
+        self.require_host("all_reduce_host")?;
+        if send.len() != recv.len() {
+            return Err(Error::invalid(
+                self.rank(),
+                "all_reduce_host",
+                format!("send has {} elements, recv {}", send.len(), recv.len()),
+            ));
+        }
+        let (s, r) = (as_bytes(send), as_bytes_mut(recv));
+        // SAFETY: both are live slices of the right length; &/&mut guarantee no overlap.
+        unsafe {
+            self.all_reduce_raw(
+                s.as_ptr().cast(),
+                r.as_mut_ptr().cast(),
+                send.len(),
+                T::DTYPE,
+                op,
+                algo,
+                std::ptr::null_mut(),
+            )
+        }
+    }
+
+    /// In-place all-reduce of a host slice (host backend).
+    pub fn all_reduce_host_in_place<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        op: ReduceOp,
+        algo: Algorithm,
+    ) -> Result<()> {
+        self.require_host("all_reduce_host_in_place")?;
+        let b = as_bytes_mut(buf);
+        let p = b.as_mut_ptr().cast::<c_void>();
+        // SAFETY: one live slice used as both input and output.
+        unsafe {
+            self.all_reduce_raw(p, p, buf.len(), T::DTYPE, op, algo, std::ptr::null_mut())
+        }
+    }
+
+    fn require_host(&self, op: &'static str) -> Result<()> {
+        if self.backend() != BackendKind::Host {
+            return Err(Error::invalid(
+                self.rank(),
+                op,
+                "host slices need the host backend; use all_reduce_raw with device pointers",
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_args(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DType,
+    ) -> Result<()> {
+        let rank = self.rank();
+        if count == 0 {
+            return Ok(());
+        }
+        if send.is_null() || recv.is_null() {
+            return Err(Error::invalid(rank, "all_reduce", "null buffer pointer"));
+        }
+        let bytes = count.checked_mul(dtype.size()).filter(|b| *b <= isize::MAX as usize);
+        let Some(bytes) = bytes else {
+            return Err(Error::invalid(
+                rank,
+                "all_reduce",
+                format!("count {count} of {dtype} overflows the address space"),
+            ));
+        };
+        let (s, r) = (send as usize, recv as usize);
+        if s % dtype.size() != 0 || r % dtype.size() != 0 {
+            return Err(Error::invalid(
+                rank,
+                "all_reduce",
+                format!("buffers must be aligned to the {dtype} element size"),
+            ));
+        }
+        if s != r && s < r + bytes && r < s + bytes {
+            return Err(Error::invalid(
+                rank,
+                "all_reduce",
+                "send and recv overlap without being equal",
+            ));
+        }
+        Ok(())
+    }
+
+    // --- buffers owned by the backend, for the benchmark and the checks ---------------
+
+    pub fn unavailable(&self, algo: Algorithm) -> Option<String> {
+        self.backend.unavailable(algo)
+    }
+    pub fn test_alloc(&mut self, bytes: usize) -> Result<BufId> {
+        self.backend.alloc(bytes)
+    }
+    pub fn test_free(&mut self, id: BufId) {
+        self.backend.free(id)
+    }
+    pub fn test_write(&mut self, id: BufId, data: &[u8]) -> Result<()> {
+        self.backend.write(id, data)
+    }
+    pub fn test_read(&mut self, id: BufId, out: &mut [u8]) -> Result<()> {
+        self.backend.read(id, out)
+    }
+    /// Runs one call on backend-owned buffers (algorithm resolved here).
+    pub fn test_run(&mut self, call: &Call) -> Result<()> {
+        let mut c = *call;
+        c.algo = self.resolve(c.algo, c.count * c.dtype.size());
+        self.backend.run(&c)
+    }
+    pub fn synchronize(&mut self) -> Result<()> {
+        self.backend.synchronize()
+    }
+    /// Mean microseconds per call; see [`BackendOps::time`].
+    pub fn test_time(
+        &mut self,
+        call: &Call,
+        warmup: usize,
+        iters: usize,
+        graph: Option<usize>,
+    ) -> Result<f64> {
+        let mut c = *call;
+        c.algo = self.resolve(c.algo, c.count * c.dtype.size());
+        self.backend.time(&c, warmup, iters, graph)
+    }
+}
+
+/// All ranks must run the same backend: each says what it can run, and `Auto` picks cuda only
+/// if every rank can.
+fn agree_on_backend(boot: &mut Bootstrap, choice: BackendChoice) -> Result<BackendKind> {
+    let cuda_ok = match choice {
+        BackendChoice::Host => false,
+        _ => backend::cuda::usable().is_ok(),
+    };
+    let all = boot.all_gather(&[cuda_ok as u8])?;
+    let everyone_cuda = all.iter().all(|v| v.first() == Some(&1));
+    match choice {
+        BackendChoice::Host => Ok(BackendKind::Host),
+        BackendChoice::Auto => Ok(if everyone_cuda {
+            BackendKind::Cuda
+        } else {
+            BackendKind::Host
+        }),
+        BackendChoice::Cuda => {
+            if let Err(e) = backend::cuda::usable() {
+                return Err(e);
+            }
+            if let Some(peer) = all.iter().position(|v| v.first() != Some(&1)) {
+                return Err(Error::Bootstrap {
+                    rank: boot.rank(),
+                    peer: Some(peer),
+                    op: "backend agreement",
+                    detail: "the cuda backend was asked for but that rank cannot use CUDA".into(),
+                });
+            }
+            Ok(BackendKind::Cuda)
+        }
+    }
+}

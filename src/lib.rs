@@ -1,0 +1,33 @@
+//! # ipcreduce
+//!
+//! All-reduce between the GPUs (CUDA IPC / peer memory) or the processes (shared memory) of
+//! one machine, with NCCL side by side.
+//!
+//! | module | what is there |
+//! |---|---|
+//! | [`Communicator`] | the public API: init, all-reduce (raw pointers, host slices) |
+//! | [`bootstrap`] | control plane: Unix-socket rendezvous, all-gather, fd passing, liveness |
+//! | [`plan`] | pure decisions: algorithm choice, chunks, shards |
+//! | [`backend::host`] | shared-memory data plane, reduction loops in Rust |
+//! | [`backend::cuda`] | CUDA IPC data plane: workspaces, NVRTC kernels, NCCL |
+//! | [`reference`] | deterministic test data and the float64 reference |
+//! | [`bench`], [`check`] | the benchmark and the correctness sweep behind the CLI |
+//! | [`launch`] | starting N ranks of a command |
+
+pub mod abort;
+pub mod backend;
+pub mod bench;
+pub mod bootstrap;
+pub mod check;
+mod communicator;
+pub mod element;
+pub mod error;
+pub mod launch;
+pub mod plan;
+pub mod reference;
+pub mod types;
+
+pub use communicator::{Communicator, Options};
+pub use element::Element;
+pub use error::{Error, Result};
+pub use types::{Algorithm, BackendChoice, BackendKind, DType, ReduceOp};

@@ -1,0 +1,153 @@
+//! Test data and the float64 reference every result is checked against.
+//!
+//! Inputs come from a counter-based hash of (seed, rank, index), so any rank can compute any
+//! rank's input, and so the reference, without exchanging data and without storing it.
+
+use crate::element::{load_f64, store_f64};
+use crate::types::{DType, ReduceOp};
+
+/// SplitMix64 finaliser: a good 64-bit mix, cheap enough to run per element.
+#[inline]
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Input element `i` of `rank`, already rounded to `dtype`: uniform in [-1, 1).
+#[inline]
+pub fn input_value(dtype: DType, seed: u64, rank: usize, i: usize) -> f64 {
+    let h = mix(seed ^ mix((rank as u64) << 40 ^ i as u64));
+    let u = (h >> 11) as f64 / (1u64 << 53) as f64; // [0, 1)
+    round_to(dtype, 2.0 * u - 1.0)
+}
+
+/// Rounds an f64 to the nearest value representable in `dtype`.
+#[inline]
+pub fn round_to(dtype: DType, v: f64) -> f64 {
+    match dtype {
+        DType::F32 => v as f32 as f64,
+        DType::F16 => half::f16::from_f64(v).to_f64(),
+        DType::Bf16 => half::bf16::from_f64(v).to_f64(),
+    }
+}
+
+/// Fills `out` (count elements of `dtype`) with `rank`'s input.
+pub fn fill_input(dtype: DType, seed: u64, rank: usize, out: &mut [u8]) {
+    let count = out.len() / dtype.size();
+    for i in 0..count {
+        store_f64(dtype, out, i, input_value(dtype, seed, rank, i));
+    }
+}
+
+/// Relative rounding unit of `dtype` (half an ulp at 1.0).
+pub fn unit_roundoff(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => f64::powi(2.0, -24),
+        DType::F16 => f64::powi(2.0, -11),
+        DType::Bf16 => f64::powi(2.0, -8),
+    }
+}
+
+/// Reference value of element `i` and the sum of the inputs' magnitudes (for the bound).
+#[inline]
+pub fn reference(dtype: DType, op: ReduceOp, seed: u64, world: usize, i: usize) -> (f64, f64) {
+    let first = input_value(dtype, seed, 0, i);
+    let mut acc = first;
+    let mut mag = first.abs();
+    for r in 1..world {
+        let v = input_value(dtype, seed, r, i);
+        acc = op.apply_f64(acc, v);
+        mag += v.abs();
+    }
+    (acc, mag)
+}
+
+/// Whether `got` is an acceptable result for the exact value `exact`.
+///
+/// Accumulation happens in f32 (error at most world x 2^-24 x sum|x|), then the result is
+/// rounded once to `dtype` (half an ulp of the result). Max and min must be exact.
+#[inline]
+pub fn acceptable(dtype: DType, op: ReduceOp, world: usize, got: f64, exact: f64, mag: f64) -> bool {
+    if !got.is_finite() {
+        return false;
+    }
+    match op {
+        ReduceOp::Max | ReduceOp::Min => got == exact,
+        ReduceOp::Sum => {
+            let accum = world as f64 * f64::powi(2.0, -23) * mag;
+            let rounding = 2.0 * unit_roundoff(dtype) * (exact.abs() + accum);
+            (got - exact).abs() <= accum + rounding + 1e-30
+        }
+    }
+}
+
+/// Counts the elements of `out` that are not acceptable results of the all-reduce of
+/// every rank's input.
+pub fn count_wrong(dtype: DType, op: ReduceOp, seed: u64, world: usize, out: &[u8]) -> usize {
+    let count = out.len() / dtype.size();
+    (0..count)
+        .filter(|&i| {
+            let (exact, mag) = reference(dtype, op, seed, world, i);
+            !acceptable(dtype, op, world, load_f64(dtype, out, i), exact, mag)
+        })
+        .count()
+}
+
+/// Fills a buffer with a value no correct result can hold (NaN), so unwritten elements show.
+pub fn poison(out: &mut [u8]) {
+    out.fill(0xFF); // all-ones is a NaN in f32, f16 and bf16
+}
+
+/// A 64-bit fingerprint of a buffer, to compare results bitwise across ranks cheaply.
+pub fn fingerprint(bytes: &[u8]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for chunk in bytes.chunks(8) {
+        let mut w = [0u8; 8];
+        w[..chunk.len()].copy_from_slice(chunk);
+        h = mix(h ^ u64::from_le_bytes(w));
+    }
+    mix(h ^ bytes.len() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exact_sum_is_accepted_and_a_wrong_one_is_not() {
+        for dtype in DType::ALL {
+            let world = 4;
+            let count = 1000;
+            let mut out = vec![0u8; count * dtype.size()];
+            for i in 0..count {
+                let (exact, _) = reference(dtype, ReduceOp::Sum, 7, world, i);
+                store_f64(dtype, &mut out, i, exact);
+            }
+            assert_eq!(count_wrong(dtype, ReduceOp::Sum, 7, world, &out), 0, "{dtype}");
+            // A result that misses one rank's contribution must be caught.
+            let (partial, _) = reference(dtype, ReduceOp::Sum, 7, world - 1, 3);
+            store_f64(dtype, &mut out, 3, partial);
+            assert_eq!(count_wrong(dtype, ReduceOp::Sum, 7, world, &out), 1, "{dtype}");
+            poison(&mut out);
+            assert_eq!(count_wrong(dtype, ReduceOp::Sum, 7, world, &out), count, "{dtype}");
+        }
+    }
+
+    #[test]
+    fn max_and_min_must_be_exact() {
+        let dtype = DType::F32;
+        let (exact, mag) = reference(dtype, ReduceOp::Max, 1, 3, 0);
+        assert!(acceptable(dtype, ReduceOp::Max, 3, exact, exact, mag));
+        assert!(!acceptable(dtype, ReduceOp::Max, 3, exact + 1e-6, exact, mag));
+    }
+
+    #[test]
+    fn inputs_differ_by_rank_and_stay_in_range() {
+        let a: Vec<f64> = (0..64).map(|i| input_value(DType::Bf16, 1, 0, i)).collect();
+        let b: Vec<f64> = (0..64).map(|i| input_value(DType::Bf16, 1, 1, i)).collect();
+        assert_ne!(a, b);
+        assert!(a.iter().all(|v| (-1.0..=1.0).contains(v)));
+    }
+}
