@@ -1,0 +1,317 @@
+// ipcreduce all-reduce kernels: one-shot and two-shot through peer memory.
+//
+// Compiled at run time by NVRTC (see ../module.rs) for the device's compute capability. No CUDA
+// headers are needed: half and bfloat16 conversions are single PTX instructions.
+//
+// Memory layout of one rank's workspace (one cuMemCreate allocation, mapped by every peer):
+//
+//   [0, SIG_BYTES)                   signal area: flags[MAX_BLOCKS][MAX_RANKS] (u32); peer p's
+//                                    block b writes flags[b][p] of this rank to say "I arrived at
+//                                    barrier number F"; only this rank reads them.
+//   [SIG_BYTES, SIG_BYTES+2*slot)    data area: two slots (double buffering by chunk parity).
+//
+// Per-rank private state (device memory, not shared): counters[MAX_BLOCKS][2] = {F, L} per block,
+// then one error word:
+// F = barriers passed, L = chunks processed. All state lives on the device and is advanced on the
+// device, so calls can be captured in a CUDA graph and replayed.
+//
+// Protocol invariants (why no end barrier is needed):
+// - Every block of every rank takes part in every barrier; block b only ever syncs with block b
+//   of the peers, and the grid size is fixed per communicator, so F and L agree across ranks.
+// - Chunk k of the communicator's life uses slot (k & 1). Before a rank writes a slot for chunk k,
+//   it has passed a barrier of chunk k-1, which every peer entered only after finishing all its
+//   reads of chunk k-2 (the previous use of that slot).
+// - Peers are summed in rank order 0..world-1 with f32 accumulation and one final rounding, so all
+//   ranks, and one-shot and two-shot, produce bitwise the same result.
+
+#define MAX_RANKS 8
+#define MAX_BLOCKS 128
+#define SIG_BYTES (MAX_BLOCKS * MAX_RANKS * 4)
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned short u16;
+
+struct Args {
+    const char *send;            // this rank's input (user memory)
+    char *recv;                  // this rank's output (user memory; may equal send)
+    u64 count;                   // elements
+    char *data[MAX_RANKS];       // data area of every rank's workspace (own included), mapped
+    u32 *sig[MAX_RANKS];         // signal area of every rank's workspace, mapped
+    u32 *counters;               // this rank's private {F, L} per block
+    volatile u32 *abort_flag;    // host-mapped: non-zero = communicator aborted by the host
+    u32 *err;                    // device: first failure code (0 = none), claimed atomically
+    volatile u32 *host_err;      // host-mapped copy of the failure {code, peer, block, barrier}
+    u64 slot_bytes;              // bytes per data slot (multiple of 16 * world * MAX_BLOCKS)
+    u64 timeout_ns;              // bound on every wait
+    int rank;
+    int world;
+};
+
+enum { ERR_NONE = 0, ERR_TIMEOUT = 1, ERR_ABORTED = 2 };
+
+// ---------------------------------------------------------------------------------------------
+// Element types and conversions
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float b2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
+__device__ __forceinline__ u16 f2b(float f) {
+    u16 b;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f));
+    return b;
+}
+
+struct F32 {
+    static const int SIZE = 4;
+    __device__ static float load(const char *p) { return *(const float *)p; }
+    __device__ static void store(char *p, float v) { *(float *)p = v; }
+};
+struct F16 {
+    static const int SIZE = 2;
+    __device__ static float load(const char *p) { return h2f(*(const u16 *)p); }
+    __device__ static void store(char *p, float v) { *(u16 *)p = f2h(v); }
+};
+struct BF16 {
+    static const int SIZE = 2;
+    __device__ static float load(const char *p) { return b2f(*(const u16 *)p); }
+    __device__ static void store(char *p, float v) { *(u16 *)p = f2b(v); }
+};
+
+struct OpSum { __device__ static float apply(float a, float b) { return a + b; } };
+struct OpMax { __device__ static float apply(float a, float b) { return fmaxf(a, b); } };
+struct OpMin { __device__ static float apply(float a, float b) { return fminf(a, b); } };
+
+// A 16-byte pack of elements unpacked to f32.
+template <typename D> struct Pack {
+    static const int N = 16 / D::SIZE;
+    float v[N];
+};
+
+__device__ __forceinline__ uint4 ld_cg16(const char *p) {
+    // .cg: cache in L2 only; peers rewrite these addresses every other chunk.
+    return __ldcg((const uint4 *)p);
+}
+
+template <typename D> __device__ __forceinline__ void unpack(const uint4 &w, Pack<D> &out) {
+    const char *b = (const char *)&w;
+#pragma unroll
+    for (int i = 0; i < Pack<D>::N; i++) out.v[i] = D::load(b + i * D::SIZE);
+}
+
+template <typename D> __device__ __forceinline__ uint4 repack(const Pack<D> &in) {
+    uint4 w;
+    char *b = (char *)&w;
+#pragma unroll
+    for (int i = 0; i < Pack<D>::N; i++) D::store(b + i * D::SIZE, in.v[i]);
+    return w;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flags and barriers
+
+__device__ __forceinline__ void st_release_sys(u32 *p, u32 v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 ld_acquire_sys(const u32 *p) {
+    u32 v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u64 globaltimer() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Records the first failure in the host-visible error record.
+__device__ void report(const Args &a, u32 code, u32 peer, u32 barrier_no) {
+    if (atomicCAS(a.err, 0u, code) == 0u) {
+        a.host_err[1] = peer;
+        a.host_err[2] = blockIdx.x;
+        a.host_err[3] = barrier_no;
+        __threadfence_system();
+        a.host_err[0] = code; // written last: the host reads the record once this is non-zero
+        __threadfence_system();
+    }
+}
+
+// Block-wide barrier with block `blockIdx.x` of every peer. Returns false (in every thread of
+// the block) if the wait failed: deadline passed, host abort, or another block failed.
+__device__ bool barrier(const Args &a, u32 &F) {
+    F++;
+    __syncthreads();
+    int t = threadIdx.x;
+    int b = blockIdx.x;
+    int failed = 0;
+    if (t < a.world && t != a.rank) {
+        // Make this block's data writes visible system-wide before announcing arrival.
+        __threadfence_system();
+        st_release_sys(&a.sig[t][b * MAX_RANKS + a.rank], F);
+        const u32 *mine = &a.sig[a.rank][b * MAX_RANKS + t];
+        u64 deadline = 0;
+        u32 spins = 0;
+        while ((int)(ld_acquire_sys(mine) - F) < 0) {
+            if ((++spins & 1023u) == 0u) {
+                u64 now = globaltimer();
+                if (deadline == 0) deadline = now + a.timeout_ns;
+                if (*a.abort_flag != 0u) {
+                    report(a, ERR_ABORTED, t, F);
+                    failed = 1;
+                    break;
+                }
+                if (*(volatile u32 *)a.err != 0u) { // another block already failed
+                    failed = 1;
+                    break;
+                }
+                if (now > deadline) {
+                    report(a, ERR_TIMEOUT, t, F);
+                    failed = 1;
+                    break;
+                }
+            }
+        }
+    }
+    return __syncthreads_or(failed) == 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element-range helpers. Ranges are in elements; vector paths need 16-byte alignment of both the
+// element offset and the user pointer, otherwise the scalar path runs.
+
+template <typename D> __device__ __forceinline__ void copy_elem(char *dst, const char *src) {
+    if (D::SIZE == 4) *(u32 *)dst = *(const u32 *)src;
+    else *(u16 *)dst = *(const u16 *)src;
+}
+
+// Copies elements [begin, end) from src to dst. `begin` is always a whole number of packs.
+template <typename D>
+__device__ __forceinline__ void copy_range(char *dst, const char *src, u64 begin, u64 end) {
+    const int N = Pack<D>::N;
+    bool vec = ((((u64)dst) | ((u64)src)) & 15u) == 0;
+    u64 ve = vec ? end / N : begin / N;
+    for (u64 p = begin / N + threadIdx.x; p < ve; p += blockDim.x)
+        ((uint4 *)dst)[p] = ld_cg16(src + p * 16);
+    u64 sb = ve * N > begin ? ve * N : begin;
+    for (u64 i = sb + threadIdx.x; i < end; i += blockDim.x)
+        copy_elem<D>(dst + i * D::SIZE, src + i * D::SIZE);
+}
+
+// out[i] = op over ranks 0..world-1 of data[r][off + i], for i in [begin, end) (chunk-relative
+// element indices); also written to `extra` (if non-null) at the same indices.
+template <typename D, typename Op>
+__device__ __forceinline__ void reduce_range(const Args &a, u64 slot_off, char *out, char *extra,
+                                             u64 begin, u64 end) {
+    const int N = Pack<D>::N;
+    bool vec = ((((u64)out) | ((u64)extra)) & 15u) == 0;
+    u64 ve = vec ? end / N : begin / N;
+    u64 vb = begin / N; // begin is pack-aligned by construction
+    for (u64 p = vb + threadIdx.x; p < ve; p += blockDim.x) {
+        Pack<D> acc, x;
+        unpack<D>(ld_cg16(a.data[0] + slot_off + p * 16), acc);
+        for (int r = 1; r < a.world; r++) {
+            unpack<D>(ld_cg16(a.data[r] + slot_off + p * 16), x);
+#pragma unroll
+            for (int k = 0; k < N; k++) acc.v[k] = Op::apply(acc.v[k], x.v[k]);
+        }
+        uint4 w = repack<D>(acc);
+        ((uint4 *)out)[p] = w;
+        if (extra) ((uint4 *)extra)[p] = w;
+    }
+    u64 sb = ve * N > begin ? ve * N : begin;
+    for (u64 i = sb + threadIdx.x; i < end; i += blockDim.x) {
+        float acc = D::load(a.data[0] + slot_off + i * D::SIZE);
+        for (int r = 1; r < a.world; r++)
+            acc = Op::apply(acc, D::load(a.data[r] + slot_off + i * D::SIZE));
+        D::store(out + i * D::SIZE, acc);
+        if (extra) D::store(extra + i * D::SIZE, acc);
+    }
+}
+
+// Splits [0, n) elements into `parts` pieces aligned to whole 16-byte packs; returns piece `i`.
+template <typename D>
+__device__ __forceinline__ void piece(u64 base, u64 n, int parts, int i, u64 &b, u64 &e) {
+    const u64 N = Pack<D>::N;
+    u64 packs = (n + N - 1) / N;
+    u64 per = (packs + parts - 1) / parts;
+    b = base + min(n, (u64)i * per * N);
+    e = base + min(n, (u64)(i + 1) * per * N);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernels. Grid = the communicator's fixed block count; block b owns "lane" b of every chunk.
+
+template <typename D, typename Op> __device__ void one_shot(const Args &a) {
+    u32 *ctr = a.counters + 2 * blockIdx.x;
+    u32 F = ctr[0], L = ctr[1];
+    const u64 chunk = a.slot_bytes / D::SIZE;
+    for (u64 c0 = 0; c0 < a.count; c0 += chunk) {
+        u64 n = min(chunk, a.count - c0);
+        u64 slot_off = (u64)(L & 1u) * a.slot_bytes;
+        L++;
+        u64 b, e;
+        piece<D>(0, n, gridDim.x, blockIdx.x, b, e);
+        copy_range<D>(a.data[a.rank] + slot_off, a.send + c0 * D::SIZE, b, e);
+        if (!barrier(a, F)) return;
+        reduce_range<D, Op>(a, slot_off, a.recv + c0 * D::SIZE, nullptr, b, e);
+    }
+    if (threadIdx.x == 0) { ctr[0] = F; ctr[1] = L; }
+}
+
+template <typename D, typename Op> __device__ void two_shot(const Args &a) {
+    u32 *ctr = a.counters + 2 * blockIdx.x;
+    u32 F = ctr[0], L = ctr[1];
+    const u64 chunk = a.slot_bytes / D::SIZE;
+    for (u64 c0 = 0; c0 < a.count; c0 += chunk) {
+        u64 n = min(chunk, a.count - c0);
+        u64 slot_off = (u64)(L & 1u) * a.slot_bytes;
+        L++;
+        // Copy in sub-range b of every shard, so block b of each peer can reduce its shard's
+        // sub-range b after one barrier with us.
+        for (int s = 0; s < a.world; s++) {
+            u64 sb, se, b, e;
+            piece<D>(0, n, a.world, s, sb, se);
+            piece<D>(sb, se - sb, gridDim.x, blockIdx.x, b, e);
+            copy_range<D>(a.data[a.rank] + slot_off, a.send + c0 * D::SIZE, b, e);
+        }
+        if (!barrier(a, F)) return;
+        u64 sb, se, b, e;
+        piece<D>(0, n, a.world, a.rank, sb, se);
+        piece<D>(sb, se - sb, gridDim.x, blockIdx.x, b, e);
+        // Reduce our shard: into our output and into our slot, where peers gather it from.
+        reduce_range<D, Op>(a, slot_off, a.recv + c0 * D::SIZE, a.data[a.rank] + slot_off, b, e);
+        if (!barrier(a, F)) return;
+        for (int k = 1; k < a.world; k++) {
+            int s = (a.rank + k) % a.world; // rotated so peers' links are loaded evenly
+            u64 psb, pse, pb, pe;
+            piece<D>(0, n, a.world, s, psb, pse);
+            piece<D>(psb, pse - psb, gridDim.x, blockIdx.x, pb, pe);
+            copy_range<D>(a.recv + c0 * D::SIZE, a.data[s] + slot_off, pb, pe);
+        }
+    }
+    if (threadIdx.x == 0) { ctr[0] = F; ctr[1] = L; }
+}
+
+#define KERNELS(DT, OPN, D, OP)                                                               \
+    extern "C" __global__ void __launch_bounds__(512)                                         \
+        ipcr_oneshot_##DT##_##OPN(const Args a) { one_shot<D, OP>(a); }                       \
+    extern "C" __global__ void __launch_bounds__(512)                                         \
+        ipcr_twoshot_##DT##_##OPN(const Args a) { two_shot<D, OP>(a); }
+
+KERNELS(f32, sum, F32, OpSum)
+KERNELS(f32, max, F32, OpMax)
+KERNELS(f32, min, F32, OpMin)
+KERNELS(f16, sum, F16, OpSum)
+KERNELS(f16, max, F16, OpMax)
+KERNELS(f16, min, F16, OpMin)
+KERNELS(bf16, sum, BF16, OpSum)
+KERNELS(bf16, max, BF16, OpMax)
+KERNELS(bf16, min, BF16, OpMin)

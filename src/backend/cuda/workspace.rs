@@ -1,0 +1,354 @@
+//! Shared workspaces: each rank allocates one, exports it, and maps every peer's.
+//!
+//! Two ways to share device memory between processes:
+//! - `Vmm` (default): `cuMemCreate` with a POSIX fd handle, the fd passed to peers over the
+//!   bootstrap socket (SCM_RIGHTS), imported, mapped with `cuMemMap` and opened with
+//!   `cuMemSetAccess`. No global names, nothing to leak if a process dies.
+//! - `Ipc`: `cuMemAlloc` + `cudaIpcGetMemHandle`-style handles (`cuIpcGetMemHandle` /
+//!   `cuIpcOpenMemHandle`), the seed's way, for drivers or setups where the first fails.
+//!
+//! `IPCREDUCE_SHARE=vmm|ipc` picks one; by default VMM is tried and IPC used if it fails.
+
+use super::driver::ck;
+use crate::bootstrap::Bootstrap;
+use crate::error::{Error, Result};
+use cudarc::driver::sys;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShareMode {
+    Vmm,
+    Ipc,
+}
+
+impl ShareMode {
+    pub fn from_env() -> Result<Option<ShareMode>> {
+        match std::env::var("IPCREDUCE_SHARE").ok().as_deref() {
+            None | Some("") | Some("auto") => Ok(None),
+            Some("vmm") => Ok(Some(ShareMode::Vmm)),
+            Some("ipc") => Ok(Some(ShareMode::Ipc)),
+            Some(other) => Err(Error::Config(format!(
+                "IPCREDUCE_SHARE={other}: expected vmm, ipc or auto"
+            ))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ShareMode::Vmm => "vmm",
+            ShareMode::Ipc => "ipc",
+        }
+    }
+}
+
+/// A mapping of one rank's workspace into this process (own or a peer's).
+enum Mapping {
+    /// VMM: reserved range + mapped handle.
+    Vmm {
+        ptr: sys::CUdeviceptr,
+        size: usize,
+        handle: sys::CUmemGenericAllocationHandle,
+    },
+    /// cuMemAlloc'd by this process (own workspace in IPC mode).
+    Owned { ptr: sys::CUdeviceptr },
+    /// Opened from a peer's IPC handle.
+    Opened { ptr: sys::CUdeviceptr },
+}
+
+impl Mapping {
+    fn ptr(&self) -> sys::CUdeviceptr {
+        match self {
+            Mapping::Vmm { ptr, .. } | Mapping::Owned { ptr } | Mapping::Opened { ptr } => *ptr,
+        }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: each arm releases exactly what its constructor acquired, once.
+        let res = unsafe {
+            match *self {
+                Mapping::Vmm { ptr, size, handle } => {
+                    let a = sys::cuMemUnmap(ptr, size);
+                    let b = sys::cuMemAddressFree(ptr, size);
+                    let c = sys::cuMemRelease(handle);
+                    [a, b, c]
+                        .into_iter()
+                        .find(|r| *r != sys::CUresult::CUDA_SUCCESS)
+                        .unwrap_or(sys::CUresult::CUDA_SUCCESS)
+                }
+                Mapping::Owned { ptr } => sys::cuMemFree_v2(ptr),
+                Mapping::Opened { ptr } => sys::cuIpcCloseMemHandle(ptr),
+            }
+        };
+        if res != sys::CUresult::CUDA_SUCCESS {
+            tracing::warn!("releasing a workspace mapping failed: {res:?}");
+        }
+    }
+}
+
+/// Every rank's workspace, mapped into this process. Index = rank.
+pub struct Workspaces {
+    maps: Vec<Mapping>,
+    pub size: usize,
+    pub mode: ShareMode,
+}
+
+impl Workspaces {
+    /// Device address of `rank`'s workspace in this process.
+    pub fn base(&self, rank: usize) -> sys::CUdeviceptr {
+        self.maps[rank].ptr()
+    }
+
+    /// Collective: allocates this rank's workspace of at least `bytes`, shares it, maps all.
+    pub fn create(
+        boot: &mut Bootstrap,
+        device: sys::CUdevice,
+        bytes: usize,
+        forced: Option<ShareMode>,
+    ) -> Result<Workspaces> {
+        let rank = boot.rank();
+        let modes: &[ShareMode] = match forced {
+            Some(ShareMode::Vmm) => &[ShareMode::Vmm],
+            Some(ShareMode::Ipc) => &[ShareMode::Ipc],
+            None => &[ShareMode::Vmm, ShareMode::Ipc],
+        };
+        let mut last_err = None;
+        for &mode in modes {
+            // Every rank must pick the same mode: agree on whether the local export worked.
+            let local = match mode {
+                ShareMode::Vmm => export_vmm(device, bytes, rank).map(Local::Vmm),
+                ShareMode::Ipc => export_ipc(bytes, rank).map(|(m, h)| Local::Ipc((m, h, bytes))),
+            };
+            let ok = boot.all_gather(&[local.is_ok() as u8])?;
+            match local {
+                Ok(local) if ok.iter().all(|v| v == &[1]) => {
+                    return import_all(boot, device, local, mode);
+                }
+                Ok(_) => {
+                    let peer = ok.iter().position(|v| v != &[1]).unwrap_or(0);
+                    last_err = Some(Error::PeerAccess {
+                        rank,
+                        peer,
+                        op: "workspace export",
+                        detail: format!("{} sharing failed on that rank", mode.name()),
+                    });
+                }
+                Err(e) => {
+                    tracing::info!(rank, "{} workspace export failed: {e}", mode.name());
+                    last_err = Some(e);
+                }
+            }
+        }
+        Err(last_err.unwrap_or_else(|| Error::Config("no sharing mode".into())))
+    }
+}
+
+enum Local {
+    Vmm((Mapping, OwnedFd)),
+    Ipc((Mapping, sys::CUipcMemHandle, usize)),
+}
+
+fn vmm_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
+    // SAFETY: a plain C struct; all-zero is its documented default.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes =
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device;
+    prop
+}
+
+fn granularity(prop: &sys::CUmemAllocationProp, rank: usize) -> Result<usize> {
+    let mut g = 0usize;
+    // SAFETY: writes one usize.
+    ck(
+        unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut g,
+                prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+            )
+        },
+        rank,
+        || "cuMemGetAllocationGranularity".into(),
+    )?;
+    Ok(g.max(1))
+}
+
+/// Reserves an address range, maps `handle` there and gives `device` read/write access.
+fn map_handle(
+    handle: sys::CUmemGenericAllocationHandle,
+    size: usize,
+    device: sys::CUdevice,
+    rank: usize,
+    what: &str,
+) -> Result<Mapping> {
+    let mut ptr = 0;
+    // SAFETY: reserve/map/set-access on a range we own; undone by Mapping's Drop.
+    unsafe {
+        if let Err(e) = ck(sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0), rank, || {
+            format!("cuMemAddressReserve for {what}")
+        }) {
+            sys::cuMemRelease(handle);
+            return Err(e);
+        }
+        if let Err(e) = ck(sys::cuMemMap(ptr, size, 0, handle, 0), rank, || {
+            format!("cuMemMap of {what}")
+        }) {
+            sys::cuMemAddressFree(ptr, size);
+            sys::cuMemRelease(handle);
+            return Err(e);
+        }
+        let mapping = Mapping::Vmm { ptr, size, handle };
+        let mut access: sys::CUmemAccessDesc = std::mem::zeroed();
+        access.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        access.location.id = device;
+        access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        ck(sys::cuMemSetAccess(ptr, size, &access, 1), rank, || {
+            format!("cuMemSetAccess (peer access) on {what}")
+        })?;
+        Ok(mapping)
+    }
+}
+
+fn export_vmm(device: sys::CUdevice, bytes: usize, rank: usize) -> Result<(Mapping, OwnedFd)> {
+    let prop = vmm_prop(device);
+    let size = bytes.div_ceil(granularity(&prop, rank)?) * granularity(&prop, rank)?;
+    let mut handle = 0;
+    // SAFETY: creates one physical allocation, owned by the Mapping below.
+    ck(unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) }, rank, || {
+        format!("cuMemCreate({size} bytes, POSIX fd handle)")
+    })?;
+    let mut fd: std::ffi::c_int = -1;
+    // SAFETY: exports the handle as a new fd, which we then own.
+    let exported = unsafe {
+        sys::cuMemExportToShareableHandle(
+            (&mut fd as *mut std::ffi::c_int).cast(),
+            handle,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        )
+    };
+    if let Err(e) = ck(exported, rank, || "cuMemExportToShareableHandle".into()) {
+        // SAFETY: release the allocation we just created.
+        unsafe { sys::cuMemRelease(handle) };
+        return Err(e);
+    }
+    // SAFETY: the driver handed us a fresh fd.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mapping = map_handle(handle, size, device, rank, "own workspace")?;
+    Ok((mapping, fd))
+}
+
+fn export_ipc(bytes: usize, rank: usize) -> Result<(Mapping, sys::CUipcMemHandle)> {
+    let mut ptr = 0;
+    // SAFETY: plain allocation, owned by the Mapping.
+    ck(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }, rank, || {
+        format!("cuMemAlloc({bytes} bytes) for the workspace")
+    })?;
+    let mapping = Mapping::Owned { ptr };
+    // SAFETY: a plain C struct filled by the driver.
+    let mut handle: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+    ck(unsafe { sys::cuIpcGetMemHandle(&mut handle, ptr) }, rank, || {
+        "cuIpcGetMemHandle".into()
+    })?;
+    Ok((mapping, handle))
+}
+
+fn import_all(
+    boot: &mut Bootstrap,
+    device: sys::CUdevice,
+    local: Local,
+    mode: ShareMode,
+) -> Result<Workspaces> {
+    let rank = boot.rank();
+    let world = boot.world();
+    let mut maps: Vec<Option<Mapping>> = (0..world).map(|_| None).collect();
+    let size;
+    match local {
+        Local::Vmm((own, fd)) => {
+            let Mapping::Vmm { size: s, .. } = own else {
+                unreachable!("VMM export yields a VMM mapping")
+            };
+            size = s;
+            let sizes = boot.all_gather(&(size as u64).to_le_bytes())?;
+            let fds = boot.all_gather_fds(std::os::fd::AsFd::as_fd(&fd))?;
+            maps[rank] = Some(own);
+            for (peer, peer_fd) in fds.iter().enumerate() {
+                if peer == rank {
+                    continue;
+                }
+                let peer_size = u64::from_le_bytes(sizes[peer][..8].try_into().map_err(|_| {
+                    Error::Bootstrap {
+                        rank,
+                        peer: Some(peer),
+                        op: "workspace size exchange",
+                        detail: "short message".into(),
+                    }
+                })?) as usize;
+                let mut handle = 0;
+                // SAFETY: imports the peer's allocation from its fd (the driver dups it).
+                let res = unsafe {
+                    sys::cuMemImportFromShareableHandle(
+                        &mut handle,
+                        peer_fd.as_raw_fd() as usize as *mut std::ffi::c_void,
+                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    )
+                };
+                ck(res, rank, || format!("cuMemImportFromShareableHandle of rank {peer}'s workspace"))
+                    .map_err(|e| peer_access(rank, peer, "import", e))?;
+                let m = map_handle(handle, peer_size, device, rank, &format!("rank {peer}'s workspace"))
+                    .map_err(|e| peer_access(rank, peer, "map", e))?;
+                maps[peer] = Some(m);
+            }
+        }
+        Local::Ipc((own, handle, bytes)) => {
+            size = bytes;
+            // SAFETY: CUipcMemHandle is 64 plain bytes.
+            let raw: [u8; 64] = unsafe { std::mem::transmute(handle) };
+            let all = boot.all_gather(&raw)?;
+            maps[rank] = Some(own);
+            for (peer, h) in all.iter().enumerate() {
+                if peer == rank {
+                    continue;
+                }
+                let arr: [u8; 64] = h.as_slice().try_into().map_err(|_| Error::Bootstrap {
+                    rank,
+                    peer: Some(peer),
+                    op: "IPC handle exchange",
+                    detail: format!("expected 64 bytes, got {}", h.len()),
+                })?;
+                // SAFETY: 64 plain bytes back into the handle struct.
+                let handle: sys::CUipcMemHandle = unsafe { std::mem::transmute(arr) };
+                let mut ptr = 0;
+                // SAFETY: opens the peer's allocation; closed by Mapping's Drop.
+                let res = unsafe {
+                    sys::cuIpcOpenMemHandle_v2(
+                        &mut ptr,
+                        handle,
+                        sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                    )
+                };
+                ck(res, rank, || format!("cuIpcOpenMemHandle of rank {peer}'s workspace"))
+                    .map_err(|e| peer_access(rank, peer, "open IPC handle", e))?;
+                maps[peer] = Some(Mapping::Opened { ptr });
+            }
+        }
+    }
+    Ok(Workspaces {
+        maps: maps.into_iter().map(|m| m.expect("every rank mapped")).collect(),
+        size,
+        mode,
+    })
+}
+
+fn peer_access(rank: usize, peer: usize, op: &'static str, e: Error) -> Error {
+    Error::PeerAccess {
+        rank,
+        peer,
+        op,
+        detail: e.to_string(),
+    }
+}
