@@ -95,6 +95,48 @@ pub fn count_wrong(dtype: DType, op: ReduceOp, seed: u64, world: usize, out: &[u
         .count()
 }
 
+/// [`count_wrong`] spread over the machine's cores (large buffers take seconds on one).
+pub fn count_wrong_par(dtype: DType, op: ReduceOp, seed: u64, world: usize, out: &[u8]) -> usize {
+    let count = out.len() / dtype.size();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if count < 1 << 16 || threads == 1 {
+        return count_wrong(dtype, op, seed, world, out);
+    }
+    let per = count.div_ceil(threads);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (lo, hi) = ((t * per).min(count), ((t + 1) * per).min(count));
+                s.spawn(move || {
+                    (lo..hi)
+                        .filter(|&i| {
+                            let (exact, mag) = reference(dtype, op, seed, world, i);
+                            !acceptable(dtype, op, world, load_f64(dtype, out, i), exact, mag)
+                        })
+                        .count()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or(usize::MAX)).sum()
+    })
+}
+
+/// Fills `out` with `rank`'s input, spread over the machine's cores.
+pub fn fill_input_par(dtype: DType, seed: u64, rank: usize, out: &mut [u8]) {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let elems_per = (out.len() / dtype.size()).div_ceil(threads).max(1 << 14);
+    std::thread::scope(|s| {
+        for (t, part) in out.chunks_mut(elems_per * dtype.size()).enumerate() {
+            s.spawn(move || {
+                let base = t * elems_per;
+                for i in 0..part.len() / dtype.size() {
+                    store_f64(dtype, part, i, input_value(dtype, seed, rank, base + i));
+                }
+            });
+        }
+    });
+}
+
 /// Fills a buffer with a value no correct result can hold (NaN), so unwritten elements show.
 pub fn poison(out: &mut [u8]) {
     out.fill(0xFF); // all-ones is a NaN in f32, f16 and bf16
@@ -133,6 +175,21 @@ mod tests {
             poison(&mut out);
             assert_eq!(count_wrong(dtype, ReduceOp::Sum, 7, world, &out), count, "{dtype}");
         }
+    }
+
+    #[test]
+    fn parallel_versions_agree_with_serial_ones() {
+        let dtype = DType::F16;
+        let count = 200_003;
+        let mut a = vec![0u8; count * 2];
+        let mut b = vec![0u8; count * 2];
+        fill_input(dtype, 9, 1, &mut a);
+        fill_input_par(dtype, 9, 1, &mut b);
+        assert_eq!(a, b);
+        // a is rank 1's input, not the sum: nearly every element is wrong.
+        let serial = count_wrong(dtype, ReduceOp::Sum, 9, 2, &a);
+        assert!(serial > count / 2);
+        assert_eq!(count_wrong_par(dtype, ReduceOp::Sum, 9, 2, &a), serial);
     }
 
     #[test]

@@ -20,6 +20,9 @@ pub struct Call {
     pub dtype: DType,
     pub op: ReduceOp,
     pub algo: Algorithm,
+    /// Bytes from the start of both buffers where the data begins (a multiple of the element
+    /// size): exercises pointers that are not 16-byte aligned.
+    pub offset: usize,
 }
 
 /// Facts about a backend for reports.

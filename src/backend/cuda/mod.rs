@@ -514,7 +514,12 @@ impl BackendOps for CudaComm {
     }
 
     fn run(&mut self, call: &Call) -> Result<()> {
-        let (s, r) = (self.buf(call.send)?.ptr, self.buf(call.recv)?.ptr);
+        let (s, r) = (self.buf(call.send)?, self.buf(call.recv)?);
+        let end = call.offset + call.count * call.dtype.size();
+        if end > s.bytes || end > r.bytes {
+            return Err(Error::invalid(self.rank, "run", "call exceeds its buffers"));
+        }
+        let (s, r) = (s.ptr + call.offset as u64, r.ptr + call.offset as u64);
         let stream = self.stream.cu_stream();
         self.launch(s, r, call.count, call.dtype, call.op, call.algo, stream)
     }

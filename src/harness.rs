@@ -1,0 +1,107 @@
+//! What `bench` and `check` share: run one call on backend-owned buffers with fresh data and
+//! poisoned outputs, then check every element against the float64 reference.
+
+use crate::backend::{BufId, Call};
+use crate::error::Result;
+use crate::reference::{count_wrong_par, fill_input_par, fingerprint};
+use crate::Communicator;
+
+/// Poison byte for outputs and guard areas: all-ones is NaN in every dtype.
+const POISON: u8 = 0xFF;
+/// Untouchable bytes after every call's data, checked after each run.
+pub const GUARD: usize = 64;
+
+/// Outcome of one checked call on this rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome {
+    /// Elements outside the tolerance, plus guard bytes that were overwritten.
+    pub wrong: usize,
+    /// Fingerprint of the output, to compare ranks and algorithms bitwise.
+    pub fingerprint: u64,
+}
+
+/// A send/recv pair large enough for `bytes` of data at any offset below 64, plus guards.
+pub struct Buffers {
+    pub send: BufId,
+    pub recv: BufId,
+    pub capacity: usize,
+}
+
+impl Buffers {
+    pub fn new(comm: &mut Communicator, bytes: usize) -> Result<Buffers> {
+        let capacity = bytes + 64 + GUARD;
+        Ok(Buffers {
+            send: comm.test_alloc(capacity)?,
+            recv: comm.test_alloc(capacity)?,
+            capacity,
+        })
+    }
+
+    pub fn free(self, comm: &mut Communicator) {
+        comm.test_free(self.send);
+        comm.test_free(self.recv);
+    }
+}
+
+/// Writes this rank's input for `seed` into the send buffer (or recv, in place) and poisons
+/// the output, so unwritten elements cannot pass.
+pub fn prepare(comm: &mut Communicator, call: &Call, seed: u64) -> Result<()> {
+    let bytes = call.count * call.dtype.size();
+    let mut data = vec![POISON; call.offset + bytes + GUARD];
+    fill_input_par(
+        call.dtype,
+        seed,
+        comm.rank(),
+        &mut data[call.offset..call.offset + bytes],
+    );
+    comm.test_write(call.send, &data)?;
+    if call.recv != call.send {
+        data.fill(POISON);
+        comm.test_write(call.recv, &data)?;
+    }
+    Ok(())
+}
+
+/// Reads the output back and checks it (elements and guards).
+pub fn verify(comm: &mut Communicator, call: &Call, seed: u64) -> Result<Outcome> {
+    let bytes = call.count * call.dtype.size();
+    let mut out = vec![0u8; call.offset + bytes + GUARD];
+    comm.test_read(call.recv, &mut out)?;
+    let data = &out[call.offset..call.offset + bytes];
+    let mut wrong = count_wrong_par(call.dtype, call.op, seed, comm.world(), data);
+    // Bytes before and after the data must be untouched (poison; for in-place the input's
+    // poison prefix and suffix too).
+    wrong += out[..call.offset]
+        .iter()
+        .chain(&out[call.offset + bytes..])
+        .filter(|b| **b != POISON)
+        .count();
+    Ok(Outcome {
+        wrong,
+        fingerprint: fingerprint(data),
+    })
+}
+
+/// prepare + run + verify.
+pub fn run_checked(comm: &mut Communicator, call: &Call, seed: u64) -> Result<Outcome> {
+    prepare(comm, call, seed)?;
+    comm.test_run(call)?;
+    verify(comm, call, seed)
+}
+
+/// Gathers one u64 from every rank.
+pub fn gather_u64(comm: &mut Communicator, v: u64) -> Result<Vec<u64>> {
+    let all = comm.bootstrap().all_gather(&v.to_le_bytes())?;
+    Ok(all
+        .iter()
+        .map(|b| u64::from_le_bytes(b[..8].try_into().unwrap_or([0xFF; 8])))
+        .collect())
+}
+
+/// Gathers one f64 from every rank.
+pub fn gather_f64(comm: &mut Communicator, v: f64) -> Result<Vec<f64>> {
+    Ok(gather_u64(comm, v.to_bits())?
+        .into_iter()
+        .map(f64::from_bits)
+        .collect())
+}
