@@ -146,8 +146,17 @@ impl CudaComm {
             }
         }
 
+        let device = ctx.cu_device();
+        let uuids = boot.all_gather(&device_uuid(device, rank)?)?;
+        // Ranks that share a GPU (MPS) share its SMs: every block of every rank must be resident
+        // at once (blocks wait for their peers), so the grid shrinks as more ranks share.
+        let sharing = uuids
+            .iter()
+            .map(|a| uuids.iter().filter(|b| *b == a).count())
+            .max()
+            .unwrap_or(1);
         let blocks = env_usize("IPCREDUCE_BLOCKS")?
-            .unwrap_or(DEFAULT_BLOCKS)
+            .unwrap_or(DEFAULT_BLOCKS.min(96 / sharing))
             .clamp(1, MAX_BLOCKS);
         let slot_bytes = opts
             .workspace_bytes
@@ -169,7 +178,6 @@ impl CudaComm {
             });
         }
 
-        let device = ctx.cu_device();
         let ws = Workspaces::create(
             boot,
             device,
@@ -203,7 +211,6 @@ impl CudaComm {
             }
         }));
 
-        let uuids = boot.all_gather(&device_uuid(device, rank)?)?;
         let devices: Vec<String> = {
             let names = boot.all_gather(format!("{name} (GPU {ordinal})").as_bytes())?;
             names.iter().map(|n| String::from_utf8_lossy(n).into_owned()).collect()

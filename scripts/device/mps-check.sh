@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One call on a one-GPU machine: correctness at world 2, 4 and 8 under MPS, then the benchmark
+# at world 2 (eager and CUDA graph). Builds nothing: expects target/release/ipcreduce.
+# Usage: scripts/device/mps-check.sh OUT_DIR [CASES]
+set -u
+OUT=${1:?usage: mps-check.sh OUT_DIR [CASES]}
+CASES=${2:-2000}
+BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
+BENCH_MAX=${BENCH_MAX:-256M}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+# Never NVLink multicast.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  "$BIN" --version
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+nvidia-cuda-mps-control -d
+trap 'echo quit | nvidia-cuda-mps-control' EXIT
+
+status=0
+for w in 2 4 8; do
+  echo "== check world $w ($CASES cases)"
+  timeout 900 "$BIN" check --backend cuda --ranks $w --cases "$CASES" --seed $w \
+    >"$OUT/check-w$w.log" 2>&1 || status=1
+  tail -n 3 "$OUT/check-w$w.log"
+done
+
+echo "== bench world 2 (eager and graph)"
+timeout 900 "$BIN" bench --backend cuda --ranks 2 -a all -d all -b 8 -e "$BENCH_MAX" -f 4 -n 20 -w 5 -G 10 \
+  --json "$OUT/bench-w2.json" >"$OUT/bench-w2.log" 2>&1 || status=1
+grep -E "bfloat16" "$OUT/bench-w2.log" | head -60
+tail -n 2 "$OUT/bench-w2.log"
+exit $status
