@@ -35,9 +35,7 @@ impl RankInfo {
         let job_id = job_id.into();
         check_world_rank(rank, world, "rank", "world")?;
         check_job_id(&job_id, "job id")?;
-        let secret = secret
-            .map(|s| normalize_secret(&s, "secret"))
-            .transpose()?;
+        let secret = secret.map(|s| normalize_secret(&s, "secret")).transpose()?;
         Ok(RankInfo {
             rank,
             world,
@@ -136,7 +134,10 @@ impl RankInfo {
 /// `/tmp/ipcreduce-<uid>`: fixed rather than `$TMPDIR` because every rank must derive the
 /// same path, and launchers do not always pass the same `TMPDIR` to all of them.
 pub fn default_socket_dir() -> PathBuf {
-    PathBuf::from(format!("/tmp/ipcreduce-{}", nix::unistd::geteuid().as_raw()))
+    PathBuf::from(format!(
+        "/tmp/ipcreduce-{}",
+        nix::unistd::geteuid().as_raw()
+    ))
 }
 
 /// Creates `dir` with mode 0700 if missing; refuses an existing one that another user owns
@@ -186,11 +187,9 @@ pub fn ensure_private_dir(dir: &Path) -> Result<()> {
 
 fn parse_usize(var: &str, value: Option<String>) -> Result<usize> {
     let v = value.ok_or_else(|| Error::Config(format!("{var} is not set")))?;
-    v.trim().parse::<usize>().map_err(|_| {
-        Error::Config(format!(
-            "{var}={v:?} is not a non-negative integer"
-        ))
-    })
+    v.trim()
+        .parse::<usize>()
+        .map_err(|_| Error::Config(format!("{var}={v:?} is not a non-negative integer")))
 }
 
 fn check_world_rank(rank: usize, world: usize, rank_var: &str, world_var: &str) -> Result<()> {
@@ -332,10 +331,7 @@ mod tests {
 
     #[test]
     fn bad_values_name_the_variable() {
-        let base = [
-            ("IPCREDUCE_SOCKET", "/x/y.sock"),
-            ("IPCREDUCE_JOB_ID", "j"),
-        ];
+        let base = [("IPCREDUCE_SOCKET", "/x/y.sock"), ("IPCREDUCE_JOB_ID", "j")];
         let with = |extra: &[(&'static str, &'static str)]| {
             let mut v: Vec<(&str, &str)> = base.to_vec();
             v.extend_from_slice(extra);
@@ -346,9 +342,15 @@ mod tests {
         let m = with(&[("IPCREDUCE_RANK", "0")]);
         assert!(m.contains("IPCREDUCE_WORLD_SIZE is not set"), "{m}");
         let m = with(&[("IPCREDUCE_RANK", "2"), ("IPCREDUCE_WORLD_SIZE", "2")]);
-        assert!(m.contains("IPCREDUCE_RANK=2") && m.contains("IPCREDUCE_WORLD_SIZE=2"), "{m}");
+        assert!(
+            m.contains("IPCREDUCE_RANK=2") && m.contains("IPCREDUCE_WORLD_SIZE=2"),
+            "{m}"
+        );
         let m = with(&[("IPCREDUCE_RANK", "0"), ("IPCREDUCE_WORLD_SIZE", "0")]);
-        assert!(m.contains("IPCREDUCE_WORLD_SIZE=0") && m.contains("out of range"), "{m}");
+        assert!(
+            m.contains("IPCREDUCE_WORLD_SIZE=0") && m.contains("out of range"),
+            "{m}"
+        );
         let m = with(&[("IPCREDUCE_RANK", "0"), ("IPCREDUCE_WORLD_SIZE", "65")]);
         assert!(m.contains("IPCREDUCE_WORLD_SIZE=65"), "{m}");
         let m = with(&[
@@ -380,10 +382,8 @@ mod tests {
     }
 
     fn scratch_dir(tag: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!(
-            "ipcreduce-envtest-{tag}-{}",
-            std::process::id()
-        ));
+        let d =
+            std::env::temp_dir().join(format!("ipcreduce-envtest-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         d
     }
