@@ -11,7 +11,7 @@
 //! BYE (unless the communicator is aborted: then silence tells the others to abort too) and
 //! returns. The owner waits for it, bounded.
 
-use super::wire::{poll_timeout, Conn, Deadline, Kind, Reader, Writer};
+use super::wire::{poll_timeout, Conn, Deadline, Kind, Reader, WireError, Writer};
 use crate::abort::AbortState;
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags};
@@ -153,7 +153,9 @@ fn next_event(conn: &mut Conn) -> Event {
                 // Nothing else travels here; ignore rather than tear the job down.
                 _ => continue,
             },
-            Err(e) => return Event::Gone(e.to_string()),
+            // End-of-stream is the normal sign of death; anything else is worth quoting.
+            Err(WireError::Eof) => return Event::Gone(String::new()),
+            Err(e) => return Event::Gone(format!(" ({e})")),
         }
     }
 }
@@ -184,8 +186,8 @@ fn root_loop(mut conns: Vec<(usize, Conn)>, wake: UnixStream, abort: &AbortState
         }
         for (k, how) in dead {
             let reason = format!(
-                "rank {k} died: it closed its connection to rank 0 without saying goodbye \
-                 (crashed, killed, or exited after an error; {how})"
+                "rank {k} died: its connection to rank 0 closed without a goodbye{how} \
+                 (crashed, killed, or exited after an error)"
             );
             if abort.is_aborted() {
                 tracing::debug!("rank 0: {reason}");
@@ -233,7 +235,7 @@ fn leaf_loop(rank: usize, mut conn: Conn, wake: UnixStream, abort: &AbortState) 
                 }
                 Event::Gone(how) => {
                     let reason = format!(
-                        "rank 0 died: it closed its liveness connection without saying goodbye ({how})"
+                        "rank 0 died: its liveness connection closed without a goodbye{how}"
                     );
                     // After an abort, rank 0 leaving silently is expected, not news.
                     if abort.is_aborted() {

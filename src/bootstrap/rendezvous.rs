@@ -271,6 +271,10 @@ fn connect_once(path: &Path) -> std::result::Result<UnixStream, Errno> {
 pub(crate) struct Joined {
     pub ctrl: Vec<Option<Conn>>,
     pub live: Vec<Option<Conn>>,
+    /// The process (pid from SO_PEERCRED) that claimed each rank: both connections of a rank
+    /// must come from it, so two processes claiming one rank cannot end up with one
+    /// connection each.
+    owner: Vec<Option<i32>>,
 }
 
 struct Pending {
@@ -286,6 +290,7 @@ pub(crate) fn root(info: &RankInfo, timeout: Duration) -> Result<Joined> {
     let mut joined = Joined {
         ctrl: (0..world).map(|_| None).collect(),
         live: (0..world).map(|_| None).collect(),
+        owner: vec![None; world],
     };
     let mut pending: Vec<Pending> = Vec::new();
     let me = nix::unistd::geteuid().as_raw();
@@ -445,7 +450,13 @@ fn admit(info: &RankInfo, joined: &mut Joined, mut p: Pending, frame: Frame) {
                 h.channel.name()
             ));
         }
-        Ok(h)
+        match joined.owner[h.rank] {
+            Some(pid) if pid != p.pid => Err(format!(
+                "rank {} was already claimed by pid {pid} (duplicate rank)",
+                h.rank
+            )),
+            _ => Ok(h),
+        }
     });
     match verdict {
         Ok(h) => {
@@ -456,6 +467,7 @@ fn admit(info: &RankInfo, joined: &mut Joined, mut p: Pending, frame: Frame) {
                 p.pid
             );
             p.conn.trust();
+            joined.owner[h.rank] = Some(p.pid);
             let slot = match h.channel {
                 Channel::Ctrl => &mut joined.ctrl[h.rank],
                 Channel::Live => &mut joined.live[h.rank],
