@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 pub const MAX_WORLD: usize = 64;
 
 /// Identity of this process in its job.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct RankInfo {
     pub rank: usize,
     pub world: usize,
@@ -20,6 +20,20 @@ pub struct RankInfo {
     pub job_id: String,
     /// Per-job secret handed out by `ipcreduce launch`; None when started by another launcher.
     pub secret: Option<String>,
+}
+
+/// Hand-written so that logging a `RankInfo` never prints the job's secret.
+impl std::fmt::Debug for RankInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankInfo")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("local_rank", &self.local_rank)
+            .field("socket", &self.socket)
+            .field("job_id", &self.job_id)
+            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
 }
 
 impl RankInfo {
@@ -269,6 +283,13 @@ mod tests {
         assert_eq!(info.socket, PathBuf::from("/x/y.sock"));
         assert_eq!(info.job_id, "job-1");
         assert_eq!(info.secret.as_deref(), Some("00abff"));
+    }
+
+    #[test]
+    fn debug_output_hides_the_secret() {
+        let info = RankInfo::new(0, 2, "/s", "j", Some("c0ffee".into())).unwrap();
+        let s = format!("{info:?}");
+        assert!(!s.contains("c0ffee") && s.contains("redacted"), "{s}");
     }
 
     #[test]

@@ -474,6 +474,13 @@ mod tests {
     }
 
     #[test]
+    fn bootstrap_can_move_between_threads() {
+        // The communicator (and language bindings) may hand it to another thread.
+        fn is_send<T: Send>() {}
+        is_send::<Bootstrap>();
+    }
+
+    #[test]
     fn world_of_one_needs_no_socket() {
         let info = RankInfo::new(0, 1, "/nonexistent/dir/s.sock", "solo", None).unwrap();
         let mut b = Bootstrap::connect(info, Duration::from_secs(1)).unwrap();
