@@ -80,26 +80,27 @@ pub fn usable() -> Result<()> {
 }
 
 pub struct CudaComm {
+    // Declaration order is drop order: everything that needs the context goes before it.
     rank: usize,
     world: usize,
     ordinal: usize,
-    ctx: Arc<cs::CudaContext>,
-    stream: Arc<cs::CudaStream>,
-    _module: Arc<cs::CudaModule>,
-    funcs: HashMap<(Algorithm, DType, ReduceOp), cs::CudaFunction>,
-    ws: Workspaces,
+    bufs: Vec<Option<DeviceAlloc>>,
+    nccl: std::result::Result<nccl::Nccl, String>,
+    words: Arc<MappedHostWords>,
     /// Private device state: counters[MAX_BLOCKS][2], then the error word.
     state: DeviceAlloc,
-    words: Arc<MappedHostWords>,
+    ws: Workspaces,
+    funcs: HashMap<(Algorithm, DType, ReduceOp), cs::CudaFunction>,
+    _module: Arc<cs::CudaModule>,
     blocks: usize,
     slot_bytes: usize,
     timeout: std::time::Duration,
     abort: Arc<AbortState>,
-    nccl: std::result::Result<nccl::Nccl, String>,
-    bufs: Vec<Option<DeviceAlloc>>,
     devices: Vec<String>,
     /// Calls issued so far (for error messages).
     seq: u64,
+    stream: Arc<cs::CudaStream>,
+    ctx: Arc<cs::CudaContext>,
 }
 
 impl CudaComm {

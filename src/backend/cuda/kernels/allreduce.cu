@@ -184,55 +184,76 @@ __device__ bool barrier(const Args &a, u32 &F) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Element-range helpers. Ranges are in elements; vector paths need 16-byte alignment of both the
-// element offset and the user pointer, otherwise the scalar path runs.
+// Element-range helpers. Ranges are in elements and start on whole 16-byte packs.
 
-template <typename D> __device__ __forceinline__ void copy_elem(char *dst, const char *src) {
-    if (D::SIZE == 4) *(u32 *)dst = *(const u32 *)src;
-    else *(u16 *)dst = *(const u16 *)src;
+// Loads bypass L1 (.cg) everywhere: peers rewrite slot memory every other chunk, and a line
+// cached in L1 by a neighbouring block before the peer's write would be stale.
+template <typename D> __device__ __forceinline__ void copy_elem_cg(char *dst, const char *src) {
+    if (D::SIZE == 4) *(u32 *)dst = __ldcg((const unsigned int *)src);
+    else *(u16 *)dst = __ldcg((const unsigned short *)src);
 }
+
+// Pack p (elements [p*N, (p+1)*N) ∩ [0, end)) of `base`. A whole pack at a 16-byte aligned
+// address is one 16-byte load; otherwise element by element (unaligned user pointers, tails).
+template <typename D>
+__device__ __forceinline__ uint4 load_pack(const char *base, u64 p, u64 end, bool aligned) {
+    const int N = Pack<D>::N;
+    if (aligned && (p + 1) * N <= end) return ld_cg16(base + p * 16);
+    uint4 w = make_uint4(0u, 0u, 0u, 0u);
+    char *b = (char *)&w;
+#pragma unroll
+    for (int k = 0; k < N; k++)
+        if (p * N + k < end) copy_elem_cg<D>(b + k * D::SIZE, base + (p * N + k) * D::SIZE);
+    return w;
+}
+
+template <typename D>
+__device__ __forceinline__ void store_pack(char *base, u64 p, u64 end, bool aligned, const uint4 &w) {
+    const int N = Pack<D>::N;
+    if (aligned && (p + 1) * N <= end) {
+        *(uint4 *)(base + p * 16) = w;
+        return;
+    }
+    const char *b = (const char *)&w;
+#pragma unroll
+    for (int k = 0; k < N; k++) {
+        if (p * N + k < end) {
+            char *d = base + (p * N + k) * D::SIZE;
+            if (D::SIZE == 4) *(u32 *)d = *(const u32 *)(b + k * 4);
+            else *(u16 *)d = *(const u16 *)(b + k * 2);
+        }
+    }
+}
+
+__device__ __forceinline__ bool aligned16(const void *p) { return (((u64)p) & 15u) == 0; }
 
 // Copies elements [begin, end) from src to dst. `begin` is always a whole number of packs.
 template <typename D>
 __device__ __forceinline__ void copy_range(char *dst, const char *src, u64 begin, u64 end) {
     const int N = Pack<D>::N;
-    bool vec = ((((u64)dst) | ((u64)src)) & 15u) == 0;
-    u64 ve = vec ? end / N : begin / N;
-    for (u64 p = begin / N + threadIdx.x; p < ve; p += blockDim.x)
-        ((uint4 *)dst)[p] = ld_cg16(src + p * 16);
-    u64 sb = ve * N > begin ? ve * N : begin;
-    for (u64 i = sb + threadIdx.x; i < end; i += blockDim.x)
-        copy_elem<D>(dst + i * D::SIZE, src + i * D::SIZE);
+    bool sa = aligned16(src), da = aligned16(dst);
+    for (u64 p = begin / N + threadIdx.x; p * N < end; p += blockDim.x)
+        store_pack<D>(dst, p, end, da, load_pack<D>(src, p, end, sa));
 }
 
-// out[i] = op over ranks 0..world-1 of data[r][off + i], for i in [begin, end) (chunk-relative
+// out[i] = op over ranks 0..world-1 of the slot element i, for i in [begin, end) (chunk-relative
 // element indices); also written to `extra` (if non-null) at the same indices.
 template <typename D, typename Op>
 __device__ __forceinline__ void reduce_range(const Args &a, u64 slot_off, char *out, char *extra,
                                              u64 begin, u64 end) {
     const int N = Pack<D>::N;
-    bool vec = ((((u64)out) | ((u64)extra)) & 15u) == 0;
-    u64 ve = vec ? end / N : begin / N;
-    u64 vb = begin / N; // begin is pack-aligned by construction
-    for (u64 p = vb + threadIdx.x; p < ve; p += blockDim.x) {
+    bool oa = aligned16(out);
+    for (u64 p = begin / N + threadIdx.x; p * N < end; p += blockDim.x) {
         Pack<D> acc, x;
-        unpack<D>(ld_cg16(a.data[0] + slot_off + p * 16), acc);
+        unpack<D>(load_pack<D>(a.data[0] + slot_off, p, end, true), acc);
         for (int r = 1; r < a.world; r++) {
-            unpack<D>(ld_cg16(a.data[r] + slot_off + p * 16), x);
+            unpack<D>(load_pack<D>(a.data[r] + slot_off, p, end, true), x);
 #pragma unroll
             for (int k = 0; k < N; k++) acc.v[k] = Op::apply(acc.v[k], x.v[k]);
         }
         uint4 w = repack<D>(acc);
-        ((uint4 *)out)[p] = w;
-        if (extra) ((uint4 *)extra)[p] = w;
-    }
-    u64 sb = ve * N > begin ? ve * N : begin;
-    for (u64 i = sb + threadIdx.x; i < end; i += blockDim.x) {
-        float acc = D::load(a.data[0] + slot_off + i * D::SIZE);
-        for (int r = 1; r < a.world; r++)
-            acc = Op::apply(acc, D::load(a.data[r] + slot_off + i * D::SIZE));
-        D::store(out + i * D::SIZE, acc);
-        if (extra) D::store(extra + i * D::SIZE, acc);
+        store_pack<D>(out, p, end, oa, w);
+        if (extra) store_pack<D>(extra, p, end, true, w);
     }
 }
 
