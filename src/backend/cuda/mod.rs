@@ -269,6 +269,9 @@ impl CudaComm {
         ck(unsafe { sys::cuMemcpyHtoD_v2(probe, mine.as_ptr().cast(), 16) }, rank, || {
             "writing the cross-process probe".into()
         })?;
+        // The copy may return before its DMA lands: wait before telling the peers.
+        // SAFETY: no arguments.
+        ck(unsafe { sys::cuCtxSynchronize() }, rank, || "cuCtxSynchronize".into())?;
         boot.barrier()?;
         for peer in 0..self.world {
             let mut got = [0u8; 16];
@@ -504,10 +507,17 @@ impl BackendOps for CudaComm {
         let buf = self.buf(id)?;
         assert!(data.len() <= buf.bytes);
         let ptr = buf.ptr;
-        // SAFETY: in bounds of our allocation.
-        ck(unsafe { sys::cuMemcpyHtoD_v2(ptr, data.as_ptr().cast(), data.len()) }, self.rank, || {
-            format!("copying {} bytes to the device", data.len())
-        })
+        // On our stream, then waited for: a plain cuMemcpyHtoD from pageable memory may return
+        // before its DMA lands, and our (non-blocking) stream would not wait for it.
+        // SAFETY: in bounds of our allocation; `data` outlives the synchronize below.
+        ck(
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(ptr, data.as_ptr().cast(), data.len(), self.stream.cu_stream())
+            },
+            self.rank,
+            || format!("copying {} bytes to the device", data.len()),
+        )?;
+        self.synchronize()
     }
 
     fn read(&mut self, id: BufId, out: &mut [u8]) -> Result<()> {
@@ -515,10 +525,15 @@ impl BackendOps for CudaComm {
         let buf = self.buf(id)?;
         assert!(out.len() <= buf.bytes);
         let ptr = buf.ptr;
-        // SAFETY: in bounds of our allocation.
-        ck(unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), ptr, out.len()) }, self.rank, || {
-            format!("copying {} bytes from the device", out.len())
-        })
+        // SAFETY: in bounds of our allocation; `out` outlives the synchronize below.
+        ck(
+            unsafe {
+                sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), ptr, out.len(), self.stream.cu_stream())
+            },
+            self.rank,
+            || format!("copying {} bytes from the device", out.len()),
+        )?;
+        self.synchronize()
     }
 
     fn run(&mut self, call: &Call) -> Result<()> {

@@ -227,10 +227,13 @@ __device__ __forceinline__ void store_pack(char *base, u64 p, u64 end, bool alig
 
 __device__ __forceinline__ bool aligned16(const void *p) { return (((u64)p) & 15u) == 0; }
 
-// Copies elements [begin, end) from src to dst. `begin` is always a whole number of packs.
+// Copies elements [begin, end) from src to dst. A non-empty range starts on a whole pack; an
+// empty one may not (a piece starting at the message's odd end), hence the early return: its
+// pack belongs to another block.
 template <typename D>
 __device__ __forceinline__ void copy_range(char *dst, const char *src, u64 begin, u64 end) {
     const int N = Pack<D>::N;
+    if (begin >= end) return;
     bool sa = aligned16(src), da = aligned16(dst);
     for (u64 p = begin / N + threadIdx.x; p * N < end; p += blockDim.x)
         store_pack<D>(dst, p, end, da, load_pack<D>(src, p, end, sa));
@@ -242,6 +245,7 @@ template <typename D, typename Op>
 __device__ __forceinline__ void reduce_range(const Args &a, u64 slot_off, char *out, char *extra,
                                              u64 begin, u64 end) {
     const int N = Pack<D>::N;
+    if (begin >= end) return; // see copy_range
     bool oa = aligned16(out);
     for (u64 p = begin / N + threadIdx.x; p * N < end; p += blockDim.x) {
         Pack<D> acc, x;
