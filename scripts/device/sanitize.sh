@@ -14,7 +14,7 @@ SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer
 status=0
 for tool in memcheck racecheck synccheck; do
   echo "== $tool"
-  timeout 240 "$BIN" launch -n 2 -- "$SAN" --tool "$tool" --error-exitcode 99 \
+  timeout 120 "$BIN" launch -n 2 -- "$SAN" --tool "$tool" --error-exitcode 99 \
     "$BIN" check --backend cuda --cases "$CASES" --max-bytes 256K --seed 7 \
     >>"$OUT/sanitizer.log" 2>&1 || { echo "$tool: FAILED (exit $?)"; status=1; }
   grep -E "ERROR SUMMARY|passed, .* failed" "$OUT/sanitizer.log" | tail -n 3
