@@ -23,6 +23,7 @@ pub mod cli;
 mod communicator;
 pub mod element;
 pub mod error;
+pub mod faults;
 pub mod harness;
 pub mod launch;
 pub mod plan;

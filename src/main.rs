@@ -34,6 +34,10 @@ enum Cmd {
     Bench(ipcreduce::bench::BenchArgs),
     /// Check all-reduce results against a float64 reference.
     Check(ipcreduce::check::CheckArgs),
+    /// Provoke failures (mismatch, timeout, killed rank, create/destroy cycles) and check that
+    /// every rank reports them.
+    #[command(hide = true)]
+    Faults(ipcreduce::faults::FaultArgs),
 }
 
 /// Logs go to stderr, filtered by IPCREDUCE_LOG, else RUST_LOG, else warnings only.
@@ -76,5 +80,6 @@ fn main() -> ExitCode {
         }
         Cmd::Bench(args) => exit(ipcreduce::bench::run(args)),
         Cmd::Check(args) => exit(ipcreduce::check::run(args)),
+        Cmd::Faults(args) => exit(ipcreduce::faults::run(args)),
     }
 }

@@ -10,8 +10,52 @@ pub const ALLREDUCE_SOURCE: &str = include_str!("kernels/allreduce.cu");
 /// Sizes the kernels are compiled with; the host side must lay memory out the same way.
 pub const MAX_RANKS: usize = 8;
 pub const MAX_BLOCKS: usize = 128;
-/// Bytes of the signal area at the start of every workspace.
-pub const SIG_BYTES: usize = MAX_BLOCKS * MAX_RANKS * 4;
+/// Bytes of the signal area at the start of every workspace: flags (u32) and two parities of
+/// call stamps (u64) per (block, rank).
+pub const SIG_BYTES: usize = MAX_BLOCKS * MAX_RANKS * (4 + 2 * 8);
+
+/// Error codes the kernels leave in the error record.
+pub const ERR_TIMEOUT: u32 = 1;
+pub const ERR_ABORTED: u32 = 2;
+pub const ERR_MISMATCH: u32 = 3;
+
+/// The arguments a call stamps into its peers' signal area (see allreduce.cu): ranks whose
+/// stamps differ fail with a mismatch.
+pub fn stamp(count: usize, dtype: DType, op: ReduceOp, algo: Algorithm) -> u64 {
+    ((count as u64 & 0xFF_FFFF_FFFF) << 24)
+        | ((algo.code() as u64) << 16)
+        | ((dtype.code() as u64) << 8)
+        | op.code() as u64
+}
+
+/// Describes how two stamps differ, e.g. "count 100 vs 200".
+pub fn describe_stamp_difference(mine: u64, theirs: u64) -> String {
+    let fields = |s: u64| (s >> 24, (s >> 16) & 0xFF, (s >> 8) & 0xFF, s & 0xFF);
+    let (mc, ma, md, mo) = fields(mine);
+    let (tc, ta, td, to) = fields(theirs);
+    let name = |table: &[&str], v: u64| table.get(v as usize).copied().unwrap_or("?").to_string();
+    let mut parts = Vec::new();
+    if mc != tc {
+        parts.push(format!("count {mc} vs {tc}"));
+    }
+    let algos = ["auto", "oneshot", "twoshot", "nccl"];
+    if ma != ta {
+        parts.push(format!("algorithm {} vs {}", name(&algos, ma), name(&algos, ta)));
+    }
+    let dtypes = ["float", "half", "bfloat16"];
+    if md != td {
+        parts.push(format!("dtype {} vs {}", name(&dtypes, md), name(&dtypes, td)));
+    }
+    let ops = ["sum", "max", "min"];
+    if mo != to {
+        parts.push(format!("op {} vs {}", name(&ops, mo), name(&ops, to)));
+    }
+    if parts.is_empty() {
+        "identical arguments".into()
+    } else {
+        parts.join(", ")
+    }
+}
 
 /// Name of the kernel for one (algorithm, dtype, op).
 pub fn kernel_name(algo: Algorithm, dtype: DType, op: ReduceOp) -> String {
@@ -68,6 +112,20 @@ mod tests {
             let line = format!("#define {name} {value}");
             assert!(ALLREDUCE_SOURCE.contains(&line), "kernel source lacks `{line}`");
         }
+        assert!(ALLREDUCE_SOURCE.contains("#define SIG_BYTES (FLAG_BYTES + 2 * MAX_BLOCKS * MAX_RANKS * 8)"));
+        assert!(ALLREDUCE_SOURCE.contains("#define FLAG_BYTES (MAX_BLOCKS * MAX_RANKS * 4)"));
+        let codes = format!("ERR_TIMEOUT = {ERR_TIMEOUT}, ERR_ABORTED = {ERR_ABORTED}, ERR_MISMATCH = {ERR_MISMATCH}");
+        assert!(ALLREDUCE_SOURCE.contains(&codes), "error codes differ from `{codes}`");
+    }
+
+    #[test]
+    fn stamps_tell_what_differs() {
+        let a = stamp(100, DType::F32, ReduceOp::Sum, Algorithm::OneShot);
+        let b = stamp(200, DType::Bf16, ReduceOp::Sum, Algorithm::OneShot);
+        assert_ne!(a, b);
+        assert_eq!(describe_stamp_difference(a, b), "count 100 vs 200, dtype float vs bfloat16");
+        let c = stamp(100, DType::F32, ReduceOp::Max, Algorithm::TwoShot);
+        assert_eq!(describe_stamp_difference(a, c), "algorithm oneshot vs twoshot, op sum vs max");
     }
 
     #[test]

@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use cudarc::driver::{safe as cs, sys};
 use driver::ck;
-use kernels::{MAX_BLOCKS, MAX_RANKS, SIG_BYTES};
+use kernels::{ERR_MISMATCH, ERR_TIMEOUT, MAX_BLOCKS, MAX_RANKS, SIG_BYTES};
 use memory::{DeviceAlloc, MappedHostWords};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -36,9 +36,7 @@ const DEFAULT_BLOCKS: usize = 32;
 
 // Words of the host-mapped area shared with the kernels.
 const W_ABORT: usize = 0;
-const W_ERR: usize = 1; // {code, peer, block, barrier}
-const ERR_TIMEOUT: u32 = 1;
-// Any other code (2 = aborted) means the kernel gave up because the communicator was aborted.
+const W_ERR: usize = 1; // {code, peer, block, barrier, their stamp (2 words), ours (2 words)}
 
 /// Kernel arguments; must match `struct Args` in kernels/allreduce.cu field by field.
 #[repr(C)]
@@ -55,6 +53,7 @@ struct KernelArgs {
     host_err: u64,
     slot_bytes: u64,
     timeout_ns: u64,
+    stamp: u64,
     rank: i32,
     world: i32,
 }
@@ -90,8 +89,6 @@ pub struct CudaComm {
     /// Private device state: counters[MAX_BLOCKS][2], then the error word.
     state: DeviceAlloc,
     ws: Workspaces,
-    funcs: HashMap<(Algorithm, DType, ReduceOp), cs::CudaFunction>,
-    _module: Arc<cs::CudaModule>,
     blocks: usize,
     slot_bytes: usize,
     timeout: std::time::Duration,
@@ -101,6 +98,63 @@ pub struct CudaComm {
     seq: u64,
     stream: Arc<cs::CudaStream>,
     ctx: Arc<cs::CudaContext>,
+    gpu: Arc<Loaded>,
+}
+
+/// A GPU's context and the compiled kernels, made once per process and GPU: compiling with
+/// NVRTC and loading the module cost seconds, and communicators may be created many times.
+/// Kept for the life of the process.
+struct Loaded {
+    ctx: Arc<cs::CudaContext>,
+    _module: Arc<cs::CudaModule>,
+    funcs: HashMap<(Algorithm, DType, ReduceOp), cs::CudaFunction>,
+}
+
+impl Loaded {
+    fn get(ordinal: usize, rank: usize) -> Result<Arc<Loaded>> {
+        static CACHE: std::sync::OnceLock<std::sync::Mutex<HashMap<usize, Arc<Loaded>>>> =
+            std::sync::OnceLock::new();
+        let mut cache = CACHE
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(l) = cache.get(&ordinal) {
+            return Ok(l.clone());
+        }
+        let cuda = |op: &str, e: cudarc::driver::DriverError| Error::Cuda {
+            rank,
+            op: op.into(),
+            detail: e.to_string(),
+        };
+        let ctx = cs::CudaContext::new(ordinal).map_err(|e| cuda("context creation", e))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| cuda("compute capability query", e))?;
+        let ptx = kernels::compile(&format!("sm_{major}{minor}")).map_err(|e| match e {
+            Error::Cuda { op, detail, .. } => Error::Cuda { rank, op, detail },
+            other => other,
+        })?;
+        let module = ctx.load_module(ptx).map_err(|e| cuda("loading the NVRTC module", e))?;
+        let mut funcs = HashMap::new();
+        for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
+            for dtype in DType::ALL {
+                for op in ReduceOp::ALL {
+                    let kname = kernels::kernel_name(algo, dtype, op);
+                    let f = module
+                        .load_function(&kname)
+                        .map_err(|e| cuda(&format!("loading kernel {kname}"), e))?;
+                    funcs.insert((algo, dtype, op), f);
+                }
+            }
+        }
+        let l = Arc::new(Loaded {
+            ctx,
+            _module: module,
+            funcs,
+        });
+        cache.insert(ordinal, l.clone());
+        Ok(l)
+    }
 }
 
 impl CudaComm {
@@ -122,30 +176,11 @@ impl CudaComm {
         };
         let count = cs::CudaContext::device_count().map_err(|e| cuda("cuDeviceGetCount", e))?;
         let ordinal = boot.info().local_rank % count as usize;
-        let ctx = cs::CudaContext::new(ordinal).map_err(|e| cuda("context creation", e))?;
+        let gpu = Loaded::get(ordinal, rank)?;
+        let ctx = gpu.ctx.clone();
+        ctx.bind_to_thread().map_err(|e| cuda("binding the context", e))?;
         let stream = ctx.new_stream().map_err(|e| cuda("stream creation", e))?;
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(|e| cuda("compute capability query", e))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
-
-        let ptx = kernels::compile(&format!("sm_{major}{minor}")).map_err(|e| match e {
-            Error::Cuda { op, detail, .. } => Error::Cuda { rank, op, detail },
-            other => other,
-        })?;
-        let module = ctx.load_module(ptx).map_err(|e| cuda("loading the NVRTC module", e))?;
-        let mut funcs = HashMap::new();
-        for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
-            for dtype in DType::ALL {
-                for op in ReduceOp::ALL {
-                    let kname = kernels::kernel_name(algo, dtype, op);
-                    let f = module
-                        .load_function(&kname)
-                        .map_err(|e| cuda(&format!("loading kernel {kname}"), e))?;
-                    funcs.insert((algo, dtype, op), f);
-                }
-            }
-        }
 
         let device = ctx.cu_device();
         let uuids = boot.all_gather(&device_uuid(device, rank)?)?;
@@ -193,7 +228,7 @@ impl CudaComm {
             });
         }
         let state = DeviceAlloc::new(MAX_BLOCKS * 2 * 4 + 16, rank)?;
-        let words = Arc::new(MappedHostWords::new(8, rank)?);
+        let words = Arc::new(MappedHostWords::new(16, rank)?);
         // SAFETY: zeroing memory we own (signal area of our workspace, private state).
         unsafe {
             ck(sys::cuMemsetD8_v2(ws.base(rank), 0, SIG_BYTES), rank, || {
@@ -224,8 +259,7 @@ impl CudaComm {
             ordinal,
             ctx,
             stream,
-            _module: module,
-            funcs,
+            gpu,
             ws,
             state,
             words,
@@ -321,6 +355,17 @@ impl CudaComm {
                     seq: self.seq,
                     waited: self.timeout,
                 },
+                ERR_MISMATCH => {
+                    let word64 = |i| self.words.get(W_ERR + i) as u64 | (self.words.get(W_ERR + i + 1) as u64) << 32;
+                    let (theirs, mine) = (word64(4), word64(6));
+                    Error::Mismatch {
+                        rank: self.rank,
+                        peer,
+                        op: "all_reduce".into(),
+                        seq: self.seq,
+                        detail: kernels::describe_stamp_difference(mine, theirs),
+                    }
+                }
                 _ => Error::Aborted {
                     rank: self.rank,
                     reason: self
@@ -341,7 +386,7 @@ impl CudaComm {
         Ok(())
     }
 
-    fn kernel_args(&self, send: u64, recv: u64, count: usize) -> KernelArgs {
+    fn kernel_args(&self, send: u64, recv: u64, count: usize, stamp: u64) -> KernelArgs {
         let mut data = [0u64; MAX_RANKS];
         let mut sig = [0u64; MAX_RANKS];
         for r in 0..self.world {
@@ -360,6 +405,7 @@ impl CudaComm {
             host_err: self.words.device + 4 * W_ERR as u64,
             slot_bytes: self.slot_bytes as u64,
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            stamp,
             rank: self.rank as i32,
             world: self.world as i32,
         }
@@ -419,8 +465,9 @@ impl CudaComm {
             // SAFETY: pointers checked by the caller.
             return unsafe { nccl.all_reduce(send as *const c_void, recv as *mut c_void, count, dtype, op, stream) };
         }
-        let f = self.funcs[&(algo, dtype, op)].cu_function();
-        let mut args = self.kernel_args(send, recv, count);
+        let f = self.gpu.funcs[&(algo, dtype, op)].cu_function();
+        let stamp = kernels::stamp(count, dtype, op, algo);
+        let mut args = self.kernel_args(send, recv, count, stamp);
         let mut params = [(&mut args as *mut KernelArgs).cast::<c_void>()];
         let rank = self.rank;
         // SAFETY: the kernel reads `args` (copied at launch) and only touches the buffers in it,

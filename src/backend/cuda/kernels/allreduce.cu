@@ -5,9 +5,15 @@
 //
 // Memory layout of one rank's workspace (one cuMemCreate allocation, mapped by every peer):
 //
-//   [0, SIG_BYTES)                   signal area: flags[MAX_BLOCKS][MAX_RANKS] (u32); peer p's
-//                                    block b writes flags[b][p] of this rank to say "I arrived at
-//                                    barrier number F"; only this rank reads them.
+//   [0, FLAG_BYTES)                  flags[MAX_BLOCKS][MAX_RANKS] (u32); peer p's block b writes
+//                                    flags[b][p] of this rank to say "I arrived at barrier number
+//                                    F"; only this rank reads them.
+//   [FLAG_BYTES, SIG_BYTES)          stamps[2][MAX_BLOCKS][MAX_RANKS] (u64): the call's arguments
+//                                    (count, dtype, op, algorithm), written by peer p's block b
+//                                    before its first flag of each call, so ranks that called with
+//                                    different arguments all fail at once instead of hanging or
+//                                    reading out of bounds. Indexed by the barrier's parity: a
+//                                    peer may run one barrier ahead and stamp its next call.
 //   [SIG_BYTES, SIG_BYTES+2*slot)    data area: two slots (double buffering by chunk parity).
 //
 // Per-rank private state (device memory, not shared): counters[MAX_BLOCKS][2] = {F, L} per block,
@@ -26,7 +32,8 @@
 
 #define MAX_RANKS 8
 #define MAX_BLOCKS 128
-#define SIG_BYTES (MAX_BLOCKS * MAX_RANKS * 4)
+#define FLAG_BYTES (MAX_BLOCKS * MAX_RANKS * 4)
+#define SIG_BYTES (FLAG_BYTES + 2 * MAX_BLOCKS * MAX_RANKS * 8)
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -41,14 +48,16 @@ struct Args {
     u32 *counters;               // this rank's private {F, L} per block
     volatile u32 *abort_flag;    // host-mapped: non-zero = communicator aborted by the host
     u32 *err;                    // device: first failure code (0 = none), claimed atomically
-    volatile u32 *host_err;      // host-mapped copy of the failure {code, peer, block, barrier}
+    volatile u32 *host_err;      // host-mapped failure record {code, peer, block, barrier,
+                                 // their stamp (2 words), our stamp (2 words)}
     u64 slot_bytes;              // bytes per data slot (multiple of 16 * world * MAX_BLOCKS)
     u64 timeout_ns;              // bound on every wait
+    u64 stamp;                   // this call's arguments, compared with every peer's
     int rank;
     int world;
 };
 
-enum { ERR_NONE = 0, ERR_TIMEOUT = 1, ERR_ABORTED = 2 };
+enum { ERR_NONE = 0, ERR_TIMEOUT = 1, ERR_ABORTED = 2, ERR_MISMATCH = 3 };
 
 // ---------------------------------------------------------------------------------------------
 // Element types and conversions
@@ -133,26 +142,36 @@ __device__ __forceinline__ u64 globaltimer() {
 }
 
 // Records the first failure in the host-visible error record.
-__device__ void report(const Args &a, u32 code, u32 peer, u32 barrier_no) {
+__device__ void report(const Args &a, u32 code, u32 peer, u32 barrier_no, u64 theirs = 0) {
     if (atomicCAS(a.err, 0u, code) == 0u) {
         a.host_err[1] = peer;
         a.host_err[2] = blockIdx.x;
         a.host_err[3] = barrier_no;
+        a.host_err[4] = (u32)theirs;
+        a.host_err[5] = (u32)(theirs >> 32);
+        a.host_err[6] = (u32)a.stamp;
+        a.host_err[7] = (u32)(a.stamp >> 32);
         __threadfence_system();
         a.host_err[0] = code; // written last: the host reads the record once this is non-zero
         __threadfence_system();
     }
 }
 
+__device__ __forceinline__ u64 *stamp_slot(const Args &a, int owner, u32 F, int block, int from) {
+    return (u64 *)((char *)a.sig[owner] + FLAG_BYTES) + ((F & 1u) * MAX_BLOCKS + block) * MAX_RANKS + from;
+}
+
 // Block-wide barrier with block `blockIdx.x` of every peer. Returns false (in every thread of
-// the block) if the wait failed: deadline passed, host abort, or another block failed.
-__device__ bool barrier(const Args &a, u32 &F) {
+// the block) if the wait failed: deadline passed, host abort, arguments that differ from a
+// peer's (`check_stamp`, the first barrier of a call), or another block failed.
+__device__ bool barrier(const Args &a, u32 &F, bool check_stamp = false) {
     F++;
     __syncthreads();
     int t = threadIdx.x;
     int b = blockIdx.x;
     int failed = 0;
     if (t < a.world && t != a.rank) {
+        if (check_stamp) *(volatile u64 *)stamp_slot(a, t, F, b, a.rank) = a.stamp;
         // Make this block's data writes visible system-wide before announcing arrival.
         __threadfence_system();
         st_release_sys(&a.sig[t][b * MAX_RANKS + a.rank], F);
@@ -177,6 +196,13 @@ __device__ bool barrier(const Args &a, u32 &F) {
                     failed = 1;
                     break;
                 }
+            }
+        }
+        if (!failed && check_stamp) {
+            u64 theirs = *(volatile u64 *)stamp_slot(a, a.rank, F, b, t);
+            if (theirs != a.stamp) {
+                report(a, ERR_MISMATCH, t, F, theirs);
+                failed = 1;
             }
         }
     }
@@ -285,7 +311,7 @@ template <typename D, typename Op> __device__ void one_shot(const Args &a) {
         u64 b, e;
         piece<D>(0, n, gridDim.x, blockIdx.x, b, e);
         copy_range<D>(a.data[a.rank] + slot_off, a.send + c0 * D::SIZE, b, e);
-        if (!barrier(a, F)) return;
+        if (!barrier(a, F, c0 == 0)) return;
         reduce_range<D, Op>(a, slot_off, a.recv + c0 * D::SIZE, nullptr, b, e);
     }
     if (threadIdx.x == 0) { ctr[0] = F; ctr[1] = L; }
@@ -307,7 +333,7 @@ template <typename D, typename Op> __device__ void two_shot(const Args &a) {
             piece<D>(sb, se - sb, gridDim.x, blockIdx.x, b, e);
             copy_range<D>(a.data[a.rank] + slot_off, a.send + c0 * D::SIZE, b, e);
         }
-        if (!barrier(a, F)) return;
+        if (!barrier(a, F, c0 == 0)) return;
         u64 sb, se, b, e;
         piece<D>(0, n, a.world, a.rank, sb, se);
         piece<D>(sb, se - sb, gridDim.x, blockIdx.x, b, e);
