@@ -24,6 +24,11 @@ pub fn oneshot_max_bytes(backend: BackendKind, world: usize) -> usize {
     }
 }
 
+/// Default largest message for the cuda backend's low-latency one-shot (data and flags pushed
+/// together, no barrier): beyond it the doubled traffic costs more than the barrier saves.
+/// `IPCREDUCE_LL_MAX` overrides (0 disables).
+pub const LL_DEFAULT_MAX_BYTES: usize = 64 << 10;
+
 /// The algorithm a call runs: an explicit choice wins over `IPCREDUCE_ALGO` (`env`), which
 /// wins over `Auto`'s size rule.
 pub fn choose(

@@ -13,6 +13,16 @@ pub const MAX_BLOCKS: usize = 128;
 /// Bytes of the signal area at the start of every workspace: flags (u32) and two parities of
 /// call stamps (u64) per (block, rank).
 pub const SIG_BYTES: usize = MAX_BLOCKS * MAX_RANKS * (4 + 2 * 8);
+/// Largest message the low-latency one-shot handles.
+pub const LL_MAX_BYTES: usize = 256 * 1024;
+/// Bytes of the LL area after the signal area: two parities of lines (16 bytes per 8 data
+/// bytes) from every rank.
+pub const LL_BYTES: usize = 2 * MAX_RANKS * (LL_MAX_BYTES / 8) * 16;
+
+/// Name of the low-latency one-shot kernel for one (dtype, op).
+pub fn ll_kernel_name(dtype: DType, op: ReduceOp) -> String {
+    kernel_name(Algorithm::OneShot, dtype, op).replace("oneshot", "oneshotll")
+}
 
 /// Error codes the kernels leave in the error record.
 pub const ERR_TIMEOUT: u32 = 1;
@@ -114,6 +124,8 @@ mod tests {
         }
         assert!(ALLREDUCE_SOURCE.contains("#define SIG_BYTES (FLAG_BYTES + 2 * MAX_BLOCKS * MAX_RANKS * 8)"));
         assert!(ALLREDUCE_SOURCE.contains("#define FLAG_BYTES (MAX_BLOCKS * MAX_RANKS * 4)"));
+        assert!(ALLREDUCE_SOURCE.contains(&format!("#define LL_MAX_BYTES ({} * 1024)", LL_MAX_BYTES / 1024)));
+        assert!(ALLREDUCE_SOURCE.contains("#define LL_BYTES (2 * MAX_RANKS * LL_LINES * 16)"));
         let codes = format!("ERR_TIMEOUT = {ERR_TIMEOUT}, ERR_ABORTED = {ERR_ABORTED}, ERR_MISMATCH = {ERR_MISMATCH}");
         assert!(ALLREDUCE_SOURCE.contains(&codes), "error codes differ from `{codes}`");
     }
@@ -163,6 +175,8 @@ mod tests {
                     for op in ReduceOp::ALL {
                         let name = kernel_name(algo, dtype, op);
                         assert!(text.contains(&format!(".entry {name}")), "{arch}: {name} missing");
+                        let ll = ll_kernel_name(dtype, op);
+                        assert!(text.contains(&format!(".entry {ll}")), "{arch}: {ll} missing");
                     }
                 }
             }

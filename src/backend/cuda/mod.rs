@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use cudarc::driver::{safe as cs, sys};
 use driver::ck;
-use kernels::{ERR_MISMATCH, ERR_TIMEOUT, MAX_BLOCKS, MAX_RANKS, SIG_BYTES};
+use kernels::{ERR_MISMATCH, ERR_TIMEOUT, LL_BYTES, LL_MAX_BYTES, MAX_BLOCKS, MAX_RANKS, SIG_BYTES};
 use memory::{DeviceAlloc, MappedHostWords};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -29,6 +29,8 @@ use workspace::{ShareMode, Workspaces};
 
 /// Default bytes of one data slot (the workspace holds two). Larger messages are chunked.
 const DEFAULT_SLOT_BYTES: usize = 16 << 20;
+/// Where the data slots start in a workspace: after the signal and LL areas.
+const DATA_OFFSET: u64 = (SIG_BYTES + LL_BYTES) as u64;
 /// Threads per block of the all-reduce kernels (their `__launch_bounds__`).
 const THREADS: u32 = 512;
 /// Default blocks per kernel: fixed per communicator (the protocol relies on it).
@@ -46,6 +48,7 @@ struct KernelArgs {
     recv: u64,
     count: u64,
     data: [u64; MAX_RANKS],
+    ll: [u64; MAX_RANKS],
     sig: [u64; MAX_RANKS],
     counters: u64,
     abort_flag: u64,
@@ -91,6 +94,7 @@ pub struct CudaComm {
     ws: Workspaces,
     blocks: usize,
     slot_bytes: usize,
+    ll_max: usize,
     timeout: std::time::Duration,
     abort: Arc<AbortState>,
     devices: Vec<String>,
@@ -108,6 +112,8 @@ struct Loaded {
     ctx: Arc<cs::CudaContext>,
     _module: Arc<cs::CudaModule>,
     funcs: HashMap<(Algorithm, DType, ReduceOp), cs::CudaFunction>,
+    /// Low-latency one-shot kernels.
+    ll_funcs: HashMap<(DType, ReduceOp), cs::CudaFunction>,
 }
 
 impl Loaded {
@@ -147,10 +153,21 @@ impl Loaded {
                 }
             }
         }
+        let mut ll_funcs = HashMap::new();
+        for dtype in DType::ALL {
+            for op in ReduceOp::ALL {
+                let kname = kernels::ll_kernel_name(dtype, op);
+                let f = module
+                    .load_function(&kname)
+                    .map_err(|e| cuda(&format!("loading kernel {kname}"), e))?;
+                ll_funcs.insert((dtype, op), f);
+            }
+        }
         let l = Arc::new(Loaded {
             ctx,
             _module: module,
             funcs,
+            ll_funcs,
         });
         cache.insert(ordinal, l.clone());
         Ok(l)
@@ -200,9 +217,15 @@ impl CudaComm {
             .or(env_usize("IPCREDUCE_SLOT_BYTES")?)
             .unwrap_or(DEFAULT_SLOT_BYTES);
         let slot_bytes = (slot_bytes.max(64 << 10) / 256) * 256;
+        // Messages up to this size take the low-latency one-shot (0 disables it).
+        let ll_max = env_usize("IPCREDUCE_LL_MAX")?
+            .unwrap_or(crate::plan::LL_DEFAULT_MAX_BYTES)
+            .min(LL_MAX_BYTES);
         // Every rank must use the same grid and slot size: the protocol pairs block b with
         // block b and alternates slots by chunk count.
-        let mine = [blocks as u64, slot_bytes as u64].map(u64::to_le_bytes).concat();
+        let mine = [blocks as u64, slot_bytes as u64, ll_max as u64]
+            .map(u64::to_le_bytes)
+            .concat();
         let all = boot.all_gather(&mine)?;
         if let Some(peer) = all.iter().position(|v| v != &mine) {
             return Err(Error::Mismatch {
@@ -210,29 +233,30 @@ impl CudaComm {
                 peer,
                 op: "init".into(),
                 seq: 0,
-                detail: "IPCREDUCE_BLOCKS / slot size differ between ranks".into(),
+                detail: "IPCREDUCE_BLOCKS / IPCREDUCE_SLOT_BYTES / IPCREDUCE_LL_MAX differ between ranks"
+                    .into(),
             });
         }
 
         let ws = Workspaces::create(
             boot,
             device,
-            SIG_BYTES + 2 * slot_bytes,
+            SIG_BYTES + LL_BYTES + 2 * slot_bytes,
             ShareMode::from_env()?,
         )?;
-        if ws.size < SIG_BYTES + 2 * slot_bytes {
+        if ws.size < SIG_BYTES + LL_BYTES + 2 * slot_bytes {
             return Err(Error::Cuda {
                 rank,
                 op: "workspace creation".into(),
-                detail: format!("got {} bytes, need {}", ws.size, SIG_BYTES + 2 * slot_bytes),
+                detail: format!("got {} bytes, need {}", ws.size, SIG_BYTES + LL_BYTES + 2 * slot_bytes),
             });
         }
-        let state = DeviceAlloc::new(MAX_BLOCKS * 2 * 4 + 16, rank)?;
+        let state = DeviceAlloc::new(MAX_BLOCKS * 2 * 4 + 64, rank)?;
         let words = Arc::new(MappedHostWords::new(16, rank)?);
         // SAFETY: zeroing memory we own (signal area of our workspace, private state).
         unsafe {
-            ck(sys::cuMemsetD8_v2(ws.base(rank), 0, SIG_BYTES), rank, || {
-                "clearing the signal area".into()
+            ck(sys::cuMemsetD8_v2(ws.base(rank), 0, SIG_BYTES + LL_BYTES), rank, || {
+                "clearing the signal and LL areas".into()
             })?;
             ck(sys::cuMemsetD8_v2(state.ptr, 0, state.bytes), rank, || {
                 "clearing the protocol state".into()
@@ -265,6 +289,7 @@ impl CudaComm {
             words,
             blocks,
             slot_bytes,
+            ll_max,
             timeout: opts.timeout,
             abort,
             nccl: Err("not requested".into()),
@@ -297,7 +322,7 @@ impl CudaComm {
             }
             p
         };
-        let probe = self.ws.base(rank) + SIG_BYTES as u64;
+        let probe = self.ws.base(rank) + DATA_OFFSET;
         let mine = pattern(rank);
         // SAFETY: 16 bytes inside our own data area.
         ck(unsafe { sys::cuMemcpyHtoD_v2(probe, mine.as_ptr().cast(), 16) }, rank, || {
@@ -309,7 +334,7 @@ impl CudaComm {
         boot.barrier()?;
         for peer in 0..self.world {
             let mut got = [0u8; 16];
-            let addr = self.ws.base(peer) + SIG_BYTES as u64;
+            let addr = self.ws.base(peer) + DATA_OFFSET;
             // SAFETY: 16 bytes inside the peer's mapped data area.
             let res = unsafe { sys::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), addr, 16) };
             ck(res, rank, || format!("reading rank {peer}'s probe"))
@@ -388,16 +413,19 @@ impl CudaComm {
 
     fn kernel_args(&self, send: u64, recv: u64, count: usize, stamp: u64) -> KernelArgs {
         let mut data = [0u64; MAX_RANKS];
+        let mut ll = [0u64; MAX_RANKS];
         let mut sig = [0u64; MAX_RANKS];
         for r in 0..self.world {
             sig[r] = self.ws.base(r);
-            data[r] = self.ws.base(r) + SIG_BYTES as u64;
+            ll[r] = self.ws.base(r) + SIG_BYTES as u64;
+            data[r] = self.ws.base(r) + DATA_OFFSET;
         }
         KernelArgs {
             send,
             recv,
             count: count as u64,
             data,
+            ll,
             sig,
             counters: self.state.ptr,
             abort_flag: self.words.device + 4 * W_ABORT as u64,
@@ -465,7 +493,16 @@ impl CudaComm {
             // SAFETY: pointers checked by the caller.
             return unsafe { nccl.all_reduce(send as *const c_void, recv as *mut c_void, count, dtype, op, stream) };
         }
-        let f = self.gpu.funcs[&(algo, dtype, op)].cu_function();
+        let bytes = count * dtype.size();
+        let (f, grid) = if algo == Algorithm::OneShot && bytes <= self.ll_max {
+            // One thread per 8-byte unit; the grid may be smaller than the fixed one (the LL
+            // protocol does not pair blocks).
+            let units = bytes.div_ceil(8);
+            let grid = units.div_ceil(THREADS as usize).clamp(1, self.blocks);
+            (self.gpu.ll_funcs[&(dtype, op)].cu_function(), grid)
+        } else {
+            (self.gpu.funcs[&(algo, dtype, op)].cu_function(), self.blocks)
+        };
         let stamp = kernels::stamp(count, dtype, op, algo);
         let mut args = self.kernel_args(send, recv, count, stamp);
         let mut params = [(&mut args as *mut KernelArgs).cast::<c_void>()];
@@ -476,7 +513,7 @@ impl CudaComm {
             unsafe {
                 sys::cuLaunchKernel(
                     f,
-                    self.blocks as u32,
+                    grid as u32,
                     1,
                     1,
                     THREADS,

@@ -14,10 +14,15 @@
 //                                    different arguments all fail at once instead of hanging or
 //                                    reading out of bounds. Indexed by the barrier's parity: a
 //                                    peer may run one barrier ahead and stamp its next call.
-//   [SIG_BYTES, SIG_BYTES+2*slot)    data area: two slots (double buffering by chunk parity).
+//   LL area (LL_BYTES)               lines[2][MAX_RANKS][LL_LINES] of 16 bytes, for the low-latency
+//                                    one-shot (see one_shot_ll): peer p pushes its input into
+//                                    lines[parity][p] of every other rank, 8 data bytes and two
+//                                    copies of the call's flag per line, so the receiver polls
+//                                    its own memory and needs no barrier at all.
+//   data area (2 * slot_bytes)       two slots (double buffering by chunk parity).
 //
 // Per-rank private state (device memory, not shared): counters[MAX_BLOCKS][2] = {F, L} per block,
-// then one error word:
+// then one error word, then {LL sequence number, LL blocks done} at word 2*MAX_BLOCKS+4:
 // F = barriers passed, L = chunks processed. All state lives on the device and is advanced on the
 // device, so calls can be captured in a CUDA graph and replayed.
 //
@@ -32,6 +37,9 @@
 
 #define MAX_RANKS 8
 #define MAX_BLOCKS 128
+#define LL_MAX_BYTES (256 * 1024)
+#define LL_LINES (LL_MAX_BYTES / 8)
+#define LL_BYTES (2 * MAX_RANKS * LL_LINES * 16)
 #define FLAG_BYTES (MAX_BLOCKS * MAX_RANKS * 4)
 #define SIG_BYTES (FLAG_BYTES + 2 * MAX_BLOCKS * MAX_RANKS * 8)
 
@@ -44,6 +52,7 @@ struct Args {
     char *recv;                  // this rank's output (user memory; may equal send)
     u64 count;                   // elements
     char *data[MAX_RANKS];       // data area of every rank's workspace (own included), mapped
+    char *ll[MAX_RANKS];         // LL area of every rank's workspace, mapped
     u32 *sig[MAX_RANKS];         // signal area of every rank's workspace, mapped
     u32 *counters;               // this rank's private {F, L} per block
     volatile u32 *abort_flag;    // host-mapped: non-zero = communicator aborted by the host
@@ -351,11 +360,142 @@ template <typename D, typename Op> __device__ void two_shot(const Args &a) {
     if (threadIdx.x == 0) { ctr[0] = F; ctr[1] = L; }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Low-latency one-shot (LL) for messages up to LL_MAX_BYTES: every rank pushes each 8-byte unit of
+// its input into every peer's LL area as one 16-byte line {data.lo, flag, data.hi, flag}, then
+// reduces by polling its OWN LL area, in rank order. No barrier, no remote reads. The flag holds
+// the call's sequence number (high 16 bits) and a hash of the call's arguments (low 16 bits, odd
+// so a flag is never 0): a line from two calls ago cannot pass, and a peer that called with other
+// arguments is seen at once. Buffer parity alternates by call; a peer cannot start writing parity p
+// again before this rank has finished reading it, since the call in between needs this rank's data.
+
+__device__ __forceinline__ u32 ll_flag(u32 seq, u64 stamp) {
+    u32 h = (u32)(stamp ^ (stamp >> 32));
+    h = (h * 0x9E3779B1u) >> 16;
+    return ((seq & 0xFFFFu) << 16) | h | 1u;
+}
+
+__device__ __forceinline__ uint4 *ll_line(const Args &a, int owner, u32 parity, int from, u64 i) {
+    return (uint4 *)a.ll[owner] + ((u64)(parity * MAX_RANKS + from) * LL_LINES + i);
+}
+
+// 8 bytes of `src` at unit i (zero past `total` bytes); byte by byte when not 8-byte aligned.
+__device__ __forceinline__ uint2 load_unit(const char *src, u64 i, u64 total) {
+    if ((((u64)src) & 7u) == 0 && (i + 1) * 8 <= total) return *(const uint2 *)(src + i * 8);
+    uint2 w = make_uint2(0u, 0u);
+    char *b = (char *)&w;
+    for (int k = 0; k < 8; k++)
+        if (i * 8 + k < total) b[k] = src[i * 8 + k];
+    return w;
+}
+
+__device__ __forceinline__ void store_unit(char *dst, u64 i, u64 total, uint2 w) {
+    if ((((u64)dst) & 7u) == 0 && (i + 1) * 8 <= total) {
+        *(uint2 *)(dst + i * 8) = w;
+        return;
+    }
+    const char *b = (const char *)&w;
+    for (int k = 0; k < 8; k++)
+        if (i * 8 + k < total) dst[i * 8 + k] = b[k];
+}
+
+// Waits for peer `from`'s line i of this call; false on timeout, abort, mismatch or another failure.
+__device__ bool ll_poll(const Args &a, u32 parity, int from, u64 i, u32 flag, uint2 &out) {
+    const uint4 *line = ll_line(a, a.rank, parity, from, i);
+    u64 deadline = 0;
+    u32 spins = 0;
+    while (true) {
+        uint4 v;
+        asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(line));
+        if (v.y == flag && v.w == flag) {
+            out = make_uint2(v.x, v.z);
+            return true;
+        }
+        if ((v.y >> 16) == (flag >> 16) && v.y != flag) {
+            report(a, ERR_MISMATCH, from, flag);
+            return false;
+        }
+        if ((++spins & 1023u) == 0u) {
+            u64 now = globaltimer();
+            if (deadline == 0) deadline = now + a.timeout_ns;
+            if (*a.abort_flag != 0u) {
+                report(a, ERR_ABORTED, from, flag);
+                return false;
+            }
+            if (*(volatile u32 *)a.err != 0u) return false;
+            if (now > deadline) {
+                report(a, ERR_TIMEOUT, from, flag);
+                return false;
+            }
+        }
+    }
+}
+
+template <typename D, typename Op> __device__ void one_shot_ll(const Args &a) {
+    u32 *ll_state = a.counters + 2 * MAX_BLOCKS + 4; // {last sequence number, blocks done}
+    const u32 seq = *(volatile u32 *)&ll_state[0] + 1;
+    const u32 flag = ll_flag(seq, a.stamp);
+    const u32 parity = seq & 1u;
+    const u64 total = a.count * D::SIZE;
+    const u64 units = (total + 7) / 8;
+    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    // Push: each unit to every peer, peers in rotated order so links load evenly.
+    for (u64 i = first; i < units; i += stride) {
+        uint2 v = load_unit(a.send, i, total);
+        for (int k = 1; k < a.world; k++) {
+            int r = (a.rank + k) % a.world;
+            asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(ll_line(a, r, parity, a.rank, i)),
+                         "r"(v.x), "r"(flag), "r"(v.y), "r"(flag)
+                         : "memory");
+        }
+    }
+    // Reduce in rank order from our own memory. The same thread handles unit i in both loops, so
+    // in place (send == recv) is safe.
+    bool ok = true;
+    for (u64 i = first; ok && i < units; i += stride) {
+        const int N = 8 / D::SIZE;
+        float acc[N];
+        for (int r = 0; r < a.world; r++) {
+            uint2 x;
+            if (r == a.rank) x = load_unit(a.send, i, total);
+            else if (!ll_poll(a, parity, r, i, flag, x)) { ok = false; break; }
+            const char *xb = (const char *)&x;
+#pragma unroll
+            for (int k = 0; k < N; k++) {
+                float v = D::load(xb + k * D::SIZE);
+                acc[k] = r == 0 ? v : Op::apply(acc[k], v); // f32 accumulation, rank order
+            }
+        }
+        if (ok) {
+            uint2 w;
+            char *wb = (char *)&w;
+#pragma unroll
+            for (int k = 0; k < N; k++) D::store(wb + k * D::SIZE, acc[k]);
+            store_unit(a.recv, i, total, w);
+        }
+    }
+    // The last block to finish publishes the sequence number for the next call.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&ll_state[1], 1u) == gridDim.x - 1) {
+            ll_state[1] = 0u;
+            ll_state[0] = seq;
+            __threadfence();
+        }
+    }
+}
+
 #define KERNELS(DT, OPN, D, OP)                                                               \
     extern "C" __global__ void __launch_bounds__(512)                                         \
         ipcr_oneshot_##DT##_##OPN(const Args a) { one_shot<D, OP>(a); }                       \
     extern "C" __global__ void __launch_bounds__(512)                                         \
-        ipcr_twoshot_##DT##_##OPN(const Args a) { two_shot<D, OP>(a); }
+        ipcr_twoshot_##DT##_##OPN(const Args a) { two_shot<D, OP>(a); }                       \
+    extern "C" __global__ void __launch_bounds__(512)                                         \
+        ipcr_oneshotll_##DT##_##OPN(const Args a) { one_shot_ll<D, OP>(a); }
 
 KERNELS(f32, sum, F32, OpSum)
 KERNELS(f32, max, F32, OpMax)
