@@ -38,25 +38,34 @@ pub fn stamp(count: usize, dtype: DType, op: ReduceOp, algo: Algorithm) -> u64 {
         | op.code() as u64
 }
 
-/// Describes how two stamps differ, e.g. "count 100 vs 200".
+/// Describes how two stamps differ, e.g. "count 100 vs 200". `theirs == 0`: only a hash of
+/// the peer's arguments was seen (the low-latency path), so only ours can be told.
 pub fn describe_stamp_difference(mine: u64, theirs: u64) -> String {
     let fields = |s: u64| (s >> 24, (s >> 16) & 0xFF, (s >> 8) & 0xFF, s & 0xFF);
     let (mc, ma, md, mo) = fields(mine);
     let (tc, ta, td, to) = fields(theirs);
     let name = |table: &[&str], v: u64| table.get(v as usize).copied().unwrap_or("?").to_string();
+    let algos = ["auto", "oneshot", "twoshot", "nccl"];
+    let dtypes = ["float", "half", "bfloat16"];
+    let ops = ["sum", "max", "min"];
+    if theirs == 0 {
+        return format!(
+            "the peer's count, dtype, op or algorithm differ from this rank's ({mc} x {} {}, {})",
+            name(&dtypes, md),
+            name(&ops, mo),
+            name(&algos, ma)
+        );
+    }
     let mut parts = Vec::new();
     if mc != tc {
         parts.push(format!("count {mc} vs {tc}"));
     }
-    let algos = ["auto", "oneshot", "twoshot", "nccl"];
     if ma != ta {
         parts.push(format!("algorithm {} vs {}", name(&algos, ma), name(&algos, ta)));
     }
-    let dtypes = ["float", "half", "bfloat16"];
     if md != td {
         parts.push(format!("dtype {} vs {}", name(&dtypes, md), name(&dtypes, td)));
     }
-    let ops = ["sum", "max", "min"];
     if mo != to {
         parts.push(format!("op {} vs {}", name(&ops, mo), name(&ops, to)));
     }
@@ -138,6 +147,8 @@ mod tests {
         assert_eq!(describe_stamp_difference(a, b), "count 100 vs 200, dtype float vs bfloat16");
         let c = stamp(100, DType::F32, ReduceOp::Max, Algorithm::TwoShot);
         assert_eq!(describe_stamp_difference(a, c), "algorithm oneshot vs twoshot, op sum vs max");
+        let unknown = describe_stamp_difference(a, 0);
+        assert!(unknown.contains("100 x float sum, oneshot"), "{unknown}");
     }
 
     #[test]
