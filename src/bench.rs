@@ -97,9 +97,9 @@ pub fn run(args: BenchArgs) -> i32 {
     }
 }
 
-fn parse_list<T: std::str::FromStr<Err = String>>(s: &str, all: &[T]) -> Result<Vec<T>, String>
+fn parse_list<T>(s: &str, all: &[T]) -> Result<Vec<T>, String>
 where
-    T: Copy,
+    T: Copy + std::str::FromStr<Err = String>,
 {
     if s.eq_ignore_ascii_case("all") {
         return Ok(all.to_vec());
@@ -157,7 +157,16 @@ fn bench(args: &BenchArgs) -> Result<bool> {
     if rank == 0 {
         println!(
             "# {:>10} {:>11} {:>8} {:>5} {:>8} {:>5} {:>10} {:>8} {:>8} {:>6}",
-            "size", "count", "type", "redop", "algo", "mode", "time(us)", "algbw", "busbw", "#wrong"
+            "size",
+            "count",
+            "type",
+            "redop",
+            "algo",
+            "mode",
+            "time(us)",
+            "algbw",
+            "busbw",
+            "#wrong"
         );
         println!(
             "# {:>10} {:>11} {:>8} {:>5} {:>8} {:>5} {:>10} {:>8} {:>8} {:>6}",
@@ -291,8 +300,10 @@ fn write_json(
         graph_calls: args.graph,
     };
     let doc = serde_json::json!({ "meta": meta, "rows": rows });
-    let text = serde_json::to_string_pretty(&doc).map_err(|e| crate::Error::Config(e.to_string()))?;
-    std::fs::write(path, text).map_err(|e| crate::Error::io(format!("writing {}", path.display()), e))
+    let text =
+        serde_json::to_string_pretty(&doc).map_err(|e| crate::Error::Config(e.to_string()))?;
+    std::fs::write(path, text)
+        .map_err(|e| crate::Error::io(format!("writing {}", path.display()), e))
 }
 
 /// Current UTC time as ISO 8601, without a date crate.

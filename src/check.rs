@@ -63,7 +63,13 @@ pub fn run(args: CheckArgs) -> i32 {
     }
 }
 
-fn draw(rng: &mut SmallRng, index: usize, max_bytes: usize, algos: &[Algorithm], seed: u64) -> Case {
+fn draw(
+    rng: &mut SmallRng,
+    index: usize,
+    max_bytes: usize,
+    algos: &[Algorithm],
+    seed: u64,
+) -> Case {
     let dtype = DType::ALL[rng.gen_range(0..3)];
     let max_count = (max_bytes / dtype.size()).max(1);
     let count = match index {
@@ -81,7 +87,12 @@ fn draw(rng: &mut SmallRng, index: usize, max_bytes: usize, algos: &[Algorithm],
             let exp = rng.gen_range(0.0..=(hi as f64).log2());
             let c = 2f64.powf(exp) as usize;
             // Half the time nudge it off powers of two.
-            (c + if rng.gen_bool(0.5) { rng.gen_range(0..=7) } else { 0 }).clamp(1, max_count)
+            (c + if rng.gen_bool(0.5) {
+                rng.gen_range(0..=7)
+            } else {
+                0
+            })
+            .clamp(1, max_count)
         }
     };
     let op = match rng.gen_range(0..10) {
@@ -193,7 +204,9 @@ fn run_case(comm: &mut Communicator, bufs: &Buffers, case: &Case) -> Result<Opti
     }
     let prints = gather_u64(comm, out.fingerprint)?;
     if let Some(r) = prints.iter().position(|p| *p != prints[0]) {
-        return Ok(Some(format!("rank {r}'s output differs bitwise from rank 0's")));
+        return Ok(Some(format!(
+            "rank {r}'s output differs bitwise from rank 0's"
+        )));
     }
     // One-shot and two-shot must agree bitwise: rerun with the other one on the same data.
     let bytes = case.count * case.dtype.size();
@@ -204,10 +217,22 @@ fn run_case(comm: &mut Communicator, bufs: &Buffers, case: &Case) -> Result<Opti
         } else {
             Algorithm::OneShot
         };
-        let again = run_checked(comm, &Call { algo: other, ..call }, case.seed)?;
-        let same = gather_u64(comm, (again.fingerprint == out.fingerprint && again.wrong == 0) as u64)?;
+        let again = run_checked(
+            comm,
+            &Call {
+                algo: other,
+                ..call
+            },
+            case.seed,
+        )?;
+        let same = gather_u64(
+            comm,
+            (again.fingerprint == out.fingerprint && again.wrong == 0) as u64,
+        )?;
         if let Some(r) = same.iter().position(|s| *s == 0) {
-            return Ok(Some(format!("rank {r}: {other} differs bitwise from {ran}")));
+            return Ok(Some(format!(
+                "rank {r}: {other} differs bitwise from {ran}"
+            )));
         }
     }
     Ok(None)
@@ -222,21 +247,31 @@ mod tests {
         let algos = [Algorithm::Auto, Algorithm::OneShot, Algorithm::TwoShot];
         let draw_all = || {
             let mut rng = SmallRng::seed_from_u64(5);
-            (0..2000).map(|i| draw(&mut rng, i, 256 << 20, &algos, 5)).collect::<Vec<_>>()
+            (0..2000)
+                .map(|i| draw(&mut rng, i, 256 << 20, &algos, 5))
+                .collect::<Vec<_>>()
         };
         let (a, b) = (draw_all(), draw_all());
-        assert!(a.iter().zip(&b).all(|(x, y)| format!("{x:?}") == format!("{y:?}")));
+        assert!(a
+            .iter()
+            .zip(&b)
+            .all(|(x, y)| format!("{x:?}") == format!("{y:?}")));
         assert_eq!(a[0].count, 1);
         assert_eq!(a[1].count * a[1].dtype.size(), 256 << 20);
         assert!(a.iter().any(|c| c.in_place) && a.iter().any(|c| !c.in_place));
         assert!(a.iter().any(|c| c.offset % 16 != 0));
         assert!(a.iter().any(|c| c.count % 8 != 0));
-        assert!(a.iter().all(|c| c.offset < 16 && c.offset % c.dtype.size() == 0));
+        assert!(a
+            .iter()
+            .all(|c| c.offset < 16 && c.offset % c.dtype.size() == 0));
         for d in DType::ALL {
             assert!(a.iter().any(|c| c.dtype == d));
         }
         // The big ones are rare: the sweep must stay quick.
-        let big = a.iter().filter(|c| c.count * c.dtype.size() > 16 << 20).count();
+        let big = a
+            .iter()
+            .filter(|c| c.count * c.dtype.size() > 16 << 20)
+            .count();
         assert!(big < 40, "{big} cases above 16 MiB");
     }
 }

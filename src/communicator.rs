@@ -95,7 +95,13 @@ impl Communicator {
 
     /// The algorithm a call of `bytes` bytes runs with `requested`.
     pub fn resolve(&self, requested: Algorithm, bytes: usize) -> Algorithm {
-        plan::choose(requested, self.algo_env, self.backend(), self.world(), bytes)
+        plan::choose(
+            requested,
+            self.algo_env,
+            self.backend(),
+            self.world(),
+            bytes,
+        )
     }
 
     /// All-reduce on raw pointers: device pointers and a `CUstream` (null = the
@@ -167,9 +173,7 @@ impl Communicator {
         let b = as_bytes_mut(buf);
         let p = b.as_mut_ptr().cast::<c_void>();
         // SAFETY: one live slice used as both input and output.
-        unsafe {
-            self.all_reduce_raw(p, p, buf.len(), T::DTYPE, op, algo, std::ptr::null_mut())
-        }
+        unsafe { self.all_reduce_raw(p, p, buf.len(), T::DTYPE, op, algo, std::ptr::null_mut()) }
     }
 
     fn require_host(&self, op: &'static str) -> Result<()> {
@@ -197,7 +201,9 @@ impl Communicator {
         if send.is_null() || recv.is_null() {
             return Err(Error::invalid(rank, "all_reduce", "null buffer pointer"));
         }
-        let bytes = count.checked_mul(dtype.size()).filter(|b| *b <= isize::MAX as usize);
+        let bytes = count
+            .checked_mul(dtype.size())
+            .filter(|b| *b <= isize::MAX as usize);
         let Some(bytes) = bytes else {
             return Err(Error::invalid(
                 rank,
@@ -280,9 +286,7 @@ fn agree_on_backend(boot: &mut Bootstrap, choice: BackendChoice) -> Result<Backe
             BackendKind::Host
         }),
         BackendChoice::Cuda => {
-            if let Err(e) = backend::cuda::usable() {
-                return Err(e);
-            }
+            backend::cuda::usable()?;
             if let Some(peer) = all.iter().position(|v| v.first() != Some(&1)) {
                 return Err(Error::Bootstrap {
                     rank: boot.rank(),

@@ -73,15 +73,9 @@ pub fn as_bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
 #[inline]
 pub fn load_f64(dtype: DType, bytes: &[u8], i: usize) -> f64 {
     match dtype {
-        DType::F32 => {
-            f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap()) as f64
-        }
-        DType::F16 => {
-            f16::from_le_bytes(bytes[2 * i..2 * i + 2].try_into().unwrap()).to_f64()
-        }
-        DType::Bf16 => {
-            bf16::from_le_bytes(bytes[2 * i..2 * i + 2].try_into().unwrap()).to_f64()
-        }
+        DType::F32 => f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap()) as f64,
+        DType::F16 => f16::from_le_bytes(bytes[2 * i..2 * i + 2].try_into().unwrap()).to_f64(),
+        DType::Bf16 => bf16::from_le_bytes(bytes[2 * i..2 * i + 2].try_into().unwrap()).to_f64(),
     }
 }
 

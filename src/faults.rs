@@ -62,11 +62,19 @@ pub fn run(args: FaultArgs) -> i32 {
     };
     match outcome {
         Ok(msg) => {
-            println!("PASS {} rank {rank}{}: {msg}", args.scenario, role(rank, culprit));
+            println!(
+                "PASS {} rank {rank}{}: {msg}",
+                args.scenario,
+                role(rank, culprit)
+            );
             0
         }
         Err(msg) => {
-            println!("FAIL {} rank {rank}{}: {msg}", args.scenario, role(rank, culprit));
+            println!(
+                "FAIL {} rank {rank}{}: {msg}",
+                args.scenario,
+                role(rank, culprit)
+            );
             1
         }
     }
@@ -89,7 +97,12 @@ fn options(args: &FaultArgs, timeout: Duration) -> Options {
 }
 
 /// One all-reduce of `count` elements on backend buffers, then a wait for its completion.
-fn one_call(comm: &mut Communicator, count: usize, dtype: DType, algo: Algorithm) -> crate::Result<()> {
+fn one_call(
+    comm: &mut Communicator,
+    count: usize,
+    dtype: DType,
+    algo: Algorithm,
+) -> crate::Result<()> {
     let bytes = count * 4; // room for the largest dtype
     let send = comm.test_alloc(bytes)?;
     let recv = comm.test_alloc(bytes)?;
@@ -147,10 +160,14 @@ fn timeout(args: &FaultArgs, info: RankInfo) -> Result<String, String> {
         Err(e) => {
             let text = e.to_string();
             if !matches!(e, Error::Timeout { peer, .. } if peer == culprit) {
-                return Err(format!("expected a timeout naming rank {culprit}, got: {text}"));
+                return Err(format!(
+                    "expected a timeout naming rank {culprit}, got: {text}"
+                ));
             }
             if took > limit * 2 + Duration::from_secs(1) {
-                return Err(format!("timeout fired after {took:?}, limit {limit:?}: {text}"));
+                return Err(format!(
+                    "timeout fired after {took:?}, limit {limit:?}: {text}"
+                ));
             }
             Ok(format!("{text} (after {took:?})"))
         }

@@ -93,11 +93,23 @@ mod tests {
     #[test]
     fn explicit_choice_beats_env_beats_auto() {
         let b = BackendKind::Cuda;
-        assert_eq!(choose(Algorithm::TwoShot, Some(Algorithm::OneShot), b, 2, 8), Algorithm::TwoShot);
-        assert_eq!(choose(Algorithm::Auto, Some(Algorithm::TwoShot), b, 2, 8), Algorithm::TwoShot);
+        assert_eq!(
+            choose(Algorithm::TwoShot, Some(Algorithm::OneShot), b, 2, 8),
+            Algorithm::TwoShot
+        );
+        assert_eq!(
+            choose(Algorithm::Auto, Some(Algorithm::TwoShot), b, 2, 8),
+            Algorithm::TwoShot
+        );
         assert_eq!(choose(Algorithm::Auto, None, b, 2, 8), Algorithm::OneShot);
-        assert_eq!(choose(Algorithm::Auto, None, b, 2, 1 << 30), Algorithm::TwoShot);
-        assert_eq!(choose(Algorithm::Auto, None, b, 1, 1 << 30), Algorithm::OneShot);
+        assert_eq!(
+            choose(Algorithm::Auto, None, b, 2, 1 << 30),
+            Algorithm::TwoShot
+        );
+        assert_eq!(
+            choose(Algorithm::Auto, None, b, 1, 1 << 30),
+            Algorithm::OneShot
+        );
     }
 
     proptest! {
@@ -118,7 +130,7 @@ mod tests {
             for i in 0..parts {
                 let s = shard(len, parts, i, align);
                 prop_assert_eq!(s.start, next);
-                prop_assert!(s.start % align == 0 || s.start == len);
+                prop_assert!(s.start.is_multiple_of(align) || s.start == len);
                 next = s.end;
             }
             prop_assert_eq!(next, len);

@@ -69,7 +69,14 @@ pub fn reference(dtype: DType, op: ReduceOp, seed: u64, world: usize, i: usize) 
 /// Accumulation happens in f32 (error at most world x 2^-24 x sum|x|), then the result is
 /// rounded once to `dtype` (half an ulp of the result). Max and min must be exact.
 #[inline]
-pub fn acceptable(dtype: DType, op: ReduceOp, world: usize, got: f64, exact: f64, mag: f64) -> bool {
+pub fn acceptable(
+    dtype: DType,
+    op: ReduceOp,
+    world: usize,
+    got: f64,
+    exact: f64,
+    mag: f64,
+) -> bool {
     if !got.is_finite() {
         return false;
     }
@@ -117,7 +124,10 @@ pub fn count_wrong_par(dtype: DType, op: ReduceOp, seed: u64, world: usize, out:
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or(usize::MAX)).sum()
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or(usize::MAX))
+            .sum()
     })
 }
 
@@ -167,13 +177,25 @@ mod tests {
                 let (exact, _) = reference(dtype, ReduceOp::Sum, 7, world, i);
                 store_f64(dtype, &mut out, i, exact);
             }
-            assert_eq!(count_wrong(dtype, ReduceOp::Sum, 7, world, &out), 0, "{dtype}");
+            assert_eq!(
+                count_wrong(dtype, ReduceOp::Sum, 7, world, &out),
+                0,
+                "{dtype}"
+            );
             // A result that misses one rank's contribution must be caught.
             let (partial, _) = reference(dtype, ReduceOp::Sum, 7, world - 1, 3);
             store_f64(dtype, &mut out, 3, partial);
-            assert_eq!(count_wrong(dtype, ReduceOp::Sum, 7, world, &out), 1, "{dtype}");
+            assert_eq!(
+                count_wrong(dtype, ReduceOp::Sum, 7, world, &out),
+                1,
+                "{dtype}"
+            );
             poison(&mut out);
-            assert_eq!(count_wrong(dtype, ReduceOp::Sum, 7, world, &out), count, "{dtype}");
+            assert_eq!(
+                count_wrong(dtype, ReduceOp::Sum, 7, world, &out),
+                count,
+                "{dtype}"
+            );
         }
     }
 
@@ -197,7 +219,14 @@ mod tests {
         let dtype = DType::F32;
         let (exact, mag) = reference(dtype, ReduceOp::Max, 1, 3, 0);
         assert!(acceptable(dtype, ReduceOp::Max, 3, exact, exact, mag));
-        assert!(!acceptable(dtype, ReduceOp::Max, 3, exact + 1e-6, exact, mag));
+        assert!(!acceptable(
+            dtype,
+            ReduceOp::Max,
+            3,
+            exact + 1e-6,
+            exact,
+            mag
+        ));
     }
 
     #[test]

@@ -113,7 +113,9 @@ impl FromStr for ReduceOp {
             "sum" => Ok(ReduceOp::Sum),
             "max" => Ok(ReduceOp::Max),
             "min" => Ok(ReduceOp::Min),
-            other => Err(format!("unknown reduction '{other}' (expected sum, max or min)")),
+            other => Err(format!(
+                "unknown reduction '{other}' (expected sum, max or min)"
+            )),
         }
     }
 }
@@ -220,7 +222,9 @@ impl FromStr for BackendChoice {
             "auto" => Ok(BackendChoice::Auto),
             "cuda" | "gpu" => Ok(BackendChoice::Cuda),
             "host" | "cpu" => Ok(BackendChoice::Host),
-            other => Err(format!("unknown backend '{other}' (expected auto, cuda or host)")),
+            other => Err(format!(
+                "unknown backend '{other}' (expected auto, cuda or host)"
+            )),
         }
     }
 }
@@ -237,7 +241,12 @@ mod tests {
         for o in ReduceOp::ALL {
             assert_eq!(o.name().parse::<ReduceOp>().unwrap(), o);
         }
-        for a in [Algorithm::Auto, Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Nccl] {
+        for a in [
+            Algorithm::Auto,
+            Algorithm::OneShot,
+            Algorithm::TwoShot,
+            Algorithm::Nccl,
+        ] {
             assert_eq!(a.name().parse::<Algorithm>().unwrap(), a);
         }
         assert_eq!("one-shot".parse::<Algorithm>().unwrap(), Algorithm::OneShot);

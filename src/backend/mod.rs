@@ -72,5 +72,11 @@ pub trait BackendOps: Send {
     fn synchronize(&mut self) -> Result<()>;
     /// Median-free mean time of one call in microseconds over `iters` calls after `warmup`.
     /// `graph = Some(k)`: capture k calls in a CUDA graph and time its replays instead.
-    fn time(&mut self, call: &Call, warmup: usize, iters: usize, graph: Option<usize>) -> Result<f64>;
+    fn time(
+        &mut self,
+        call: &Call,
+        warmup: usize,
+        iters: usize,
+        graph: Option<usize>,
+    ) -> Result<f64>;
 }

@@ -61,10 +61,18 @@ pub fn describe_stamp_difference(mine: u64, theirs: u64) -> String {
         parts.push(format!("count {mc} vs {tc}"));
     }
     if ma != ta {
-        parts.push(format!("algorithm {} vs {}", name(&algos, ma), name(&algos, ta)));
+        parts.push(format!(
+            "algorithm {} vs {}",
+            name(&algos, ma),
+            name(&algos, ta)
+        ));
     }
     if md != td {
-        parts.push(format!("dtype {} vs {}", name(&dtypes, md), name(&dtypes, td)));
+        parts.push(format!(
+            "dtype {} vs {}",
+            name(&dtypes, md),
+            name(&dtypes, td)
+        ));
     }
     if mo != to {
         parts.push(format!("op {} vs {}", name(&ops, mo), name(&ops, to)));
@@ -129,14 +137,24 @@ mod tests {
     fn layout_constants_match_the_kernel_source() {
         for (name, value) in [("MAX_RANKS", MAX_RANKS), ("MAX_BLOCKS", MAX_BLOCKS)] {
             let line = format!("#define {name} {value}");
-            assert!(ALLREDUCE_SOURCE.contains(&line), "kernel source lacks `{line}`");
+            assert!(
+                ALLREDUCE_SOURCE.contains(&line),
+                "kernel source lacks `{line}`"
+            );
         }
-        assert!(ALLREDUCE_SOURCE.contains("#define SIG_BYTES (FLAG_BYTES + 2 * MAX_BLOCKS * MAX_RANKS * 8)"));
+        assert!(ALLREDUCE_SOURCE
+            .contains("#define SIG_BYTES (FLAG_BYTES + 2 * MAX_BLOCKS * MAX_RANKS * 8)"));
         assert!(ALLREDUCE_SOURCE.contains("#define FLAG_BYTES (MAX_BLOCKS * MAX_RANKS * 4)"));
-        assert!(ALLREDUCE_SOURCE.contains(&format!("#define LL_MAX_BYTES ({} * 1024)", LL_MAX_BYTES / 1024)));
+        assert!(ALLREDUCE_SOURCE.contains(&format!(
+            "#define LL_MAX_BYTES ({} * 1024)",
+            LL_MAX_BYTES / 1024
+        )));
         assert!(ALLREDUCE_SOURCE.contains("#define LL_BYTES (2 * MAX_RANKS * LL_LINES * 16)"));
         let codes = format!("ERR_TIMEOUT = {ERR_TIMEOUT}, ERR_ABORTED = {ERR_ABORTED}, ERR_MISMATCH = {ERR_MISMATCH}");
-        assert!(ALLREDUCE_SOURCE.contains(&codes), "error codes differ from `{codes}`");
+        assert!(
+            ALLREDUCE_SOURCE.contains(&codes),
+            "error codes differ from `{codes}`"
+        );
     }
 
     #[test]
@@ -144,9 +162,15 @@ mod tests {
         let a = stamp(100, DType::F32, ReduceOp::Sum, Algorithm::OneShot);
         let b = stamp(200, DType::Bf16, ReduceOp::Sum, Algorithm::OneShot);
         assert_ne!(a, b);
-        assert_eq!(describe_stamp_difference(a, b), "count 100 vs 200, dtype float vs bfloat16");
+        assert_eq!(
+            describe_stamp_difference(a, b),
+            "count 100 vs 200, dtype float vs bfloat16"
+        );
         let c = stamp(100, DType::F32, ReduceOp::Max, Algorithm::TwoShot);
-        assert_eq!(describe_stamp_difference(a, c), "algorithm oneshot vs twoshot, op sum vs max");
+        assert_eq!(
+            describe_stamp_difference(a, c),
+            "algorithm oneshot vs twoshot, op sum vs max"
+        );
         let unknown = describe_stamp_difference(a, 0);
         assert!(unknown.contains("100 x float sum, oneshot"), "{unknown}");
     }
@@ -159,7 +183,10 @@ mod tests {
                     let name = kernel_name(algo, dtype, op);
                     let (a, rest) = name.trim_start_matches("ipcr_").split_once('_').unwrap();
                     let (d, o) = rest.split_once('_').unwrap();
-                    assert!(ALLREDUCE_SOURCE.contains(&format!("KERNELS({d}, {o},")), "{name}");
+                    assert!(
+                        ALLREDUCE_SOURCE.contains(&format!("KERNELS({d}, {o},")),
+                        "{name}"
+                    );
                     assert!(["oneshot", "twoshot"].contains(&a));
                 }
             }
@@ -185,14 +212,23 @@ mod tests {
                 for dtype in DType::ALL {
                     for op in ReduceOp::ALL {
                         let name = kernel_name(algo, dtype, op);
-                        assert!(text.contains(&format!(".entry {name}")), "{arch}: {name} missing");
+                        assert!(
+                            text.contains(&format!(".entry {name}")),
+                            "{arch}: {name} missing"
+                        );
                         let ll = ll_kernel_name(dtype, op);
-                        assert!(text.contains(&format!(".entry {ll}")), "{arch}: {ll} missing");
+                        assert!(
+                            text.contains(&format!(".entry {ll}")),
+                            "{arch}: {ll} missing"
+                        );
                     }
                 }
             }
             // 16-byte accesses must be there (the whole point of the packed loads).
-            assert!(text.contains("ld.global.cg.v4.u32") || text.contains("ld.global.cg.v4.b32"), "{arch}: no 16-byte loads");
+            assert!(
+                text.contains("ld.global.cg.v4.u32") || text.contains("ld.global.cg.v4.b32"),
+                "{arch}: no 16-byte loads"
+            );
         }
     }
 }

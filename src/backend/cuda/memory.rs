@@ -14,9 +14,11 @@ impl DeviceAlloc {
     pub fn new(bytes: usize, rank: usize) -> Result<Self> {
         let mut ptr = 0;
         // SAFETY: writes one pointer; a zero-byte request is rounded up to 1.
-        ck(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) }, rank, || {
-            format!("cuMemAlloc({bytes} bytes)")
-        })?;
+        ck(
+            unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) },
+            rank,
+            || format!("cuMemAlloc({bytes} bytes)"),
+        )?;
         Ok(DeviceAlloc { ptr, bytes })
     }
 }
@@ -49,9 +51,11 @@ impl MappedHostWords {
         let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
         // SAFETY: allocates len words of pinned memory.
-        ck(unsafe { sys::cuMemHostAlloc(&mut host, len * 4, flags) }, rank, || {
-            "cuMemHostAlloc(mapped words)".into()
-        })?;
+        ck(
+            unsafe { sys::cuMemHostAlloc(&mut host, len * 4, flags) },
+            rank,
+            || "cuMemHostAlloc(mapped words)".into(),
+        )?;
         let mut device = 0;
         // SAFETY: host is a live mapped allocation.
         let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) };

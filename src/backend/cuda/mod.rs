@@ -20,7 +20,9 @@ use crate::error::{Error, Result};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use cudarc::driver::{safe as cs, sys};
 use driver::ck;
-use kernels::{ERR_MISMATCH, ERR_TIMEOUT, LL_BYTES, LL_MAX_BYTES, MAX_BLOCKS, MAX_RANKS, SIG_BYTES};
+use kernels::{
+    ERR_MISMATCH, ERR_TIMEOUT, LL_BYTES, LL_MAX_BYTES, MAX_BLOCKS, MAX_RANKS, SIG_BYTES,
+};
 use memory::{DeviceAlloc, MappedHostWords};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -64,7 +66,9 @@ struct KernelArgs {
 /// Whether this process can use the cuda backend (driver, a GPU, NVRTC).
 pub fn usable() -> Result<()> {
     if !driver::driver_present() {
-        return Err(Error::CudaUnavailable("libcuda.so not found (no NVIDIA driver)".into()));
+        return Err(Error::CudaUnavailable(
+            "libcuda.so not found (no NVIDIA driver)".into(),
+        ));
     }
     cudarc::driver::result::init()
         .map_err(|e| Error::CudaUnavailable(format!("cuInit failed: {e}")))?;
@@ -140,7 +144,9 @@ impl Loaded {
             Error::Cuda { op, detail, .. } => Error::Cuda { rank, op, detail },
             other => other,
         })?;
-        let module = ctx.load_module(ptx).map_err(|e| cuda("loading the NVRTC module", e))?;
+        let module = ctx
+            .load_module(ptx)
+            .map_err(|e| cuda("loading the NVRTC module", e))?;
         let mut funcs = HashMap::new();
         for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
             for dtype in DType::ALL {
@@ -195,7 +201,8 @@ impl CudaComm {
         let ordinal = boot.info().local_rank % count as usize;
         let gpu = Loaded::get(ordinal, rank)?;
         let ctx = gpu.ctx.clone();
-        ctx.bind_to_thread().map_err(|e| cuda("binding the context", e))?;
+        ctx.bind_to_thread()
+            .map_err(|e| cuda("binding the context", e))?;
         let stream = ctx.new_stream().map_err(|e| cuda("stream creation", e))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
 
@@ -248,16 +255,22 @@ impl CudaComm {
             return Err(Error::Cuda {
                 rank,
                 op: "workspace creation".into(),
-                detail: format!("got {} bytes, need {}", ws.size, SIG_BYTES + LL_BYTES + 2 * slot_bytes),
+                detail: format!(
+                    "got {} bytes, need {}",
+                    ws.size,
+                    SIG_BYTES + LL_BYTES + 2 * slot_bytes
+                ),
             });
         }
         let state = DeviceAlloc::new(MAX_BLOCKS * 2 * 4 + 64, rank)?;
         let words = Arc::new(MappedHostWords::new(16, rank)?);
         // SAFETY: zeroing memory we own (signal area of our workspace, private state).
         unsafe {
-            ck(sys::cuMemsetD8_v2(ws.base(rank), 0, SIG_BYTES + LL_BYTES), rank, || {
-                "clearing the signal and LL areas".into()
-            })?;
+            ck(
+                sys::cuMemsetD8_v2(ws.base(rank), 0, SIG_BYTES + LL_BYTES),
+                rank,
+                || "clearing the signal and LL areas".into(),
+            )?;
             ck(sys::cuMemsetD8_v2(state.ptr, 0, state.bytes), rank, || {
                 "clearing the protocol state".into()
             })?;
@@ -273,7 +286,10 @@ impl CudaComm {
 
         let devices: Vec<String> = {
             let names = boot.all_gather(format!("{name} (GPU {ordinal})").as_bytes())?;
-            names.iter().map(|n| String::from_utf8_lossy(n).into_owned()).collect()
+            names
+                .iter()
+                .map(|n| String::from_utf8_lossy(n).into_owned())
+                .collect()
         };
         check_peer_access(rank, device, &uuids)?;
 
@@ -325,25 +341,30 @@ impl CudaComm {
         let probe = self.ws.base(rank) + DATA_OFFSET;
         let mine = pattern(rank);
         // SAFETY: 16 bytes inside our own data area.
-        ck(unsafe { sys::cuMemcpyHtoD_v2(probe, mine.as_ptr().cast(), 16) }, rank, || {
-            "writing the cross-process probe".into()
-        })?;
+        ck(
+            unsafe { sys::cuMemcpyHtoD_v2(probe, mine.as_ptr().cast(), 16) },
+            rank,
+            || "writing the cross-process probe".into(),
+        )?;
         // The copy may return before its DMA lands: wait before telling the peers.
         // SAFETY: no arguments.
-        ck(unsafe { sys::cuCtxSynchronize() }, rank, || "cuCtxSynchronize".into())?;
+        ck(unsafe { sys::cuCtxSynchronize() }, rank, || {
+            "cuCtxSynchronize".into()
+        })?;
         boot.barrier()?;
         for peer in 0..self.world {
             let mut got = [0u8; 16];
             let addr = self.ws.base(peer) + DATA_OFFSET;
             // SAFETY: 16 bytes inside the peer's mapped data area.
             let res = unsafe { sys::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), addr, 16) };
-            ck(res, rank, || format!("reading rank {peer}'s probe"))
-                .map_err(|e| Error::PeerAccess {
+            ck(res, rank, || format!("reading rank {peer}'s probe")).map_err(|e| {
+                Error::PeerAccess {
                     rank,
                     peer,
                     op: "cross-process read",
                     detail: e.to_string(),
-                })?;
+                }
+            })?;
             if got != pattern(peer) {
                 return Err(Error::PeerAccess {
                     rank,
@@ -381,7 +402,10 @@ impl CudaComm {
                     waited: self.timeout,
                 },
                 ERR_MISMATCH => {
-                    let word64 = |i| self.words.get(W_ERR + i) as u64 | (self.words.get(W_ERR + i + 1) as u64) << 32;
+                    let word64 = |i| {
+                        self.words.get(W_ERR + i) as u64
+                            | (self.words.get(W_ERR + i + 1) as u64) << 32
+                    };
                     let (theirs, mine) = (word64(4), word64(6));
                     Error::Mismatch {
                         rank: self.rank,
@@ -462,19 +486,26 @@ impl CudaComm {
             return Err(Error::invalid(
                 self.rank,
                 "all_reduce",
-                format!("{what} buffer {ptr:#x} is not CUDA device memory ({})", driver::describe(res)),
+                format!(
+                    "{what} buffer {ptr:#x} is not CUDA device memory ({})",
+                    driver::describe(res)
+                ),
             ));
         }
         if ordinal as usize != self.ordinal {
             return Err(Error::invalid(
                 self.rank,
                 "all_reduce",
-                format!("{what} buffer is on GPU {ordinal}, the communicator on GPU {}", self.ordinal),
+                format!(
+                    "{what} buffer is on GPU {ordinal}, the communicator on GPU {}",
+                    self.ordinal
+                ),
             ));
         }
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn launch(
         &mut self,
         send: u64,
@@ -489,9 +520,20 @@ impl CudaComm {
         self.seq += 1;
         if algo == Algorithm::Nccl {
             let rank = self.rank;
-            let nccl = self.nccl.as_mut().map_err(|why| Error::invalid(rank, "all_reduce", format!("NCCL unavailable: {why}")))?;
+            let nccl = self.nccl.as_mut().map_err(|why| {
+                Error::invalid(rank, "all_reduce", format!("NCCL unavailable: {why}"))
+            })?;
             // SAFETY: pointers checked by the caller.
-            return unsafe { nccl.all_reduce(send as *const c_void, recv as *mut c_void, count, dtype, op, stream) };
+            return unsafe {
+                nccl.all_reduce(
+                    send as *const c_void,
+                    recv as *mut c_void,
+                    count,
+                    dtype,
+                    op,
+                    stream,
+                )
+            };
         }
         let bytes = count * dtype.size();
         let (f, grid) = if algo == Algorithm::OneShot && bytes <= self.ll_max {
@@ -501,7 +543,10 @@ impl CudaComm {
             let grid = units.div_ceil(THREADS as usize).clamp(1, self.blocks);
             (self.gpu.ll_funcs[&(dtype, op)].cu_function(), grid)
         } else {
-            (self.gpu.funcs[&(algo, dtype, op)].cu_function(), self.blocks)
+            (
+                self.gpu.funcs[&(algo, dtype, op)].cu_function(),
+                self.blocks,
+            )
         };
         let stamp = kernels::stamp(count, dtype, op, algo);
         let mut args = self.kernel_args(send, recv, count, stamp);
@@ -596,7 +641,12 @@ impl BackendOps for CudaComm {
         // SAFETY: in bounds of our allocation; `data` outlives the synchronize below.
         ck(
             unsafe {
-                sys::cuMemcpyHtoDAsync_v2(ptr, data.as_ptr().cast(), data.len(), self.stream.cu_stream())
+                sys::cuMemcpyHtoDAsync_v2(
+                    ptr,
+                    data.as_ptr().cast(),
+                    data.len(),
+                    self.stream.cu_stream(),
+                )
             },
             self.rank,
             || format!("copying {} bytes to the device", data.len()),
@@ -612,7 +662,12 @@ impl BackendOps for CudaComm {
         // SAFETY: in bounds of our allocation; `out` outlives the synchronize below.
         ck(
             unsafe {
-                sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), ptr, out.len(), self.stream.cu_stream())
+                sys::cuMemcpyDtoHAsync_v2(
+                    out.as_mut_ptr().cast(),
+                    ptr,
+                    out.len(),
+                    self.stream.cu_stream(),
+                )
             },
             self.rank,
             || format!("copying {} bytes from the device", out.len()),
@@ -637,10 +692,22 @@ impl BackendOps for CudaComm {
         res.map_err(|e| self.cuda_err("stream synchronize".into(), e))
     }
 
-    fn time(&mut self, call: &Call, warmup: usize, iters: usize, graph: Option<usize>) -> Result<f64> {
+    fn time(
+        &mut self,
+        call: &Call,
+        warmup: usize,
+        iters: usize,
+        graph: Option<usize>,
+    ) -> Result<f64> {
         let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let start = self.ctx.new_event(flags).map_err(|e| self.cuda_err("cuEventCreate".into(), e))?;
-        let end = self.ctx.new_event(flags).map_err(|e| self.cuda_err("cuEventCreate".into(), e))?;
+        let start = self
+            .ctx
+            .new_event(flags)
+            .map_err(|e| self.cuda_err("cuEventCreate".into(), e))?;
+        let end = self
+            .ctx
+            .new_event(flags)
+            .map_err(|e| self.cuda_err("cuEventCreate".into(), e))?;
         let iters = iters.max(1);
         let calls = match graph {
             None => {
@@ -648,7 +715,9 @@ impl BackendOps for CudaComm {
                     self.run(call)?;
                 }
                 self.synchronize()?;
-                start.record(&self.stream).map_err(|e| self.cuda_err("cuEventRecord".into(), e))?;
+                start
+                    .record(&self.stream)
+                    .map_err(|e| self.cuda_err("cuEventRecord".into(), e))?;
                 for _ in 0..iters {
                     self.run(call)?;
                 }
@@ -679,19 +748,26 @@ impl BackendOps for CudaComm {
                 })?;
                 let reps = iters.div_ceil(k);
                 for _ in 0..warmup.div_ceil(k).max(1) {
-                    g.launch().map_err(|e| self.cuda_err("cuGraphLaunch".into(), e))?;
+                    g.launch()
+                        .map_err(|e| self.cuda_err("cuGraphLaunch".into(), e))?;
                 }
                 self.synchronize()?;
-                start.record(&self.stream).map_err(|e| self.cuda_err("cuEventRecord".into(), e))?;
+                start
+                    .record(&self.stream)
+                    .map_err(|e| self.cuda_err("cuEventRecord".into(), e))?;
                 for _ in 0..reps {
-                    g.launch().map_err(|e| self.cuda_err("cuGraphLaunch".into(), e))?;
+                    g.launch()
+                        .map_err(|e| self.cuda_err("cuGraphLaunch".into(), e))?;
                 }
                 reps * k
             }
         };
-        end.record(&self.stream).map_err(|e| self.cuda_err("cuEventRecord".into(), e))?;
+        end.record(&self.stream)
+            .map_err(|e| self.cuda_err("cuEventRecord".into(), e))?;
         self.synchronize()?;
-        let ms = start.elapsed_ms(&end).map_err(|e| self.cuda_err("cuEventElapsedTime".into(), e))?;
+        let ms = start
+            .elapsed_ms(&end)
+            .map_err(|e| self.cuda_err("cuEventElapsedTime".into(), e))?;
         Ok(ms as f64 * 1000.0 / calls as f64)
     }
 }
@@ -717,7 +793,11 @@ impl Drop for CudaComm {
 fn device_uuid(device: sys::CUdevice, rank: usize) -> Result<Vec<u8>> {
     // SAFETY: a plain C struct filled by the driver.
     let mut uuid: sys::CUuuid = unsafe { std::mem::zeroed() };
-    ck(unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, device) }, rank, || "cuDeviceGetUuid".into())?;
+    ck(
+        unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, device) },
+        rank,
+        || "cuDeviceGetUuid".into(),
+    )?;
     Ok(uuid.bytes.iter().map(|b| *b as u8).collect())
 }
 
@@ -742,14 +822,18 @@ fn check_peer_access(rank: usize, device: sys::CUdevice, uuids: &[Vec<u8>]) -> R
                 rank,
                 peer,
                 op: "P2P query",
-                detail: "the peer's GPU is not visible to this process (CUDA_VISIBLE_DEVICES differs?)".into(),
+                detail:
+                    "the peer's GPU is not visible to this process (CUDA_VISIBLE_DEVICES differs?)"
+                        .into(),
             });
         };
         let mut can = 0;
         // SAFETY: writes one int.
-        ck(unsafe { sys::cuDeviceCanAccessPeer(&mut can, device, peer_dev) }, rank, || {
-            "cuDeviceCanAccessPeer".into()
-        })?;
+        ck(
+            unsafe { sys::cuDeviceCanAccessPeer(&mut can, device, peer_dev) },
+            rank,
+            || "cuDeviceCanAccessPeer".into(),
+        )?;
         if can == 0 {
             return Err(Error::PeerAccess {
                 rank,

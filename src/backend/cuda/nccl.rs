@@ -101,13 +101,21 @@ impl Nccl {
             ReduceOp::Max => ns::ncclRedOp_t::ncclMax,
             ReduceOp::Min => ns::ncclRedOp_t::ncclMin,
         };
-        nr::all_reduce(send, recv, count, dt, o, self.comm, stream as ns::cudaStream_t)
-            .map(|_| ())
-            .map_err(|e| Error::Cuda {
-                rank: self.rank,
-                op: format!("ncclAllReduce({count} x {dtype})"),
-                detail: format!("{e:?}"),
-            })
+        nr::all_reduce(
+            send,
+            recv,
+            count,
+            dt,
+            o,
+            self.comm,
+            stream as ns::cudaStream_t,
+        )
+        .map(|_| ())
+        .map_err(|e| Error::Cuda {
+            rank: self.rank,
+            op: format!("ncclAllReduce({count} x {dtype})"),
+            detail: format!("{e:?}"),
+        })
     }
 }
 

@@ -188,9 +188,11 @@ fn map_handle(
     let mut ptr = 0;
     // SAFETY: reserve/map/set-access on a range we own; undone by Mapping's Drop.
     unsafe {
-        if let Err(e) = ck(sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0), rank, || {
-            format!("cuMemAddressReserve for {what}")
-        }) {
+        if let Err(e) = ck(
+            sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0),
+            rank,
+            || format!("cuMemAddressReserve for {what}"),
+        ) {
             sys::cuMemRelease(handle);
             return Err(e);
         }
@@ -218,9 +220,11 @@ fn export_vmm(device: sys::CUdevice, bytes: usize, rank: usize) -> Result<(Mappi
     let size = bytes.div_ceil(granularity(&prop, rank)?) * granularity(&prop, rank)?;
     let mut handle = 0;
     // SAFETY: creates one physical allocation, owned by the Mapping below.
-    ck(unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) }, rank, || {
-        format!("cuMemCreate({size} bytes, POSIX fd handle)")
-    })?;
+    ck(
+        unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) },
+        rank,
+        || format!("cuMemCreate({size} bytes, POSIX fd handle)"),
+    )?;
     let mut fd: std::ffi::c_int = -1;
     // SAFETY: exports the handle as a new fd, which we then own.
     let exported = unsafe {
@@ -251,9 +255,11 @@ fn export_ipc(bytes: usize, rank: usize) -> Result<(Mapping, sys::CUipcMemHandle
     let mapping = Mapping::Owned { ptr };
     // SAFETY: a plain C struct filled by the driver.
     let mut handle: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
-    ck(unsafe { sys::cuIpcGetMemHandle(&mut handle, ptr) }, rank, || {
-        "cuIpcGetMemHandle".into()
-    })?;
+    ck(
+        unsafe { sys::cuIpcGetMemHandle(&mut handle, ptr) },
+        rank,
+        || "cuIpcGetMemHandle".into(),
+    )?;
     Ok((mapping, handle))
 }
 
@@ -297,10 +303,18 @@ fn import_all(
                         sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
                     )
                 };
-                ck(res, rank, || format!("cuMemImportFromShareableHandle of rank {peer}'s workspace"))
-                    .map_err(|e| peer_access(rank, peer, "import", e))?;
-                let m = map_handle(handle, peer_size, device, rank, &format!("rank {peer}'s workspace"))
-                    .map_err(|e| peer_access(rank, peer, "map", e))?;
+                ck(res, rank, || {
+                    format!("cuMemImportFromShareableHandle of rank {peer}'s workspace")
+                })
+                .map_err(|e| peer_access(rank, peer, "import", e))?;
+                let m = map_handle(
+                    handle,
+                    peer_size,
+                    device,
+                    rank,
+                    &format!("rank {peer}'s workspace"),
+                )
+                .map_err(|e| peer_access(rank, peer, "map", e))?;
                 maps[peer] = Some(m);
             }
         }
@@ -331,14 +345,19 @@ fn import_all(
                         sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
                     )
                 };
-                ck(res, rank, || format!("cuIpcOpenMemHandle of rank {peer}'s workspace"))
-                    .map_err(|e| peer_access(rank, peer, "open IPC handle", e))?;
+                ck(res, rank, || {
+                    format!("cuIpcOpenMemHandle of rank {peer}'s workspace")
+                })
+                .map_err(|e| peer_access(rank, peer, "open IPC handle", e))?;
                 maps[peer] = Some(Mapping::Opened { ptr });
             }
         }
     }
     Ok(Workspaces {
-        maps: maps.into_iter().map(|m| m.expect("every rank mapped")).collect(),
+        maps: maps
+            .into_iter()
+            .map(|m| m.expect("every rank mapped"))
+            .collect(),
         size,
         mode,
     })

@@ -56,7 +56,13 @@ impl BackendOps for HostComm {
     fn synchronize(&mut self) -> Result<()> {
         todo!()
     }
-    fn time(&mut self, _call: &Call, _warmup: usize, _iters: usize, _graph: Option<usize>) -> Result<f64> {
+    fn time(
+        &mut self,
+        _call: &Call,
+        _warmup: usize,
+        _iters: usize,
+        _graph: Option<usize>,
+    ) -> Result<f64> {
         todo!()
     }
 }
