@@ -44,10 +44,24 @@ pub fn driver_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
-/// Driver version as "major.minor" (e.g. 13.0).
+/// The kernel driver's version (e.g. "580.159.04") and the CUDA version it supports
+/// (e.g. "CUDA 13.0"), as far as they can be read.
 pub fn driver_version() -> Option<String> {
     let mut v = 0;
     // SAFETY: writes one int.
     let res = unsafe { sys::cuDriverGetVersion(&mut v) };
-    (res == sys::CUresult::CUDA_SUCCESS).then(|| format!("{}.{}", v / 1000, (v % 1000) / 10))
+    let cuda = (res == sys::CUresult::CUDA_SUCCESS)
+        .then(|| format!("CUDA {}.{}", v / 1000, (v % 1000) / 10));
+    // "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  <date>"
+    let kernel = std::fs::read_to_string("/proc/driver/nvidia/version")
+        .ok()
+        .and_then(|t| {
+            let line = t.lines().next()?.to_string();
+            let after = line.split("Kernel Module").nth(1)?;
+            after.split_whitespace().next().map(str::to_string)
+        });
+    match (kernel, cuda) {
+        (Some(k), Some(c)) => Some(format!("{k} ({c})")),
+        (k, c) => k.or(c),
+    }
 }
