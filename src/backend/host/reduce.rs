@@ -22,6 +22,22 @@ trait Lanes {
     unsafe fn load(src: *const u8, out: &mut [f32; BLOCK]);
     /// Rounds BLOCK values to the element type and stores them at `dst`.
     unsafe fn store(v: &[f32; BLOCK], dst: *mut u8);
+    /// Stores BLOCK values at offset `off` of every destination, rounding only once.
+    #[inline(always)]
+    unsafe fn store_all(v: &[f32; BLOCK], dsts: &[*mut u8], off: usize) {
+        if let [d] = dsts {
+            // SAFETY (caller): d is writable for BLOCK elements at off.
+            return unsafe { Self::store(v, d.add(off)) };
+        }
+        let mut packed = [0u8; BLOCK * MAX_ELEM];
+        // SAFETY (caller): every destination is writable for BLOCK elements at off.
+        unsafe {
+            Self::store(v, packed.as_mut_ptr());
+            for d in dsts {
+                std::ptr::copy_nonoverlapping(packed.as_ptr(), d.add(off), BLOCK * Self::SIZE);
+            }
+        }
+    }
 }
 
 struct F32;
@@ -96,6 +112,100 @@ impl Lanes for F16 {
     }
 }
 
+/// f16 through F16C (8 conversions per instruction). Only used inside kernels compiled
+/// with `f16c`, picked at run time when the CPU has it; rounding is round-to-nearest-even
+/// like the software path.
+#[cfg(target_arch = "x86_64")]
+struct F16Hw;
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for F16Hw {
+    const SIZE: usize = 2;
+    #[inline]
+    #[target_feature(enable = "avx,f16c")]
+    unsafe fn load(src: *const u8, out: &mut [f32; BLOCK]) {
+        use std::arch::x86_64::*;
+        for i in 0..BLOCK / 8 {
+            // SAFETY (caller): src is readable for BLOCK elements; out holds BLOCK.
+            unsafe {
+                let h = _mm_loadu_si128(src.add(16 * i).cast());
+                _mm256_storeu_ps(out.as_mut_ptr().add(8 * i), _mm256_cvtph_ps(h));
+            }
+        }
+    }
+    #[inline]
+    #[target_feature(enable = "avx,f16c")]
+    unsafe fn store(v: &[f32; BLOCK], dst: *mut u8) {
+        use std::arch::x86_64::*;
+        for i in 0..BLOCK / 8 {
+            // SAFETY (caller): dst is writable for BLOCK elements.
+            unsafe {
+                let f = _mm256_loadu_ps(v.as_ptr().add(8 * i));
+                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(f);
+                _mm_storeu_si128(dst.add(16 * i).cast(), h);
+            }
+        }
+    }
+}
+
+/// bf16 with AVX2 integer ops: the same round-to-nearest-even and NaN rule as
+/// [`f32_to_bf16_bits`]. Loading interleaves each 16-element group with zeros (which puts
+/// every bf16 in the top half of an f32, i.e. converts it) in the order `unpack` produces;
+/// storing packs with the exact inverse permutation. Reductions are elementwise and every
+/// source is loaded alike, so the order inside a block never matters.
+#[cfg(target_arch = "x86_64")]
+struct Bf16Hw;
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for Bf16Hw {
+    const SIZE: usize = 2;
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load(src: *const u8, out: &mut [f32; BLOCK]) {
+        use std::arch::x86_64::*;
+        let zero = _mm256_setzero_si256();
+        for i in 0..BLOCK / 16 {
+            // SAFETY (caller): src is readable for BLOCK elements; out holds BLOCK.
+            unsafe {
+                let x = _mm256_loadu_si256(src.add(32 * i).cast());
+                let lo = _mm256_unpacklo_epi16(zero, x);
+                let hi = _mm256_unpackhi_epi16(zero, x);
+                _mm256_storeu_ps(out.as_mut_ptr().add(16 * i), _mm256_castsi256_ps(lo));
+                _mm256_storeu_ps(out.as_mut_ptr().add(16 * i + 8), _mm256_castsi256_ps(hi));
+            }
+        }
+    }
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn store(v: &[f32; BLOCK], dst: *mut u8) {
+        use std::arch::x86_64::*;
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        fn round(b: __m256i) -> __m256i {
+            let top = _mm256_srli_epi32::<16>(b);
+            let lsb = _mm256_and_si256(top, _mm256_set1_epi32(1));
+            let bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb);
+            let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(b, bias));
+            let abs = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFF_FFFF));
+            let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F80_0000));
+            let quiet = _mm256_or_si256(top, _mm256_set1_epi32(0x0040));
+            _mm256_blendv_epi8(rounded, quiet, nan)
+        }
+        for i in 0..BLOCK / 16 {
+            // SAFETY (caller): dst is writable for BLOCK elements.
+            unsafe {
+                let lo = round(_mm256_castps_si256(_mm256_loadu_ps(v.as_ptr().add(16 * i))));
+                let hi = round(_mm256_castps_si256(_mm256_loadu_ps(
+                    v.as_ptr().add(16 * i + 8),
+                )));
+                // Values are <= 0xFFFF, so unsigned saturation is exact; packus works per
+                // 128-bit lane, undoing unpacklo/unpackhi.
+                _mm256_storeu_si256(dst.add(32 * i).cast(), _mm256_packus_epi32(lo, hi));
+            }
+        }
+    }
+}
+
 /// A reduction operator on f32.
 trait Combine {
     fn apply(a: f32, b: f32) -> f32;
@@ -157,9 +267,7 @@ unsafe fn reduce_typed<T: Lanes, O: Combine>(srcs: &[*const u8], dsts: &[*mut u8
         // SAFETY (caller): sources and destinations hold n >= (b+1) * BLOCK elements.
         unsafe {
             block::<T, O>(srcs, off, &mut acc);
-            for d in dsts {
-                T::store(&acc, d.add(off));
-            }
+            T::store_all(&acc, dsts, off);
         }
     }
     let rem = n - full * BLOCK;
@@ -192,7 +300,7 @@ unsafe fn reduce_typed<T: Lanes, O: Combine>(srcs: &[*const u8], dsts: &[*mut u8
 type Kernel = unsafe fn(&[*const u8], &[*mut u8], usize);
 
 macro_rules! kernels {
-    ($name:ident $(, $feat:literal)?) => {
+    ($name:ident, $f16:ty, $bf16:ty $(, $feat:literal)?) => {
         mod $name {
             use super::*;
             $(#[target_feature(enable = $feat)])?
@@ -205,28 +313,28 @@ macro_rules! kernels {
                     (DType::F32, ReduceOp::Sum) => k::<F32, Sum>,
                     (DType::F32, ReduceOp::Max) => k::<F32, Max>,
                     (DType::F32, ReduceOp::Min) => k::<F32, Min>,
-                    (DType::F16, ReduceOp::Sum) => k::<F16, Sum>,
-                    (DType::F16, ReduceOp::Max) => k::<F16, Max>,
-                    (DType::F16, ReduceOp::Min) => k::<F16, Min>,
-                    (DType::Bf16, ReduceOp::Sum) => k::<Bf16, Sum>,
-                    (DType::Bf16, ReduceOp::Max) => k::<Bf16, Max>,
-                    (DType::Bf16, ReduceOp::Min) => k::<Bf16, Min>,
+                    (DType::F16, ReduceOp::Sum) => k::<$f16, Sum>,
+                    (DType::F16, ReduceOp::Max) => k::<$f16, Max>,
+                    (DType::F16, ReduceOp::Min) => k::<$f16, Min>,
+                    (DType::Bf16, ReduceOp::Sum) => k::<$bf16, Sum>,
+                    (DType::Bf16, ReduceOp::Max) => k::<$bf16, Max>,
+                    (DType::Bf16, ReduceOp::Min) => k::<$bf16, Min>,
                 }
             }
         }
     };
 }
 
-kernels!(baseline);
+kernels!(baseline, F16, Bf16);
 #[cfg(target_arch = "x86_64")]
-kernels!(avx2, "avx2");
+kernels!(avx2, F16Hw, Bf16Hw, "avx2,f16c");
 
 /// The kernel for `dtype`/`op` on this CPU. Every rank of a host job runs on the same CPU,
 /// and add/max/min give the same bits in SSE and AVX, so the choice never breaks bitwise
 /// agreement between ranks.
 pub(crate) fn kernel(dtype: DType, op: ReduceOp) -> Kernel {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
         return avx2::pick(dtype, op);
     }
     baseline::pick(dtype, op)
@@ -347,6 +455,48 @@ mod tests {
                 bf16::from_f32(x).to_bits(),
                 "{bits:#x}"
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod bench {
+    use super::*;
+    use std::time::Instant;
+
+    /// `cargo test --release --lib host::reduce::bench -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn kernel_throughput() {
+        for n in [4096usize, 32768, 131072, 524288] {
+            for (dtype, world) in [
+                (DType::F32, 2),
+                (DType::F32, 4),
+                (DType::Bf16, 2),
+                (DType::F16, 2),
+            ] {
+                let bytes = n * dtype.size();
+                let ins: Vec<Vec<u8>> = (0..world).map(|_| vec![0u8; bytes]).collect();
+                let mut a = vec![0u8; bytes];
+                let mut b = vec![0u8; bytes];
+                let srcs: Vec<*const u8> = ins.iter().map(|v| v.as_ptr()).collect();
+                let k = kernel(dtype, ReduceOp::Sum);
+                let iters = (1 << 30) / (bytes * world);
+                let mut best = f64::MAX;
+                for _ in 0..5 {
+                    let t = Instant::now();
+                    for _ in 0..iters {
+                        // SAFETY: buffers of n elements.
+                        unsafe { k(&srcs, &[a.as_mut_ptr(), b.as_mut_ptr()], n) };
+                    }
+                    best = best.min(t.elapsed().as_secs_f64() / iters as f64);
+                }
+                println!(
+                    "{dtype:>8} world {world} {bytes:>8} B: {:7.2} us, {:6.2} GB/s of input",
+                    best * 1e6,
+                    (bytes * world) as f64 / best / 1e9
+                );
+            }
         }
     }
 }

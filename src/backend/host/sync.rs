@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 #[cfg(not(target_endian = "little"))]
 compile_error!("the futex waits on the low 32 bits of a u64 flag, which assumes little endian");
 
+pub static NOPAUSE: AtomicU32 = AtomicU32::new(0);
 /// A one-writer flag. `sleepers` counts processes blocked (or about to block) in FUTEX_WAIT.
 #[repr(C)]
 pub(crate) struct Signal {
@@ -119,7 +120,9 @@ fn wait_slow(
             if sig.get() >= target {
                 return Ok(());
             }
-            std::hint::spin_loop();
+            if NOPAUSE.load(Ordering::Relaxed) == 0 {
+                std::hint::spin_loop();
+            }
         }
         if start.elapsed() >= policy.spin {
             break;

@@ -455,3 +455,70 @@ fn backend_ops_buffers_and_timing() {
         assert!(c.write(s, &[0]).is_err());
     });
 }
+
+/// Quick micro-benchmark (threads as ranks, same shared-memory paths as processes):
+/// `cargo test --release --lib host::tests::bench -- --ignored --nocapture`
+/// (`BENCH_WORLD=4` for more ranks). Best of 5 runs, slowest rank of each.
+#[test]
+#[ignore]
+fn bench() {
+    if std::env::var("XNOPAUSE").is_ok() {
+        super::sync::NOPAUSE.store(1, Ordering::Relaxed);
+    }
+    let world: usize = std::env::var("BENCH_WORLD")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    let comms = std::sync::Mutex::new(World::new(world).comms());
+    for bytes in [8usize, 4096, 64 << 10, 512 << 10, 2 << 20, 8 << 20] {
+        let count = bytes / 4;
+        let iters = (50_000_000 / (bytes + 2000)).clamp(10, 100_000);
+        let mut line = format!("{world} ranks {bytes:>9} B:");
+        for algo in ALGOS {
+            let mut best = f64::MAX;
+            for _ in 0..5 {
+                let cs: Vec<HostComm> = std::mem::take(&mut *comms.lock().unwrap());
+                let (us, back): (Vec<f64>, Vec<HostComm>) = std::thread::scope(|s| {
+                    let hs: Vec<_> = cs
+                        .into_iter()
+                        .map(|mut c| {
+                            s.spawn(move || {
+                                let send = input(DType::F32, 1, c.rank(), count);
+                                let mut recv = vec![0u8; bytes];
+                                let mut call = |c: &mut HostComm| {
+                                    // SAFETY: two live buffers of count f32.
+                                    unsafe {
+                                        c.all_reduce(
+                                            send.as_ptr(),
+                                            recv.as_mut_ptr(),
+                                            count,
+                                            DType::F32,
+                                            ReduceOp::Sum,
+                                            algo,
+                                        )
+                                    }
+                                    .unwrap()
+                                };
+                                for _ in 0..iters / 10 + 3 {
+                                    call(&mut c);
+                                }
+                                c.barrier().unwrap();
+                                let t0 = Instant::now();
+                                for _ in 0..iters {
+                                    call(&mut c);
+                                }
+                                (t0.elapsed().as_secs_f64() * 1e6 / iters as f64, c)
+                            })
+                        })
+                        .collect();
+                    hs.into_iter().map(|h| h.join().unwrap()).unzip()
+                });
+                *comms.lock().unwrap() = back;
+                best = best.min(us.iter().cloned().fold(0.0, f64::max));
+            }
+            let busbw = bytes as f64 / best / 1e3 * 2.0 * (world - 1) as f64 / world as f64;
+            line += &format!("  {algo} {best:9.2} us ({busbw:5.2} GB/s)");
+        }
+        println!("{line}");
+    }
+}
