@@ -375,11 +375,7 @@ impl HostComm {
     }
 
     fn chunk_elems(&self, dtype: DType) -> usize {
-        let max = std::env::var("XCHUNK")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(MAX_CHUNK_BYTES);
-        (self.layout.slot_bytes.min(max) / dtype.size()).max(1)
+        (self.layout.slot_bytes.min(MAX_CHUNK_BYTES) / dtype.size()).max(1)
     }
 
     /// Where our input chunk starting at `send` lies in our own heap, if it does.

@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 #[cfg(not(target_endian = "little"))]
 compile_error!("the futex waits on the low 32 bits of a u64 flag, which assumes little endian");
 
-pub static NOPAUSE: AtomicU32 = AtomicU32::new(0);
 /// A one-writer flag. `sleepers` counts processes blocked (or about to block) in FUTEX_WAIT.
 #[repr(C)]
 pub(crate) struct Signal {
@@ -69,7 +68,7 @@ impl SpinPolicy {
             }
         } else {
             SpinPolicy {
-                spin: Duration::from_micros(2),
+                spin: Duration::from_nanos(500),
                 yield_until: Duration::from_micros(200),
             }
         }
@@ -120,9 +119,7 @@ fn wait_slow(
             if sig.get() >= target {
                 return Ok(());
             }
-            if NOPAUSE.load(Ordering::Relaxed) == 0 {
-                std::hint::spin_loop();
-            }
+            std::hint::spin_loop();
         }
         if start.elapsed() >= policy.spin {
             break;

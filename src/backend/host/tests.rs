@@ -462,9 +462,6 @@ fn backend_ops_buffers_and_timing() {
 #[test]
 #[ignore]
 fn bench() {
-    if std::env::var("XNOPAUSE").is_ok() {
-        super::sync::NOPAUSE.store(1, Ordering::Relaxed);
-    }
     let world: usize = std::env::var("BENCH_WORLD")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -483,14 +480,21 @@ fn bench() {
                         .into_iter()
                         .map(|mut c| {
                             s.spawn(move || {
-                                let send = input(DType::F32, 1, c.rank(), count);
-                                let mut recv = vec![0u8; bytes];
-                                let mut call = |c: &mut HostComm| {
+                                // Like the CLI benchmark: 64-byte aligned plain buffers.
+                                let (sendb, recvb) = (
+                                    AlignedBuf::new(bytes).unwrap(),
+                                    AlignedBuf::new(bytes).unwrap(),
+                                );
+                                let (send, recv) = (sendb.ptr.as_ptr(), recvb.ptr.as_ptr());
+                                let inp = input(DType::F32, 1, c.rank(), count);
+                                // SAFETY: sendb holds `bytes`.
+                                unsafe { std::ptr::copy_nonoverlapping(inp.as_ptr(), send, bytes) };
+                                let call = |c: &mut HostComm| {
                                     // SAFETY: two live buffers of count f32.
                                     unsafe {
                                         c.all_reduce(
-                                            send.as_ptr(),
-                                            recv.as_mut_ptr(),
+                                            send,
+                                            recv,
                                             count,
                                             DType::F32,
                                             ReduceOp::Sum,
