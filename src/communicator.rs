@@ -176,10 +176,7 @@ impl Communicator {
     /// send buffer lies there (out of place, or in place) skips the copy into the workspace:
     /// peers read it directly. Allocate like a collective (same lengths, same order on every
     /// rank). The buffer stays valid after the communicator is dropped.
-    pub fn host_buffer<T: Element>(
-        &mut self,
-        len: usize,
-    ) -> Result<backend::host::HostBuffer<T>> {
+    pub fn host_buffer<T: Element>(&mut self, len: usize) -> Result<backend::host::HostBuffer<T>> {
         self.require_host("host_buffer")?;
         let backend: *mut dyn BackendOps = self.backend.as_mut();
         // SAFETY: `require_host` checked kind() == Host, and HostComm is the only backend of
