@@ -1,1 +1,415 @@
 //! `ipcreduce launch -n N -- CMD...`: starts N ranks of a command with the job's variables set.
+//!
+//! Each job gets a fresh private directory (mode 0700) holding rank 0's socket, a random job
+//! id and a random 128-bit secret, so ranks of different jobs can never meet and other users
+//! cannot reach the socket. When one rank fails, the others get a grace period to notice
+//! (the bootstrap's liveness aborts them) and are then terminated, then killed.
+
+use crate::bootstrap::MAX_WORLD;
+use crate::error::{Error, Result};
+use nix::sys::signal::{self, SaFlags, SigAction, SigHandler, SigSet, Signal};
+use nix::unistd::Pid;
+use rand::RngCore;
+use std::ffi::{OsStr, OsString};
+use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// How long the other ranks may take to stop on their own after one failed.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(5);
+/// How long SIGTERM gets before SIGKILL.
+const TERM_GRACE: Duration = Duration::from_secs(2);
+/// Child status polling period.
+const TICK: Duration = Duration::from_millis(10);
+
+/// True inside a rank started by `ipcreduce launch` or torchrun: `bench`/`check` use it to
+/// decide whether to re-launch themselves.
+pub fn in_rank() -> bool {
+    let set = |k| std::env::var_os(k).is_some_and(|v| !v.is_empty());
+    set("IPCREDUCE_RANK") || set("RANK")
+}
+
+/// Starts `n` ranks of `program args...`, waits for all of them and returns the exit code of
+/// the first that failed (128 + signal number for a signal), or 0. See [`spawn_ranks_with`].
+pub fn spawn_ranks(
+    n: usize,
+    program: &OsStr,
+    args: &[OsString],
+    extra_env: &[(String, String)],
+) -> Result<i32> {
+    spawn_ranks_with(n, program, args, extra_env, DEFAULT_GRACE)
+}
+
+/// [`spawn_ranks`] with the grace period the other ranks get after a failure.
+pub fn spawn_ranks_with(
+    n: usize,
+    program: &OsStr,
+    args: &[OsString],
+    extra_env: &[(String, String)],
+    grace: Duration,
+) -> Result<i32> {
+    if n == 0 {
+        return Err(Error::Config(
+            "launch needs at least one rank (-n 0)".into(),
+        ));
+    }
+    if n > MAX_WORLD {
+        return Err(Error::Config(format!(
+            "launch supports at most {MAX_WORLD} ranks (-n {n})"
+        )));
+    }
+    let dir = PrivateDir::create()?;
+    let socket = dir.path.join("rank0.sock");
+    let job_id = format!("launch-{}", random_hex(8));
+    let secret = random_hex(16);
+
+    let _signals = SignalGuard::install();
+    let mut ranks: Vec<Rank> = Vec::with_capacity(n);
+    for r in 0..n {
+        let mut cmd = Command::new(program);
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .env("IPCREDUCE_RANK", r.to_string())
+            .env("IPCREDUCE_WORLD_SIZE", n.to_string())
+            .env("IPCREDUCE_LOCAL_RANK", r.to_string())
+            .env("IPCREDUCE_SOCKET", &socket)
+            .env("IPCREDUCE_JOB_ID", &job_id)
+            .env("IPCREDUCE_SECRET", &secret)
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_RANK", r.to_string())
+            .env("LOCAL_WORLD_SIZE", n.to_string());
+        for (k, v) in extra_env {
+            cmd.env(k, v);
+        }
+        die_with_parent(&mut cmd);
+        match cmd.spawn() {
+            Ok(child) => ranks.push(Rank {
+                child,
+                status: None,
+            }),
+            Err(e) => {
+                kill_all(&mut ranks, Signal::SIGKILL);
+                reap_all(&mut ranks);
+                let name = program.to_string_lossy();
+                return Err(if e.kind() == std::io::ErrorKind::NotFound {
+                    Error::Config(format!("cannot start `{name}`: program not found"))
+                } else {
+                    Error::io(format!("starting rank {r} (`{name}`)"), e)
+                });
+            }
+        }
+    }
+    Ok(supervise(&mut ranks, grace))
+}
+
+struct Rank {
+    child: Child,
+    status: Option<ExitStatus>,
+}
+
+/// Exit code as a shell reports it.
+fn exit_code(st: ExitStatus) -> i32 {
+    match (st.code(), st.signal()) {
+        (Some(c), _) => c,
+        (None, Some(s)) => 128 + s,
+        (None, None) => 1,
+    }
+}
+
+fn describe(st: ExitStatus) -> String {
+    match (st.code(), st.signal()) {
+        (Some(c), _) => format!("exited with code {c}"),
+        (None, Some(s)) => {
+            let name = Signal::try_from(s).map(|s| s.as_str()).unwrap_or("?");
+            format!("was killed by signal {s} ({name})")
+        }
+        (None, None) => format!("ended ({st})"),
+    }
+}
+
+/// Waits for every rank; after the first failure (or a signal to us), gives the others
+/// `grace`, then SIGTERM, then SIGKILL. Returns the first failure's code or 0.
+fn supervise(ranks: &mut [Rank], grace: Duration) -> i32 {
+    enum Phase {
+        Running,
+        Grace(Instant),
+        Terminated(Instant),
+        Killed,
+    }
+    let mut phase = Phase::Running;
+    let mut first_failure: Option<i32> = None;
+    loop {
+        for (r, rank) in ranks.iter_mut().enumerate() {
+            if rank.status.is_some() {
+                continue;
+            }
+            // An error here means the child is already reaped; treat it as gone.
+            let st = match rank.child.try_wait() {
+                Ok(Some(st)) => st,
+                Ok(None) => continue,
+                Err(_) => ExitStatus::from_raw(1 << 8),
+            };
+            rank.status = Some(st);
+            if !st.success() && first_failure.is_none() {
+                eprintln!("ipcreduce launch: rank {r} {}", describe(st));
+                first_failure = Some(exit_code(st));
+            }
+        }
+        if ranks.iter().all(|r| r.status.is_some()) {
+            return first_failure.unwrap_or(0);
+        }
+        if let Some(sig) = SignalGuard::take() {
+            eprintln!("ipcreduce launch: got signal {sig}; stopping the ranks");
+            first_failure.get_or_insert(128 + sig);
+            // Ctrl-C already reached the whole process group; anything else is for us alone.
+            if let Ok(s) = Signal::try_from(sig) {
+                if s != Signal::SIGINT {
+                    kill_all(ranks, s);
+                }
+            }
+        }
+        let now = Instant::now();
+        phase = match phase {
+            Phase::Running if first_failure.is_some() => {
+                let left = ranks.iter().filter(|r| r.status.is_none()).count();
+                eprintln!("ipcreduce launch: giving the other {left} rank(s) {grace:?} to stop");
+                Phase::Grace(now + grace)
+            }
+            Phase::Grace(until) if now >= until => {
+                kill_all(ranks, Signal::SIGTERM);
+                Phase::Terminated(now + TERM_GRACE)
+            }
+            Phase::Terminated(until) if now >= until => {
+                kill_all(ranks, Signal::SIGKILL);
+                Phase::Killed
+            }
+            p => p,
+        };
+        std::thread::sleep(TICK);
+    }
+}
+
+fn kill_all(ranks: &mut [Rank], sig: Signal) {
+    for rank in ranks.iter_mut().filter(|r| r.status.is_none()) {
+        // Only our own unreaped children, so the pid cannot have been reused.
+        let _ = signal::kill(Pid::from_raw(rank.child.id() as i32), sig);
+    }
+}
+
+fn reap_all(ranks: &mut [Rank]) {
+    for rank in ranks.iter_mut().filter(|r| r.status.is_none()) {
+        rank.status = rank.child.wait().ok();
+    }
+}
+
+/// Children get SIGTERM if `launch` itself dies (even by SIGKILL): ranks must not outlive
+/// their launcher holding GPU memory.
+fn die_with_parent(cmd: &mut Command) {
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: the closure runs between fork and exec and only makes async-signal-safe calls.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGTERM as libc::c_ulong,
+                0,
+                0,
+                0,
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The launcher may have died before prctl took effect.
+            if libc::getppid() != parent {
+                return Err(std::io::Error::other("launcher exited"));
+            }
+            Ok(())
+        });
+    }
+}
+
+fn random_hex(bytes: usize) -> String {
+    let mut b = vec![0u8; bytes];
+    rand::rngs::OsRng.fill_bytes(&mut b);
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The job's private directory, removed with everything in it when dropped.
+struct PrivateDir {
+    path: PathBuf,
+}
+
+impl PrivateDir {
+    fn create() -> Result<PrivateDir> {
+        // Socket paths are limited to 107 bytes: a deep $TMPDIR falls back to /tmp.
+        let tmp = std::env::temp_dir();
+        let base = if tmp.as_os_str().len() <= 60 {
+            tmp
+        } else {
+            PathBuf::from("/tmp")
+        };
+        Self::create_in(&base)
+    }
+
+    fn create_in(base: &Path) -> Result<PrivateDir> {
+        let mut last = None;
+        for _ in 0..8 {
+            let path = base.join(format!("ipcreduce-{}", random_hex(8)));
+            // create, not create_all: the directory must be new, hence ours and private.
+            match std::fs::DirBuilder::new().mode(0o700).create(&path) {
+                Ok(()) => return Ok(PrivateDir { path }),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last = Some(e),
+                Err(e) => {
+                    return Err(Error::io(
+                        format!("creating a private directory in {}", base.display()),
+                        e,
+                    ))
+                }
+            }
+        }
+        Err(Error::io(
+            format!("creating a private directory in {}", base.display()),
+            last.unwrap_or_else(|| std::io::Error::other("name collisions")),
+        ))
+    }
+}
+
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.path) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                eprintln!(
+                    "ipcreduce launch: cannot remove {}: {e}",
+                    self.path.display()
+                );
+            }
+        }
+    }
+}
+
+/// Signal number caught while supervising (0 = none).
+static CAUGHT: AtomicI32 = AtomicI32::new(0);
+/// Previous dispositions, held while any launch is supervising (several may run at once in
+/// one process, e.g. in tests).
+static INSTALLED: Mutex<(usize, Vec<(Signal, SigAction)>)> = Mutex::new((0, Vec::new()));
+const CAUGHT_SIGNALS: [Signal; 3] = [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP];
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    CAUGHT.store(sig, Ordering::SeqCst);
+}
+
+/// Catches SIGINT/SIGTERM/SIGHUP while ranks run, so `launch` stops its ranks instead of
+/// leaving them orphaned; restores the previous handlers when dropped.
+struct SignalGuard;
+
+impl SignalGuard {
+    fn install() -> SignalGuard {
+        let mut g = INSTALLED.lock().unwrap_or_else(|e| e.into_inner());
+        if g.0 == 0 {
+            let action = SigAction::new(
+                SigHandler::Handler(on_signal),
+                SaFlags::SA_RESTART,
+                SigSet::empty(),
+            );
+            for s in CAUGHT_SIGNALS {
+                // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+                if let Ok(old) = unsafe { signal::sigaction(s, &action) } {
+                    g.1.push((s, old));
+                }
+            }
+        }
+        g.0 += 1;
+        SignalGuard
+    }
+
+    fn take() -> Option<i32> {
+        match CAUGHT.swap(0, Ordering::SeqCst) {
+            0 => None,
+            s => Some(s),
+        }
+    }
+}
+
+impl Drop for SignalGuard {
+    fn drop(&mut self) {
+        let mut g = INSTALLED.lock().unwrap_or_else(|e| e.into_inner());
+        g.0 -= 1;
+        if g.0 == 0 {
+            for (s, old) in g.1.drain(..) {
+                // SAFETY: restores the disposition that was there before us.
+                let _ = unsafe { signal::sigaction(s, &old) };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sh(script: &str) -> Vec<OsString> {
+        vec!["-c".into(), script.into()]
+    }
+
+    #[test]
+    fn zero_ranks_and_missing_programs_are_clear_errors() {
+        let e = spawn_ranks(0, OsStr::new("true"), &[], &[]).unwrap_err();
+        assert!(e.to_string().contains("at least one rank"), "{e}");
+        let e = spawn_ranks(65, OsStr::new("true"), &[], &[]).unwrap_err();
+        assert!(e.to_string().contains("at most 64"), "{e}");
+        let e = spawn_ranks(2, OsStr::new("/no/such/ipcreduce-prog"), &[], &[]).unwrap_err();
+        assert!(e.to_string().contains("not found"), "{e}");
+    }
+
+    #[test]
+    fn exit_codes() {
+        assert_eq!(spawn_ranks(3, OsStr::new("true"), &[], &[]).unwrap(), 0);
+        let code = spawn_ranks_with(
+            2,
+            OsStr::new("sh"),
+            &sh("[ \"$IPCREDUCE_RANK\" = 1 ] && exit 9; exit 0"),
+            &[],
+            Duration::from_millis(100),
+        )
+        .unwrap();
+        assert_eq!(code, 9);
+        let code = spawn_ranks_with(
+            1,
+            OsStr::new("sh"),
+            &sh("kill -9 $$"),
+            &[],
+            Duration::from_millis(100),
+        )
+        .unwrap();
+        assert_eq!(code, 128 + 9);
+    }
+
+    #[test]
+    fn extra_env_reaches_the_ranks() {
+        let code = spawn_ranks(
+            2,
+            OsStr::new("sh"),
+            &sh("[ \"$FOO\" = bar ] && [ \"$LOCAL_WORLD_SIZE\" = 2 ]"),
+            &[("FOO".into(), "bar".into())],
+        )
+        .unwrap();
+        assert_eq!(code, 0);
+    }
+
+    #[test]
+    fn private_dirs_are_fresh_and_removed() {
+        let d = PrivateDir::create().unwrap();
+        let p = d.path.clone();
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700);
+        std::fs::write(p.join("x"), b"y").unwrap();
+        drop(d);
+        assert!(!p.exists());
+    }
+}

@@ -1,3 +1,80 @@
-fn main() {
-    println!("ipcreduce");
+//! The `ipcreduce` command: `launch`, `bench`, `check`.
+
+use clap::{Parser, Subcommand};
+use std::ffi::OsString;
+use std::process::ExitCode;
+use std::time::Duration;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "ipcreduce",
+    version,
+    about = "All-reduce between the GPUs or processes of one machine"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Start N ranks of a command with the job's variables (IPCREDUCE_*, RANK, WORLD_SIZE...)
+    Launch {
+        /// Number of ranks.
+        #[arg(short = 'n', long = "nproc")]
+        n: usize,
+        /// Seconds the other ranks get to stop by themselves after one failed.
+        #[arg(long, default_value_t = 5.0)]
+        grace: f64,
+        /// The command and its arguments.
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        cmd: Vec<OsString>,
+    },
+    /// Time all-reduce, nccl-tests style.
+    Bench(ipcreduce::bench::BenchArgs),
+    /// Check all-reduce results against a float64 reference.
+    Check(ipcreduce::check::CheckArgs),
+}
+
+/// Logs go to stderr, filtered by IPCREDUCE_LOG, else RUST_LOG, else warnings only.
+fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("IPCREDUCE_LOG")
+        .or_else(|_| EnvFilter::try_from_default_env())
+        .unwrap_or_else(|_| EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn exit(code: i32) -> ExitCode {
+    ExitCode::from(u8::try_from(code).unwrap_or(1))
+}
+
+fn main() -> ExitCode {
+    init_logging();
+    let cli = Cli::parse();
+    match cli.command {
+        Cmd::Launch { n, grace, cmd } => {
+            let Some((program, args)) = cmd.split_first() else {
+                eprintln!("error: launch needs a command");
+                return ExitCode::from(2);
+            };
+            if !grace.is_finite() || grace < 0.0 {
+                eprintln!("error: --grace must be a non-negative number of seconds");
+                return ExitCode::from(2);
+            }
+            let grace = Duration::from_secs_f64(grace);
+            match ipcreduce::launch::spawn_ranks_with(n, program, args, &[], grace) {
+                Ok(code) => exit(code),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+        Cmd::Bench(args) => exit(ipcreduce::bench::run(args)),
+        Cmd::Check(args) => exit(ipcreduce::check::run(args)),
+    }
 }

@@ -1,0 +1,604 @@
+//! The bootstrap with real processes and real sockets.
+//!
+//! Each test re-runs this test binary as its ranks (`--exact <test> --nocapture`) with
+//! `IPCREDUCE_TEST_ROLE` set; the test function sees the variable and plays the rank instead
+//! of the parent. Ranks report on stdout with lines starting `@@ `; their stderr carries the
+//! library's log (warnings), which some tests inspect.
+
+use ipcreduce::bootstrap::{Bootstrap, RankInfo};
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, FileExt};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+const ROLE: &str = "IPCREDUCE_TEST_ROLE";
+const TIMEOUT_VAR: &str = "IPCREDUCE_TEST_TIMEOUT_MS";
+
+// ---------------------------------------------------------------------------------------
+// Rank side
+
+/// Runs the rank's part and exits, when this process is a rank.
+fn play_rank_if_child() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(tracing_subscriber::EnvFilter::new("warn"))
+        .try_init();
+    let code = match role.as_str() {
+        "gather" => rank_gather(),
+        "fds" => rank_fds(),
+        "barrier" => rank_barrier(),
+        "kill" => rank_kill(),
+        "expect_fail" => rank_expect_fail(),
+        other => panic!("unknown role {other}"),
+    };
+    let _ = std::io::stdout().flush();
+    std::process::exit(code);
+}
+
+fn say(msg: impl std::fmt::Display) {
+    println!("@@ {msg}");
+    let _ = std::io::stdout().flush();
+}
+
+fn rank_timeout() -> Duration {
+    let ms = std::env::var(TIMEOUT_VAR)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
+    Duration::from_millis(ms)
+}
+
+fn join() -> Bootstrap {
+    let info = RankInfo::from_env().expect("rank info from the environment");
+    match Bootstrap::connect(info, rank_timeout()) {
+        Ok(b) => b,
+        Err(e) => {
+            say(format!("CONNECT_FAILED {e}"));
+            std::process::exit(3);
+        }
+    }
+}
+
+/// What rank `k` contributes in round `round`: varied lengths, some empty, one large.
+fn payload(k: usize, round: usize) -> Vec<u8> {
+    if round == 4 {
+        return (0..100_000).map(|i| (i * 7 + k * 13) as u8).collect();
+    }
+    format!("r{k}.{round};")
+        .repeat((k + round) % 4)
+        .into_bytes()
+}
+
+fn rank_gather() -> i32 {
+    let mut b = join();
+    let (r, n) = (b.rank(), b.world());
+    for round in 0..6 {
+        let all = b.all_gather(&payload(r, round)).expect("all_gather");
+        assert_eq!(all.len(), n);
+        for (k, got) in all.iter().enumerate() {
+            assert_eq!(got, &payload(k, round), "rank {k}'s part in round {round}");
+        }
+    }
+    b.barrier().expect("barrier");
+    say("DONE");
+    0
+}
+
+fn rank_fds() -> i32 {
+    let mut b = join();
+    let (r, n) = (b.rank(), b.world());
+    let memfd = nix::sys::memfd::memfd_create(
+        c"ipcreduce-test",
+        nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC,
+    )
+    .expect("memfd_create");
+    let mine = std::fs::File::from(memfd);
+    mine.set_len(4096).expect("ftruncate");
+    use std::os::fd::AsFd;
+    let fds = b.all_gather_fds(mine.as_fd()).expect("all_gather_fds");
+    assert_eq!(fds.len(), n);
+    // Written after the exchange: only a shared file lets the others see it.
+    mine.write_all_at(format!("from rank {r}").as_bytes(), 0)
+        .expect("write");
+    b.barrier().expect("barrier");
+    for (k, fd) in fds.into_iter().enumerate() {
+        let f = std::fs::File::from(fd);
+        let mut buf = vec![0u8; 64];
+        let len = f.read_at(&mut buf, 0).expect("read through the passed fd");
+        let text = String::from_utf8_lossy(&buf[..len]);
+        let want = format!("from rank {k}");
+        assert!(text.starts_with(&want), "via fd {k}: {text:?}");
+    }
+    // Nobody closes (and so nobody's file may vanish) before everyone has read.
+    b.barrier().expect("barrier");
+    say("DONE");
+    0
+}
+
+fn rank_barrier() -> i32 {
+    let mut b = join();
+    if b.rank() == 1 {
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let t0 = Instant::now();
+    b.barrier().expect("barrier");
+    say(format!("BARRIER_MS {}", t0.elapsed().as_millis()));
+    0
+}
+
+fn unix_micros() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros())
+        .unwrap_or(0)
+}
+
+fn rank_kill() -> i32 {
+    let mut b = join();
+    let victim: usize = std::env::var("IPCREDUCE_TEST_VICTIM")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .expect("victim");
+    b.all_gather(b"x").expect("all_gather");
+    b.barrier().expect("barrier");
+    say("READY");
+    if b.rank() == victim {
+        // Waits for the parent's SIGKILL.
+        std::thread::sleep(Duration::from_secs(30));
+        return 1;
+    }
+    let abort = b.abort_state();
+    let until = Instant::now() + Duration::from_secs(10);
+    while !abort.is_aborted() {
+        if Instant::now() > until {
+            say("NOT_ABORTED");
+            return 1;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let seen = unix_micros();
+    say(format!(
+        "ABORTED {seen} {}",
+        abort.reason().unwrap_or_default()
+    ));
+    // The communicator is now unusable, and says so at once.
+    let t0 = Instant::now();
+    match b.barrier() {
+        Ok(()) => {
+            say("BARRIER_AFTER_ABORT_SUCCEEDED");
+            1
+        }
+        Err(e) => {
+            say(format!("AFTER {} {e}", t0.elapsed().as_millis()));
+            0
+        }
+    }
+}
+
+fn rank_expect_fail() -> i32 {
+    let info = RankInfo::from_env().expect("rank info");
+    let t0 = Instant::now();
+    match Bootstrap::connect(info, rank_timeout()) {
+        Ok(_) => {
+            say("JOINED");
+            1
+        }
+        Err(e) => {
+            say(format!("FAILED {} {e}", t0.elapsed().as_millis()));
+            0
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Parent side
+
+/// A job's rendezvous settings, in a fresh private directory.
+struct Job {
+    dir: PathBuf,
+    socket: PathBuf,
+    job_id: String,
+    secret: String,
+}
+
+impl Job {
+    fn new(tag: &str) -> Job {
+        let dir = std::env::temp_dir().join(format!(
+            "ipcreduce-bt-{tag}-{}-{}",
+            std::process::id(),
+            unix_micros() % 1_000_000
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::DirBuilder::new().mode(0o700).create(&dir).unwrap();
+        Job {
+            socket: dir.join("s.sock"),
+            dir,
+            job_id: format!("bt-{tag}"),
+            secret: "0123456789abcdef0123456789abcdef".into(),
+        }
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A rank process and what it says.
+struct Rank {
+    rank: usize,
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    stdout: Arc<Mutex<String>>,
+    stderr: Arc<Mutex<String>>,
+    status: Option<ExitStatus>,
+}
+
+fn spawn(
+    test: &str,
+    role: &str,
+    job: &Job,
+    rank: usize,
+    world: usize,
+    extra: &[(&str, &str)],
+) -> Rank {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(ROLE, role)
+        .env("IPCREDUCE_RANK", rank.to_string())
+        .env("IPCREDUCE_WORLD_SIZE", world.to_string())
+        .env("IPCREDUCE_SOCKET", &job.socket)
+        .env("IPCREDUCE_JOB_ID", &job.job_id)
+        .env("IPCREDUCE_SECRET", &job.secret)
+        .env_remove("IPCREDUCE_LOCAL_RANK")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in extra {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("spawn rank");
+    let (tx, lines) = mpsc::channel();
+    let stdout = Arc::new(Mutex::new(String::new()));
+    let stderr = Arc::new(Mutex::new(String::new()));
+    let (out, all) = (child.stdout.take().unwrap(), stdout.clone());
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            all.lock().unwrap().push_str(&format!("{line}\n"));
+            // libtest's "test name ... " may precede our message on the same line.
+            if let Some(at) = line.find("@@ ") {
+                let _ = tx.send(line[at + 3..].to_string());
+            }
+        }
+    });
+    let (mut err, all) = (child.stderr.take().unwrap(), stderr.clone());
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        all.lock().unwrap().push_str(&s);
+    });
+    Rank {
+        rank,
+        child,
+        lines,
+        stdout,
+        stderr,
+        status: None,
+    }
+}
+
+impl Rank {
+    fn diag(&self) -> String {
+        // Give the reader threads a moment to collect what the process wrote last.
+        std::thread::sleep(Duration::from_millis(50));
+        format!(
+            "rank {} (status {:?})\n--- stdout ---\n{}--- stderr ---\n{}",
+            self.rank,
+            self.status,
+            self.stdout.lock().unwrap(),
+            self.stderr.lock().unwrap()
+        )
+    }
+
+    /// The next `@@` message starting with `tag`, without the tag.
+    fn expect(&mut self, tag: &str, within: Duration) -> String {
+        let until = Instant::now() + within;
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(m) if m.starts_with(tag) => return m[tag.len()..].trim().to_string(),
+                Ok(_) => {}
+                Err(_) => panic!("no {tag} within {within:?} from {}", self.diag()),
+            }
+        }
+    }
+
+    fn wait(&mut self, within: Duration) -> ExitStatus {
+        let until = Instant::now() + within;
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                self.status = Some(st);
+                return st;
+            }
+            if Instant::now() > until {
+                let _ = self.child.kill();
+                panic!("did not exit within {within:?}: {}", self.diag());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn wait_ok(&mut self, within: Duration) {
+        let st = self.wait(within);
+        assert!(st.success(), "failed: {}", self.diag());
+    }
+
+    fn stderr(&self) -> String {
+        std::thread::sleep(Duration::from_millis(50));
+        self.stderr.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Rank {
+    fn drop(&mut self) {
+        // A failing test must not leave ranks behind.
+        if self.status.is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn spawn_world(
+    test: &str,
+    role: &str,
+    job: &Job,
+    world: usize,
+    extra: &[(&str, &str)],
+) -> Vec<Rank> {
+    (0..world)
+        .map(|r| spawn(test, role, job, r, world, extra))
+        .collect()
+}
+
+const T: Duration = Duration::from_secs(20);
+
+// ---------------------------------------------------------------------------------------
+// Tests
+
+#[test]
+fn all_gather_worlds_2_3_4_8() {
+    play_rank_if_child();
+    for world in [2, 3, 4, 8] {
+        let job = Job::new(&format!("gather{world}"));
+        let mut ranks = spawn_world("all_gather_worlds_2_3_4_8", "gather", &job, world, &[]);
+        for r in &mut ranks {
+            r.expect("DONE", T);
+            r.wait_ok(T);
+        }
+        assert!(!job.socket.exists(), "rank 0 removed its socket");
+    }
+}
+
+#[test]
+fn all_gather_fds_shares_memfds() {
+    play_rank_if_child();
+    let job = Job::new("fds");
+    let mut ranks = spawn_world("all_gather_fds_shares_memfds", "fds", &job, 4, &[]);
+    for r in &mut ranks {
+        r.expect("DONE", T);
+        r.wait_ok(T);
+    }
+}
+
+#[test]
+fn barrier_waits_for_the_slowest_rank() {
+    play_rank_if_child();
+    let job = Job::new("barrier");
+    let mut ranks = spawn_world(
+        "barrier_waits_for_the_slowest_rank",
+        "barrier",
+        &job,
+        3,
+        &[],
+    );
+    for r in &mut ranks {
+        let ms: u64 = r.expect("BARRIER_MS", T).parse().unwrap();
+        // Rank 1 arrives 300 ms late; the others must have waited for it.
+        if r.rank != 1 {
+            assert!(ms >= 200, "rank {} left the barrier after {ms} ms", r.rank);
+        }
+        r.wait_ok(T);
+    }
+}
+
+/// A same-user process with the right socket but wrong credentials of the job is refused and
+/// logged by rank 0, and the real job still completes.
+fn stranger_is_refused(test: &str, tag: &str, wrong: (&str, &str), logged: &str) {
+    let job = Job::new(tag);
+    let mut r0 = spawn(test, "gather", &job, 0, 2, &[]);
+    let mut stranger = spawn(test, "expect_fail", &job, 1, 2, &[wrong]);
+    let why = stranger.expect("FAILED", T);
+    eprintln!("stranger: {why}");
+    assert!(why.contains("refused"), "stranger saw: {why}");
+    stranger.wait_ok(T);
+
+    let mut r1 = spawn(test, "gather", &job, 1, 2, &[]);
+    for r in [&mut r0, &mut r1] {
+        r.expect("DONE", T);
+        r.wait_ok(T);
+    }
+    let log = r0.stderr();
+    assert!(
+        log.contains("refused a connection") && log.contains(logged),
+        "rank 0's log: {log}"
+    );
+}
+
+#[test]
+fn wrong_secret_is_refused_and_the_job_completes() {
+    play_rank_if_child();
+    stranger_is_refused(
+        "wrong_secret_is_refused_and_the_job_completes",
+        "secret",
+        ("IPCREDUCE_SECRET", "00000000000000000000000000000000"),
+        "wrong secret",
+    );
+}
+
+#[test]
+fn wrong_job_id_is_refused_and_the_job_completes() {
+    play_rank_if_child();
+    stranger_is_refused(
+        "wrong_job_id_is_refused_and_the_job_completes",
+        "jobid",
+        ("IPCREDUCE_JOB_ID", "another-job"),
+        "job id",
+    );
+}
+
+#[test]
+fn duplicate_rank_is_refused() {
+    play_rank_if_child();
+    let test = "duplicate_rank_is_refused";
+    let job = Job::new("dup");
+    let mut r0 = spawn(test, "gather", &job, 0, 3, &[]);
+    let mut a = spawn(test, "gather", &job, 1, 3, &[]);
+    let mut b = spawn(test, "gather", &job, 1, 3, &[]);
+    // Whichever claims rank 1 second is refused at once; rank 2 is held back until then, so
+    // the rendezvous is still open when the duplicate arrives.
+    let until = Instant::now() + T;
+    let (mut winner, mut loser) = loop {
+        if a.child.try_wait().unwrap().is_some() {
+            break (b, a);
+        }
+        if b.child.try_wait().unwrap().is_some() {
+            break (a, b);
+        }
+        assert!(
+            Instant::now() < until,
+            "neither rank-1 claimant was refused"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let why = loser.expect("CONNECT_FAILED", T);
+    eprintln!("duplicate: {why}");
+    assert!(why.contains("duplicate rank"), "{why}");
+    loser.status = Some(loser.wait(T));
+    let mut r2 = spawn(test, "gather", &job, 2, 3, &[]);
+    for r in [&mut r0, &mut winner, &mut r2] {
+        r.expect("DONE", T);
+        r.wait_ok(T);
+    }
+    assert!(r0.stderr().contains("duplicate rank"));
+}
+
+/// SIGKILLs `victim` of 4 ranks between operations; the other 3 must see their abort state
+/// set, naming the victim, well within 2 s.
+fn kill_one_of_four(test: &str, victim: usize) {
+    let job = Job::new(&format!("kill{victim}"));
+    let v = victim.to_string();
+    let mut ranks = spawn_world(test, "kill", &job, 4, &[("IPCREDUCE_TEST_VICTIM", &v)]);
+    for r in &mut ranks {
+        r.expect("READY", T);
+    }
+    let killed_at = unix_micros();
+    ranks[victim].child.kill().unwrap();
+    ranks[victim].status = Some(ranks[victim].wait(T));
+
+    let mut latencies = HashMap::new();
+    for r in ranks.iter_mut().filter(|r| r.rank != victim) {
+        let msg = r.expect("ABORTED", Duration::from_secs(5));
+        let (at, reason) = msg.split_once(' ').unwrap();
+        let latency = Duration::from_micros((at.parse::<u128>().unwrap() - killed_at) as u64);
+        assert!(
+            latency < Duration::from_secs(2),
+            "rank {} noticed after {latency:?}",
+            r.rank
+        );
+        assert!(
+            reason.contains(&format!("rank {victim} died")),
+            "rank {}'s abort reason: {reason}",
+            r.rank
+        );
+        let after = r.expect("AFTER", T);
+        eprintln!("rank {}: {reason}; then {after}", r.rank);
+        let ms: u64 = after.split(' ').next().unwrap().parse().unwrap();
+        assert!(ms < 100, "barrier after abort took {ms} ms: {after}");
+        r.wait_ok(T);
+        latencies.insert(r.rank, latency);
+    }
+    eprintln!("rank {victim} killed; survivors noticed after {latencies:?}");
+}
+
+#[test]
+fn kill_9_of_rank_2_aborts_the_others_quickly() {
+    play_rank_if_child();
+    kill_one_of_four("kill_9_of_rank_2_aborts_the_others_quickly", 2);
+}
+
+#[test]
+fn kill_9_of_rank_0_aborts_the_others_quickly() {
+    play_rank_if_child();
+    kill_one_of_four("kill_9_of_rank_0_aborts_the_others_quickly", 0);
+}
+
+#[test]
+fn missing_rank_times_out_naming_it() {
+    play_rank_if_child();
+    let test = "missing_rank_times_out_naming_it";
+    let timeout_ms = 1500u64;
+    let t = timeout_ms.to_string();
+    let job = Job::new("timeout");
+    // World 3, rank 2 never starts.
+    let mut ranks: Vec<Rank> = (0..2)
+        .map(|r| spawn(test, "expect_fail", &job, r, 3, &[(TIMEOUT_VAR, &t)]))
+        .collect();
+    for r in &mut ranks {
+        let msg = r.expect("FAILED", T);
+        let (ms, err) = msg.split_once(' ').unwrap();
+        let ms: u64 = ms.parse().unwrap();
+        eprintln!("after {ms} ms: {err}");
+        assert!(err.contains("rank 2"), "rank {}: {err}", r.rank);
+        // Rank 0 waits the full timeout; rank 1 hears rank 0's verdict, so it gives up at
+        // rank 0's deadline (earlier by however much later it started), at worst at its own
+        // timeout plus the short grace it allows rank 0.
+        let lowest = if r.rank == 0 { timeout_ms - 10 } else { 500 };
+        assert!(
+            (lowest..=timeout_ms + 700).contains(&ms),
+            "rank {} gave up after {ms} ms (timeout {timeout_ms} ms): {err}",
+            r.rank
+        );
+        r.wait_ok(T);
+    }
+}
+
+#[test]
+fn missing_rank_0_times_out_naming_it() {
+    play_rank_if_child();
+    let job = Job::new("noroot");
+    let mut r1 = spawn(
+        "missing_rank_0_times_out_naming_it",
+        "expect_fail",
+        &job,
+        1,
+        2,
+        &[(TIMEOUT_VAR, "800")],
+    );
+    let msg = r1.expect("FAILED", T);
+    let (ms, err) = msg.split_once(' ').unwrap();
+    let ms: u64 = ms.parse().unwrap();
+    eprintln!("after {ms} ms: {err}");
+    assert!(err.contains("rank 0"), "{err}");
+    assert!((700..=1500).contains(&ms), "gave up after {ms} ms: {err}");
+    r1.wait_ok(T);
+}
