@@ -106,11 +106,49 @@ pub(crate) struct SignalLine {
     pub sig: Signal,
 }
 
-/// Why the owner gave up; 0 while alive. Written once, so it stays cached read-only in
-/// every peer and checking it on each call costs nothing.
+/// Bytes of reason text an aborting rank leaves for its peers.
+const ABORT_TEXT_BYTES: usize = 496;
+
+/// Why the owner gave up: a word (0 while alive) and the reason in words. Written once, so
+/// the word stays cached read-only in every peer and checking it on each call costs nothing.
 #[repr(C, align(64))]
 pub(crate) struct AbortLine {
-    pub word: AtomicU64,
+    word: AtomicU64,
+    /// Taken by the first failure, which alone writes the text.
+    claimed: AtomicU32,
+    text_len: AtomicU32,
+    text: UnsafeCell<[u8; ABORT_TEXT_BYTES]>,
+}
+
+impl AbortLine {
+    /// Publishes `word` (non-zero) and `reason`, unless an earlier failure already did.
+    pub fn publish(&self, word: u64, reason: &str) {
+        if self.claimed.swap(1, Ordering::AcqRel) != 0 {
+            return;
+        }
+        let mut n = reason.len().min(ABORT_TEXT_BYTES);
+        while !reason.is_char_boundary(n) {
+            n -= 1;
+        }
+        // SAFETY: only the claimant writes the text, once, before the word's release store;
+        // readers touch it only after acquiring a non-zero word.
+        unsafe { std::ptr::copy_nonoverlapping(reason.as_ptr(), self.text.get().cast(), n) };
+        self.text_len.store(n as u32, Ordering::Relaxed);
+        self.word.store(word, Ordering::Release);
+    }
+
+    /// The word, 0 while the owner is alive.
+    pub fn word(&self) -> u64 {
+        self.word.load(Ordering::Acquire)
+    }
+
+    /// The reason text; meaningful once `word()` returned non-zero.
+    pub fn text(&self) -> String {
+        let n = (self.text_len.load(Ordering::Relaxed) as usize).min(ABORT_TEXT_BYTES);
+        // SAFETY: written once before the word was published (see `publish`).
+        let bytes = unsafe { std::slice::from_raw_parts(self.text.get().cast::<u8>(), n) };
+        String::from_utf8_lossy(bytes).into_owned()
+    }
 }
 
 /// The signal area at the start of every arena.
@@ -129,6 +167,7 @@ pub(crate) struct Control {
 const _: () = assert!(std::mem::size_of::<Control>() <= CONTROL_BYTES);
 const _: () = assert!(std::mem::size_of::<ReadyLine>() == LINE);
 const _: () = assert!(std::mem::size_of::<ReducedLine>() == LINE);
+const _: () = assert!(std::mem::size_of::<AbortLine>() == 8 * LINE);
 
 /// A `MAP_SHARED` mapping of an arena, unmapped on drop.
 pub(crate) struct Mapping {

@@ -16,9 +16,12 @@
 //! overwrite as soon as the call returns) end with a `done` barrier.
 
 mod arena;
+mod buffers;
+mod failure;
 mod heap;
 mod oneshot;
 mod reduce;
+mod stamp;
 mod sync;
 #[cfg(test)]
 mod tests;
@@ -33,14 +36,17 @@ use crate::communicator::Options;
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
-use arena::{Control, Layout, Mapping, ReadyLine, SRC_INLINE};
+use arena::{Control, Layout, Mapping, SRC_INLINE};
+use buffers::Buffers;
+use failure::Fail;
 use heap::HeapAlloc;
+use stamp::Stamp;
 use std::ffi::c_void;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use sync::{Signal, SpinPolicy, WaitError};
+use sync::SpinPolicy;
 
 /// Default data area: two slots of 4 MiB.
 pub const DEFAULT_WORKSPACE_BYTES: usize = 8 << 20;
@@ -64,156 +70,6 @@ fn heap_bytes_from_env() -> Result<usize> {
     }
 }
 
-/// The arguments of a call as every rank stamps them next to its ready flag.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Stamp {
-    seq: u64,
-    count: u64,
-    codes: u32,
-}
-
-impl Stamp {
-    fn new(seq: u64, count: usize, dtype: DType, op: ReduceOp, algo: Algorithm) -> Stamp {
-        Stamp {
-            seq,
-            count: count as u64,
-            codes: dtype.code() | op.code() << 8 | algo.code() << 16,
-        }
-    }
-
-    fn read(line: &ReadyLine) -> Stamp {
-        Stamp {
-            seq: line.seq.load(Ordering::Relaxed),
-            count: line.count.load(Ordering::Relaxed),
-            codes: line.codes.load(Ordering::Relaxed),
-        }
-    }
-
-    /// What differs, in words ("count 100 vs 200").
-    fn diff(&self, peer: &Stamp) -> String {
-        let name = |c: u32, field: u32| -> String {
-            let v = (c >> (8 * field)) & 0xFF;
-            let all: Vec<String> = match field {
-                0 => DType::ALL
-                    .iter()
-                    .map(|d| (d.code(), d.name()))
-                    .filter(|x| x.0 == v)
-                    .map(|x| x.1.to_string())
-                    .collect(),
-                1 => ReduceOp::ALL
-                    .iter()
-                    .map(|o| (o.code(), o.name()))
-                    .filter(|x| x.0 == v)
-                    .map(|x| x.1.to_string())
-                    .collect(),
-                _ => [
-                    Algorithm::Auto,
-                    Algorithm::OneShot,
-                    Algorithm::TwoShot,
-                    Algorithm::Nccl,
-                ]
-                .iter()
-                .filter(|a| a.code() == v)
-                .map(|a| a.name().to_string())
-                .collect(),
-            };
-            all.into_iter()
-                .next()
-                .unwrap_or_else(|| format!("code {v}"))
-        };
-        let mut parts = Vec::new();
-        if self.seq != peer.seq {
-            parts.push(format!("call #{} vs #{}", self.seq, peer.seq));
-        }
-        if self.count != peer.count {
-            parts.push(format!("count {} vs {}", self.count, peer.count));
-        }
-        for (field, what) in [(0, "dtype"), (1, "op"), (2, "algorithm")] {
-            let (a, b) = (name(self.codes, field), name(peer.codes, field));
-            if a != b {
-                parts.push(format!("{what} {a} vs {b}"));
-            }
-        }
-        parts.join(", ")
-    }
-}
-
-/// What a rank publishes in its arena's abort word when it gives up, so peers waiting on it
-/// leave at once instead of running into their own timeouts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum AbortWord {
-    /// Gave up waiting for `culprit`.
-    Timeout { culprit: usize },
-    /// Found `culprit`'s arguments different from its own.
-    Mismatch { culprit: usize },
-    /// Aborted for another reason (a peer died, or a cascade).
-    Other,
-}
-
-impl AbortWord {
-    fn encode(self) -> u64 {
-        match self {
-            AbortWord::Timeout { culprit } => 1 << 56 | culprit as u64,
-            AbortWord::Mismatch { culprit } => 2 << 56 | culprit as u64,
-            AbortWord::Other => 3 << 56,
-        }
-    }
-
-    fn decode(w: u64) -> Option<AbortWord> {
-        let culprit = (w & 0xFFFF_FFFF) as usize;
-        match w >> 56 {
-            0 => None,
-            1 => Some(AbortWord::Timeout { culprit }),
-            2 => Some(AbortWord::Mismatch { culprit }),
-            _ => Some(AbortWord::Other),
-        }
-    }
-}
-
-/// Why a protocol step stopped.
-enum Fail {
-    Timeout {
-        peer: usize,
-        waited: Duration,
-    },
-    Mismatch {
-        peer: usize,
-        detail: String,
-    },
-    /// Our AbortState was set (by the liveness watcher, or an earlier failure).
-    Local,
-    /// Peer `by` published an abort word.
-    Peer {
-        by: usize,
-        word: AbortWord,
-        waiting_on: Option<usize>,
-        waited: Duration,
-    },
-}
-
-/// Plain heap buffer handed out by [`BackendOps::alloc`].
-struct AlignedBuf {
-    ptr: std::ptr::NonNull<u8>,
-    layout: std::alloc::Layout,
-    len: usize,
-}
-
-impl AlignedBuf {
-    fn new(len: usize) -> Option<AlignedBuf> {
-        let layout = std::alloc::Layout::from_size_align(len.max(1), 64).ok()?;
-        // SAFETY: layout has non-zero size.
-        let ptr = std::ptr::NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })?;
-        Some(AlignedBuf { ptr, layout, len })
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
-    }
-}
-
 /// The shared-memory communicator of one rank.
 pub struct HostComm {
     rank: usize,
@@ -233,7 +89,7 @@ pub struct HostComm {
     /// Barriers entered so far.
     barriers: u64,
     heap: Arc<Mutex<HeapAlloc>>,
-    bufs: Vec<Option<AlignedBuf>>,
+    bufs: Buffers,
     /// Scratch for the source list of a reduction (no allocation per call).
     srcs: Vec<*const u8>,
 }
@@ -310,7 +166,7 @@ impl HostComm {
             seq: 0,
             barriers: 0,
             heap: Arc::new(Mutex::new(heap)),
-            bufs: Vec::new(),
+            bufs: Buffers::default(),
             srcs: Vec::with_capacity(world),
         })
     }
@@ -340,7 +196,7 @@ impl HostComm {
 
     /// Returns once every rank has entered it (through shared memory, no syscalls).
     pub fn barrier(&mut self) -> Result<()> {
-        self.check_alive()?;
+        self.check_alive("barrier", self.barriers + 1)?;
         self.barriers += 1;
         let n = self.barriers;
         self.own().barrier.sig.publish(n);
@@ -390,9 +246,7 @@ impl HostComm {
     /// Publishes our ready line for `slot`: stamp and data location first, epoch last.
     fn publish_ready(&self, slot: usize, epoch: u64, stamp: &Stamp, src_off: u64) {
         let line = &self.own().ready[slot];
-        line.seq.store(stamp.seq, Ordering::Relaxed);
-        line.count.store(stamp.count, Ordering::Relaxed);
-        line.codes.store(stamp.codes, Ordering::Relaxed);
+        stamp.write(line);
         line.src_off.store(src_off, Ordering::Relaxed);
         line.sig.publish(epoch);
     }
@@ -431,180 +285,6 @@ impl HostComm {
         Ok(unsafe { self.bases[q].add(off as usize) }.cast_const())
     }
 
-    /// Bounded wait for `sig` (in peer `q`'s arena) to reach `target`.
-    fn wait_signal(&self, q: usize, sig: &Signal, target: u64) -> Result<(), Fail> {
-        let mut why = None;
-        let r = sync::wait(sig, target, self.timeout, self.policy, &mut || {
-            why = self.poll_aborts(false);
-            why.is_some()
-        });
-        match r {
-            Ok(()) => Ok(()),
-            Err(WaitError::Timeout { waited }) => Err(Fail::Timeout { peer: q, waited }),
-            Err(WaitError::Stopped { waited }) => Err(match why {
-                Some(Fail::Peer { by, word, .. }) => Fail::Peer {
-                    by,
-                    word,
-                    waiting_on: Some(q),
-                    waited,
-                },
-                Some(f) => f,
-                None => Fail::Local,
-            }),
-        }
-    }
-
-    /// Our own abort state, then every peer's abort word. At the start of a call
-    /// (`entering`), a peer's mismatch verdict is not yet ours: the peer published its stamp
-    /// for this call before giving up, so going on lets this rank find the mismatch itself
-    /// and report it as such.
-    fn poll_aborts(&self, entering: bool) -> Option<Fail> {
-        if self.abort.is_aborted() {
-            return Some(Fail::Local);
-        }
-        for q in self.peers() {
-            let w = self.ctrl(q).abort.word.load(Ordering::Acquire);
-            match AbortWord::decode(w) {
-                Some(AbortWord::Mismatch { .. }) if entering => continue,
-                None => continue,
-                Some(_) => {}
-            }
-            if let Some(word) = AbortWord::decode(w) {
-                return Some(Fail::Peer {
-                    by: q,
-                    word,
-                    waiting_on: None,
-                    waited: Duration::ZERO,
-                });
-            }
-        }
-        None
-    }
-
-    /// Fails fast when the communicator is already dead.
-    fn check_alive(&self) -> Result<()> {
-        match self.poll_aborts(true) {
-            None => Ok(()),
-            Some(f) => Err(self.fail(f, "all_reduce", self.seq + 1)),
-        }
-    }
-
-    /// Turns a protocol failure into the error to return, and makes the communicator dead:
-    /// our abort word (so peers stop waiting for us), our AbortState (so later calls fail
-    /// fast), and a wake-up for peers asleep on our flags.
-    fn fail(&self, f: Fail, op: &str, seq: u64) -> Error {
-        let rank = self.rank;
-        let (err, word, reason) = match f {
-            Fail::Timeout { peer, waited } => {
-                let reason =
-                    format!("rank {rank} timed out in {op} #{seq} waiting for rank {peer}");
-                let e = Error::Timeout {
-                    rank,
-                    peer,
-                    op: op.into(),
-                    seq,
-                    waited,
-                };
-                (e, AbortWord::Timeout { culprit: peer }, reason)
-            }
-            Fail::Mismatch { peer, detail } => {
-                let reason = format!(
-                    "{op} #{seq} arguments differ between ranks {rank} and {peer}: {detail}"
-                );
-                let e = Error::Mismatch {
-                    rank,
-                    peer,
-                    op: op.into(),
-                    seq,
-                    detail,
-                };
-                (e, AbortWord::Mismatch { culprit: peer }, reason)
-            }
-            Fail::Local => {
-                let reason = self.abort.reason().unwrap_or_else(|| "aborted".into());
-                (
-                    Error::Aborted {
-                        rank,
-                        reason: reason.clone(),
-                    },
-                    AbortWord::Other,
-                    reason,
-                )
-            }
-            Fail::Peer {
-                by,
-                word,
-                waiting_on,
-                waited,
-            } => match word {
-                // Someone already gave up on the rank we are waiting for: that is our timeout
-                // too, reported now rather than after the rest of our own deadline.
-                AbortWord::Timeout { culprit } if waiting_on == Some(culprit) => {
-                    let reason = format!(
-                        "rank {by} timed out waiting for rank {culprit} (in {op} #{seq} here)"
-                    );
-                    let e = Error::Timeout {
-                        rank,
-                        peer: culprit,
-                        op: op.into(),
-                        seq,
-                        waited,
-                    };
-                    (e, AbortWord::Timeout { culprit }, reason)
-                }
-                AbortWord::Timeout { culprit } => {
-                    let reason = format!("rank {by} timed out waiting for rank {culprit}");
-                    (
-                        Error::Aborted {
-                            rank,
-                            reason: reason.clone(),
-                        },
-                        AbortWord::Other,
-                        reason,
-                    )
-                }
-                AbortWord::Mismatch { culprit } => {
-                    let reason =
-                        format!("rank {by} found its arguments differ from rank {culprit}'s");
-                    (
-                        Error::Aborted {
-                            rank,
-                            reason: reason.clone(),
-                        },
-                        AbortWord::Other,
-                        reason,
-                    )
-                }
-                AbortWord::Other => {
-                    let reason = format!("rank {by} aborted");
-                    (
-                        Error::Aborted {
-                            rank,
-                            reason: reason.clone(),
-                        },
-                        AbortWord::Other,
-                        reason,
-                    )
-                }
-            },
-        };
-        let own = self.own();
-        let _ =
-            own.abort
-                .word
-                .compare_exchange(0, word.encode(), Ordering::AcqRel, Ordering::Relaxed);
-        self.abort.abort(reason);
-        for l in &own.ready {
-            l.sig.wake_all();
-        }
-        for l in &own.reduced {
-            l.sig.wake_all();
-        }
-        own.done.sig.wake_all();
-        own.barrier.sig.wake_all();
-        err
-    }
-
     /// Runs one all-reduce (algorithm resolved).
     ///
     /// # Safety
@@ -625,7 +305,7 @@ impl HostComm {
                 format!("the host backend runs oneshot or twoshot, not {algo}"),
             ));
         }
-        self.check_alive()?;
+        self.check_alive("all_reduce", self.seq + 1)?;
         if count == 0 {
             return Ok(());
         }
@@ -668,13 +348,6 @@ impl HostComm {
             }
         }
         Ok(())
-    }
-
-    fn buf(&self, id: BufId) -> Result<&AlignedBuf> {
-        self.bufs
-            .get(id)
-            .and_then(|b| b.as_ref())
-            .ok_or_else(|| Error::invalid(self.rank, "buffer", format!("no buffer {id}")))
     }
 }
 
@@ -726,50 +399,27 @@ impl BackendOps for HostComm {
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<BufId> {
-        let b = AlignedBuf::new(bytes).ok_or_else(|| {
-            Error::invalid(self.rank, "alloc", format!("cannot allocate {bytes} bytes"))
-        })?;
-        self.bufs.push(Some(b));
-        Ok(self.bufs.len() - 1)
+        self.bufs.alloc(self.rank, bytes)
     }
 
     fn free(&mut self, id: BufId) {
-        if let Some(b) = self.bufs.get_mut(id) {
-            *b = None;
-        }
+        self.bufs.free(id)
     }
 
     fn write(&mut self, id: BufId, data: &[u8]) -> Result<()> {
-        let b = self.buf(id)?;
-        if data.len() > b.len {
-            return Err(Error::invalid(
-                self.rank,
-                "write",
-                "data larger than the buffer",
-            ));
-        }
-        // SAFETY: the buffer holds at least data.len() bytes and is ours.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), b.ptr.as_ptr(), data.len()) };
-        Ok(())
+        self.bufs.write(self.rank, id, data)
     }
 
     fn read(&mut self, id: BufId, out: &mut [u8]) -> Result<()> {
-        let b = self.buf(id)?;
-        if out.len() > b.len {
-            return Err(Error::invalid(
-                self.rank,
-                "read",
-                "read larger than the buffer",
-            ));
-        }
-        // SAFETY: as in write.
-        unsafe { std::ptr::copy_nonoverlapping(b.ptr.as_ptr(), out.as_mut_ptr(), out.len()) };
-        Ok(())
+        self.bufs.read(self.rank, id, out)
     }
 
     fn run(&mut self, call: &Call) -> Result<()> {
         let bytes = call.count.checked_mul(call.dtype.size());
-        let (s, r) = (self.buf(call.send)?, self.buf(call.recv)?);
+        let (s, r) = (
+            self.bufs.get(self.rank, call.send)?,
+            self.bufs.get(self.rank, call.recv)?,
+        );
         if bytes.is_none_or(|b| b > s.len || b > r.len) {
             return Err(Error::invalid(
                 self.rank,

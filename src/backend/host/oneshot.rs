@@ -2,7 +2,8 @@
 //! One synchronisation per chunk; best while latency dominates.
 
 use super::arena::{INLINE_BYTES, SRC_INLINE};
-use super::{reduce, Fail, HostComm, Job};
+use super::failure::Fail;
+use super::{reduce, HostComm, Job};
 use crate::plan;
 
 /// Runs `job`; returns whether peers read our input in place (zero-copy: the caller must

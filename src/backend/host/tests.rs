@@ -2,6 +2,7 @@
 //! once per rank (so a rank's own arena is mapped twice in the process, as in a real job
 //! each peer maps it once).
 
+use super::buffers::AlignedBuf;
 use super::*;
 use crate::reference;
 

@@ -2,7 +2,8 @@
 //! then all-gather (every rank copies every reduced shard). Each rank reads 2 (world-1)/world
 //! of the message instead of (world-1) times it.
 
-use super::{reduce, Fail, HostComm, Job, SHARD_ALIGN_BYTES};
+use super::failure::Fail;
+use super::{reduce, HostComm, Job, SHARD_ALIGN_BYTES};
 use crate::plan;
 
 /// Runs `job`; returns whether peers read our input in place (see `oneshot::run`).
