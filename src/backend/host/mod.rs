@@ -1,6 +1,6 @@
 //! Host backend: ranks are processes of one machine sharing memory (memfd arenas).
 //!
-//! Each rank owns one arena (see [`arena`]) and maps every peer's arena once, at creation.
+//! Each rank owns one arena (see `arena.rs`) and maps every peer's arena once, at creation.
 //! A call is cut into chunks (at most a slot, at most 1 MiB); chunk `k` of the
 //! communicator's life is *epoch* `k` (1, 2, ...) and uses slot `epoch % 2`. Per epoch a rank
 //! 1. puts its input where peers can read it (its slot, its heap or the ready line itself),
