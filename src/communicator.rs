@@ -176,6 +176,19 @@ impl Communicator {
         unsafe { self.all_reduce_raw(p, p, buf.len(), T::DTYPE, op, algo, std::ptr::null_mut()) }
     }
 
+    /// `len` zeroed elements in this rank's shared arena (host backend). An all-reduce whose
+    /// send buffer lies there (out of place, or in place) skips the copy into the workspace:
+    /// peers read it directly. Allocate like a collective (same lengths, same order on every
+    /// rank). The buffer stays valid after the communicator is dropped.
+    pub fn host_buffer<T: Element>(&mut self, len: usize) -> Result<backend::host::HostBuffer<T>> {
+        self.require_host("host_buffer")?;
+        let backend: *mut dyn BackendOps = self.backend.as_mut();
+        // SAFETY: `require_host` checked kind() == Host, and HostComm is the only backend of
+        // that kind, so the box holds a HostComm; &mut self makes the borrow exclusive.
+        let host = unsafe { &mut *backend.cast::<backend::host::HostComm>() };
+        host.host_buffer(len)
+    }
+
     fn require_host(&self, op: &'static str) -> Result<()> {
         if self.backend() != BackendKind::Host {
             return Err(Error::invalid(

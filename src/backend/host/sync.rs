@@ -1,0 +1,251 @@
+//! Flags in shared memory and bounded waits on them.
+//!
+//! A [`Signal`] is a monotonically increasing u64 written by one process and read by others.
+//! Waiting spins briefly (latency of a few hundred ns when the peer is running on another
+//! core), then yields the CPU (more ranks than cores), then sleeps on a futex on the flag's
+//! low 32 bits. The writer only makes the FUTEX_WAKE syscall when a waiter announced itself
+//! in `sleepers`, so the fast path has no syscall at all.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+#[cfg(not(target_endian = "little"))]
+compile_error!("the futex waits on the low 32 bits of a u64 flag, which assumes little endian");
+
+/// A one-writer flag. `sleepers` counts processes blocked (or about to block) in FUTEX_WAIT.
+#[repr(C)]
+pub(crate) struct Signal {
+    pub value: AtomicU64,
+    pub sleepers: AtomicU32,
+    _pad: AtomicU32,
+}
+
+impl Signal {
+    #[inline]
+    pub fn get(&self) -> u64 {
+        self.value.load(Ordering::Acquire)
+    }
+
+    /// Stores `v` (release: everything written before is visible to whoever sees `v`) and
+    /// wakes sleepers if there are any.
+    #[inline]
+    pub fn publish(&self, v: u64) {
+        // SeqCst store then SeqCst load of `sleepers`, paired with the waiter's SeqCst
+        // increment then load of `value`: at least one side sees the other, so a waiter
+        // never sleeps through the last change (Dekker). The futex itself re-checks the value.
+        self.value.store(v, Ordering::SeqCst);
+        if self.sleepers.load(Ordering::SeqCst) != 0 {
+            futex_wake(&self.value);
+        }
+    }
+
+    /// Wakes whoever sleeps on this flag without changing it (so they re-check aborts).
+    pub fn wake_all(&self) {
+        if self.sleepers.load(Ordering::SeqCst) != 0 {
+            futex_wake(&self.value);
+        }
+    }
+}
+
+/// How long a waiter spins and yields before it sleeps.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SpinPolicy {
+    /// Busy-poll this long: fine while every rank has a core of its own.
+    pub spin: Duration,
+    /// Then `sched_yield` until this much has passed since the wait began.
+    pub yield_until: Duration,
+}
+
+impl SpinPolicy {
+    /// With more ranks than cores, spinning steals the core a peer needs, so spin less and
+    /// hand the CPU over sooner.
+    pub fn for_world(world: usize) -> SpinPolicy {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if world <= cores {
+            SpinPolicy {
+                spin: Duration::from_micros(20),
+                yield_until: Duration::from_micros(500),
+            }
+        } else {
+            SpinPolicy {
+                spin: Duration::from_nanos(500),
+                yield_until: Duration::from_micros(200),
+            }
+        }
+    }
+}
+
+/// Why a wait ended without the flag reaching its target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WaitError {
+    /// The deadline passed; `waited` is how long this wait lasted.
+    Timeout { waited: Duration },
+    /// `check` asked to stop (abort seen); the caller knows why.
+    Stopped { waited: Duration },
+}
+
+/// Longest single futex sleep, so a sleeper re-checks aborts and its deadline regularly.
+const MAX_SLEEP: Duration = Duration::from_millis(100);
+
+/// Waits until `sig >= target`. `check` runs in the slow phases (never while spinning
+/// briefly) and stops the wait by returning true.
+#[inline]
+pub(crate) fn wait(
+    sig: &Signal,
+    target: u64,
+    timeout: Duration,
+    policy: SpinPolicy,
+    check: &mut dyn FnMut() -> bool,
+) -> Result<(), WaitError> {
+    if sig.get() >= target {
+        return Ok(());
+    }
+    wait_slow(sig, target, timeout, policy, check)
+}
+
+#[cold]
+#[inline(never)]
+fn wait_slow(
+    sig: &Signal,
+    target: u64,
+    timeout: Duration,
+    policy: SpinPolicy,
+    check: &mut dyn FnMut() -> bool,
+) -> Result<(), WaitError> {
+    let start = Instant::now();
+    // Phase 1: spin. Reading the clock costs ~20 ns, so only every few polls.
+    loop {
+        for _ in 0..32 {
+            if sig.get() >= target {
+                return Ok(());
+            }
+            std::hint::spin_loop();
+        }
+        if start.elapsed() >= policy.spin {
+            break;
+        }
+    }
+    loop {
+        let waited = start.elapsed();
+        if check() {
+            return Err(WaitError::Stopped { waited });
+        }
+        if waited >= timeout {
+            return Err(WaitError::Timeout { waited });
+        }
+        if waited < policy.yield_until {
+            // Phase 2: let a rank that shares our core run.
+            // SAFETY: sched_yield has no preconditions.
+            unsafe { libc::sched_yield() };
+            if sig.get() >= target {
+                return Ok(());
+            }
+            continue;
+        }
+        // Phase 3: sleep until the writer wakes us, bounded so aborts are noticed.
+        sig.sleepers.fetch_add(1, Ordering::SeqCst);
+        let seen = sig.value.load(Ordering::SeqCst);
+        if seen < target {
+            futex_wait(&sig.value, seen as u32, MAX_SLEEP.min(timeout - waited));
+        }
+        sig.sleepers.fetch_sub(1, Ordering::SeqCst);
+        if sig.get() >= target {
+            return Ok(());
+        }
+    }
+}
+
+/// Blocks while the low 32 bits of `word` equal `expected`, at most `timeout`.
+/// Not FUTEX_PRIVATE: the word lives in memory shared between processes.
+fn futex_wait(word: &AtomicU64, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `word` is a live, 8-byte aligned atomic; the kernel reads its first 4 bytes
+    // (the low half on little endian). EINTR, EAGAIN and ETIMEDOUT all just mean "re-check".
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr().cast::<u32>(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// Wakes every process blocked on `word`.
+fn futex_wake(word: &AtomicU64) {
+    // SAFETY: as in `futex_wait`; FUTEX_WAKE only reads the address as a key.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr().cast::<u32>(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn signal() -> Arc<Signal> {
+        Arc::new(Signal {
+            value: AtomicU64::new(0),
+            sleepers: AtomicU32::new(0),
+            _pad: AtomicU32::new(0),
+        })
+    }
+
+    #[test]
+    fn sleeper_is_woken_by_publish() {
+        let s = signal();
+        let s2 = s.clone();
+        let policy = SpinPolicy {
+            spin: Duration::ZERO,
+            yield_until: Duration::ZERO,
+        };
+        let t = std::thread::spawn(move || {
+            let start = Instant::now();
+            wait(&s2, 5, Duration::from_secs(10), policy, &mut || false).unwrap();
+            start.elapsed()
+        });
+        // Give the waiter time to fall asleep, then publish: it must wake well before its
+        // 100 ms re-check.
+        while s.sleepers.load(Ordering::SeqCst) == 0 {
+            std::thread::yield_now();
+        }
+        std::thread::sleep(Duration::from_millis(5));
+        let t0 = Instant::now();
+        s.publish(5);
+        t.join().unwrap();
+        assert!(
+            t0.elapsed() < Duration::from_millis(80),
+            "{:?}",
+            t0.elapsed()
+        );
+    }
+
+    #[test]
+    fn timeout_and_stop() {
+        let s = signal();
+        let policy = SpinPolicy::for_world(2);
+        let r = wait(&s, 1, Duration::from_millis(30), policy, &mut || false);
+        assert!(
+            matches!(r, Err(WaitError::Timeout { waited }) if waited >= Duration::from_millis(30))
+        );
+        let r = wait(&s, 1, Duration::from_secs(10), policy, &mut || true);
+        assert!(matches!(r, Err(WaitError::Stopped { .. })));
+        s.publish(1);
+        assert_eq!(wait(&s, 1, Duration::ZERO, policy, &mut || true), Ok(()));
+    }
+}

@@ -1,0 +1,764 @@
+//! The host backend with real processes: bootstrap over a Unix socket, arenas as memfds
+//! passed with SCM_RIGHTS, ranks sharing memory across address spaces.
+//!
+//! Each test re-runs this test binary as its ranks (`--exact <test>`) with
+//! `IPCREDUCE_HOST_ROLE` set; the test function sees the variable and plays the rank. Ranks
+//! report on stdout with lines starting `@@ `; the parent checks those and the exit codes.
+
+use ipcreduce::backend::{BufId, Call};
+use ipcreduce::bootstrap::RankInfo;
+use ipcreduce::{
+    reference, Algorithm, BackendChoice, Communicator, DType, Error, Options, ReduceOp,
+};
+use std::ffi::c_void;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::DirBuilderExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const ROLE: &str = "IPCREDUCE_HOST_ROLE";
+const SECRET: &str = "00112233445566778899aabbccddeeff";
+
+// ---------------------------------------------------------------------------------------
+// Rank side
+
+fn play_rank_if_child() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let code = match role.as_str() {
+        "correct" => rank_correct(),
+        "zerocopy" => rank_zero_copy(),
+        "mismatch" => rank_mismatch(),
+        "timeout" => rank_timeout(),
+        "death" => rank_death(),
+        "cycles" => rank_cycles(),
+        "bench" => rank_bench(),
+        other => panic!("unknown role {other}"),
+    };
+    let _ = std::io::stdout().flush();
+    std::process::exit(code);
+}
+
+/// With HOST_TEST_HOLD, keeps the communicator alive until the parent heard every rank (and
+/// closes our stdin): a rank that leaves early is reported dead to slower peers, which would
+/// then see that instead of the error the test is about.
+fn hold(c: Communicator) {
+    if std::env::var_os("HOST_TEST_HOLD").is_some() {
+        let _ = std::io::stdin().read_to_end(&mut Vec::new());
+    }
+    drop(c);
+}
+
+fn say(msg: impl std::fmt::Display) {
+    println!("@@ {msg}");
+    let _ = std::io::stdout().flush();
+}
+
+fn env_list<T: std::str::FromStr>(var: &str) -> Vec<T> {
+    std::env::var(var)
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect()
+}
+
+fn options() -> Options {
+    Options {
+        backend: BackendChoice::Host,
+        workspace_bytes: std::env::var("HOST_TEST_WORKSPACE")
+            .ok()
+            .and_then(|v| v.parse().ok()),
+        ..Options::default()
+    }
+}
+
+fn join() -> Communicator {
+    Communicator::init(&options()).expect("communicator init")
+}
+
+/// A buffer of `bytes` bytes aligned for any element type.
+struct Buf(Vec<u32>, usize);
+
+impl Buf {
+    fn new(bytes: usize) -> Buf {
+        Buf(vec![0u32; bytes.div_ceil(4)], bytes)
+    }
+    fn bytes(&self) -> &[u8] {
+        &bytemuck(&self.0)[..self.1]
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        let n = self.1;
+        &mut bytemuck_mut(&mut self.0)[..n]
+    }
+}
+
+fn bytemuck(v: &[u32]) -> &[u8] {
+    // SAFETY: u32 has no padding; any byte view of it is initialised.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 4) }
+}
+
+fn bytemuck_mut(v: &mut [u32]) -> &mut [u8] {
+    // SAFETY: as above; every byte pattern is a valid u32.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 4) }
+}
+
+/// All-reduce of `input` (rank's bytes) out of place or in place; returns the output.
+fn run(
+    c: &mut Communicator,
+    input: &Buf,
+    dtype: DType,
+    op: ReduceOp,
+    algo: Algorithm,
+    in_place: bool,
+) -> Result<Buf, Error> {
+    let count = input.1 / dtype.size();
+    let mut out = Buf::new(input.1);
+    if in_place {
+        out.bytes_mut().copy_from_slice(input.bytes());
+        let p = out.bytes_mut().as_mut_ptr().cast::<c_void>();
+        // SAFETY: one live buffer of count elements.
+        unsafe { c.all_reduce_raw(p, p, count, dtype, op, algo, std::ptr::null_mut())? };
+    } else {
+        reference::poison(out.bytes_mut());
+        let s = input.bytes().as_ptr().cast::<c_void>();
+        let r = out.bytes_mut().as_mut_ptr().cast::<c_void>();
+        // SAFETY: two live disjoint buffers of count elements.
+        unsafe { c.all_reduce_raw(s, r, count, dtype, op, algo, std::ptr::null_mut())? };
+    }
+    Ok(out)
+}
+
+/// Every rank's fingerprint of `out` must be the same.
+fn same_everywhere(c: &mut Communicator, out: &[u8], what: &str) {
+    let fp = reference::fingerprint(out);
+    let all = c
+        .bootstrap()
+        .all_gather(&fp.to_le_bytes())
+        .expect("all_gather");
+    for (k, theirs) in all.iter().enumerate() {
+        assert_eq!(
+            theirs[..],
+            fp.to_le_bytes(),
+            "rank {k} differs from rank {} in {what}",
+            c.rank()
+        );
+    }
+}
+
+/// Sizes from HOST_TEST_SIZES, dtypes from HOST_TEST_DTYPES: every algorithm in and out of
+/// place, checked against the float64 reference (on rank 0: the others are compared bitwise),
+/// bitwise equal across ranks and between one-shot and two-shot.
+fn rank_correct() -> i32 {
+    let sizes: Vec<usize> = env_list("HOST_TEST_SIZES");
+    let dtypes: Vec<DType> = env_list("HOST_TEST_DTYPES");
+    let mut c = join();
+    let (rank, world) = (c.rank(), c.world());
+    for &dtype in &dtypes {
+        for &count in &sizes {
+            let ops: &[ReduceOp] = if count == 1000 {
+                &ReduceOp::ALL
+            } else {
+                &[ReduceOp::Sum]
+            };
+            for &op in ops {
+                let seed = (count as u64) << 8 | dtype.code() as u64;
+                let mut input = Buf::new(count * dtype.size());
+                reference::fill_input(dtype, seed, rank, input.bytes_mut());
+                let mut first: Option<Buf> = None;
+                let runs = [
+                    (Algorithm::OneShot, false),
+                    (Algorithm::TwoShot, true),
+                    (Algorithm::OneShot, true),
+                    (Algorithm::TwoShot, false),
+                    (Algorithm::Auto, count % 2 == 1),
+                ];
+                for (algo, in_place) in runs {
+                    let what = format!("{dtype} {op} n={count} {algo} in_place={in_place}");
+                    let out = run(&mut c, &input, dtype, op, algo, in_place)
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    match &first {
+                        None => {
+                            if rank == 0 {
+                                let wrong =
+                                    reference::count_wrong(dtype, op, seed, world, out.bytes());
+                                assert_eq!(wrong, 0, "{what}: elements off the reference");
+                            }
+                            same_everywhere(&mut c, out.bytes(), &what);
+                            first = Some(out);
+                        }
+                        Some(f) => {
+                            // Bitwise equal to the first run here, which is checked above and
+                            // equal on every rank: so equal everywhere too.
+                            assert!(f.bytes() == out.bytes(), "{what} differs from oneshot");
+                        }
+                    }
+                }
+            }
+        }
+    }
+    say("DONE");
+    0
+}
+
+/// Symmetric-heap buffers (no copy-in) give the same bits as plain buffers.
+fn rank_zero_copy() -> i32 {
+    let mut c = join();
+    let (rank, world) = (c.rank(), c.world());
+    let dtype = DType::F32;
+    for count in [5usize, 4099, 300_000] {
+        let seed = count as u64;
+        let mut input = Buf::new(count * 4);
+        reference::fill_input(dtype, seed, rank, input.bytes_mut());
+        for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
+            let want = run(&mut c, &input, dtype, ReduceOp::Sum, algo, false).unwrap();
+            if rank == 0 {
+                assert_eq!(
+                    reference::count_wrong(dtype, ReduceOp::Sum, seed, world, want.bytes()),
+                    0
+                );
+            }
+            let mut buf = c.host_buffer::<f32>(count).unwrap();
+            let fill = |b: &mut [f32]| {
+                ipcreduce::element::as_bytes_mut(b).copy_from_slice(input.bytes());
+            };
+            fill(&mut buf);
+            let mut out = vec![0f32; count];
+            c.all_reduce_host(&buf, &mut out, ReduceOp::Sum, algo)
+                .unwrap();
+            assert!(
+                ipcreduce::element::as_bytes(&out) == want.bytes(),
+                "zero-copy {algo} n={count}"
+            );
+            // The input must be intact, and may be overwritten at once.
+            assert!(ipcreduce::element::as_bytes(&buf) == input.bytes());
+            buf.fill(f32::NAN);
+            fill(&mut buf);
+            c.all_reduce_host_in_place(&mut buf, ReduceOp::Sum, algo)
+                .unwrap();
+            assert!(
+                ipcreduce::element::as_bytes(&buf) == want.bytes(),
+                "zero-copy in place {algo}"
+            );
+        }
+    }
+    say("DONE");
+    0
+}
+
+fn rank_mismatch() -> i32 {
+    let mut c = join();
+    let count = if c.rank() == 1 { 200 } else { 100 };
+    let mut buf = vec![1f32; count];
+    let t0 = Instant::now();
+    match c.all_reduce_host_in_place(&mut buf, ReduceOp::Sum, Algorithm::OneShot) {
+        Err(Error::Mismatch {
+            peer, detail, seq, ..
+        }) => say(format!(
+            "MISMATCH {peer} {seq} {} {detail}",
+            t0.elapsed().as_millis()
+        )),
+        other => {
+            say(format!("UNEXPECTED {other:?}"));
+            return 1;
+        }
+    }
+    match c.all_reduce_host_in_place(&mut buf[..100], ReduceOp::Sum, Algorithm::OneShot) {
+        Err(Error::Aborted { .. }) => say("ABORTED"),
+        other => say(format!("UNEXPECTED {other:?}")),
+    }
+    hold(c);
+    0
+}
+
+fn rank_timeout() -> i32 {
+    let mut c = join();
+    let mut buf = vec![1f32; 10];
+    c.all_reduce_host_in_place(&mut buf, ReduceOp::Sum, Algorithm::Auto)
+        .unwrap();
+    if c.rank() == 1 {
+        // Skip call #2; try again after the others gave up.
+        std::thread::sleep(Duration::from_millis(2500));
+    }
+    let t0 = Instant::now();
+    match c.all_reduce_host_in_place(&mut buf, ReduceOp::Sum, Algorithm::Auto) {
+        Err(Error::Timeout { peer, seq, .. }) => {
+            say(format!("TIMEOUT {peer} {seq} {}", t0.elapsed().as_millis()))
+        }
+        Err(Error::Aborted { reason, .. }) => say(format!("ABORTED {reason}")),
+        other => say(format!("UNEXPECTED {other:?}")),
+    }
+    hold(c);
+    0
+}
+
+fn rank_death() -> i32 {
+    let mut c = join();
+    let mut buf = vec![1f32; 10];
+    c.all_reduce_host_in_place(&mut buf, ReduceOp::Sum, Algorithm::Auto)
+        .unwrap();
+    if c.rank() == 2 {
+        // Vanish without a word (no destructors, no BYE).
+        std::process::exit(0);
+    }
+    let t0 = Instant::now();
+    match c.all_reduce_host_in_place(&mut buf, ReduceOp::Sum, Algorithm::Auto) {
+        Err(Error::Aborted { reason, .. }) => {
+            say(format!("ABORTED {} {reason}", t0.elapsed().as_millis()))
+        }
+        other => say(format!("UNEXPECTED {other:?}")),
+    }
+    0
+}
+
+fn count_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+fn count_maps() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .count()
+}
+
+fn count_shm() -> usize {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// Creates and destroys communicators; nothing may be left behind.
+fn rank_cycles() -> i32 {
+    let cycles: usize = std::env::var("HOST_TEST_CYCLES").unwrap().parse().unwrap();
+    let base = RankInfo::from_env().unwrap();
+    let dir = base.socket.parent().unwrap().to_path_buf();
+    let mut opts = options();
+    opts.workspace_bytes = Some(16 << 10);
+    let mut before = None;
+    let t0 = Instant::now();
+    for i in 0..cycles {
+        // A socket per cycle: a fast rank must not meet the previous cycle's rank 0.
+        let info = RankInfo::new(
+            base.rank,
+            base.world,
+            dir.join(format!("c{i}.sock")),
+            format!("cyc{i}"),
+            Some(SECRET.into()),
+        )
+        .unwrap();
+        let mut c = Communicator::with_rank_info(info, &opts).unwrap();
+        let mut x = [1f32; 3];
+        c.all_reduce_host_in_place(&mut x, ReduceOp::Sum, Algorithm::Auto)
+            .unwrap();
+        assert_eq!(x, [base.world as f32; 3]);
+        drop(c);
+        if i == 0 {
+            // After one cycle: lazily created process-wide state now exists.
+            before = Some((count_fds(), count_maps(), count_shm()));
+        }
+    }
+    let after = (count_fds(), count_maps(), count_shm());
+    say(format!(
+        "CYCLES {cycles} {} ms {before:?} {after:?}",
+        t0.elapsed().as_millis()
+    ));
+    assert_eq!(
+        before,
+        Some(after),
+        "fds, mappings and /dev/shm entries (after 1 vs all cycles)"
+    );
+    say("DONE");
+    0
+}
+
+/// Prints mean µs per call (float32 sum) like the CLI benchmark would measure it.
+fn rank_bench() -> i32 {
+    let mut c = join();
+    let sizes: Vec<usize> = env_list("HOST_TEST_SIZES");
+    for bytes in sizes {
+        let count = (bytes / 4).max(1);
+        let send: BufId = c.test_alloc(count * 4).unwrap();
+        let recv: BufId = c.test_alloc(count * 4).unwrap();
+        let mut input = Buf::new(count * 4);
+        reference::fill_input(DType::F32, 1, c.rank(), input.bytes_mut());
+        c.test_write(send, input.bytes()).unwrap();
+        let iters = (100_000_000 / (bytes + 1000)).clamp(20, 100_000);
+        let mut line = format!("{:>9} B:", count * 4);
+        for algo in [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Auto] {
+            let call = Call {
+                send,
+                recv,
+                count,
+                dtype: DType::F32,
+                op: ReduceOp::Sum,
+                algo,
+                offset: 0,
+            };
+            let mut best = f64::MAX;
+            for _ in 0..5 {
+                best = best.min(c.test_time(&call, iters / 10 + 2, iters, None).unwrap());
+            }
+            let all = c.bootstrap().all_gather(&best.to_le_bytes()).unwrap();
+            let worst = all
+                .iter()
+                .map(|b| f64::from_le_bytes(b[..8].try_into().unwrap()))
+                .fold(0.0, f64::max);
+            line += &format!("  {algo} {worst:8.2} us");
+        }
+        if c.rank() == 0 {
+            say(format!("BENCH {line}"));
+        }
+        c.test_free(send);
+        c.test_free(recv);
+    }
+    0
+}
+
+// ---------------------------------------------------------------------------------------
+// Parent side
+
+/// A job's rendezvous directory (private), removed on drop.
+struct Job {
+    dir: PathBuf,
+}
+
+impl Job {
+    fn new(tag: &str) -> Job {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let dir =
+            std::env::temp_dir().join(format!("ipcreduce-ht-{tag}-{}-{nanos}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::DirBuilder::new().mode(0o700).create(&dir).unwrap();
+        Job { dir }
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+struct Rank {
+    rank: usize,
+    child: Child,
+    /// Held ranks exit when this closes.
+    stdin: Option<std::process::ChildStdin>,
+    lines: mpsc::Receiver<String>,
+    output: Arc<Mutex<String>>,
+}
+
+impl Rank {
+    fn diag(&self) -> String {
+        std::thread::sleep(Duration::from_millis(50));
+        format!("rank {}:\n{}", self.rank, self.output.lock().unwrap())
+    }
+
+    /// The next `@@` message.
+    fn next(&mut self, within: Duration) -> String {
+        match self.lines.recv_timeout(within) {
+            Ok(m) => m,
+            Err(_) => panic!("no message within {within:?} from {}", self.diag()),
+        }
+    }
+
+    fn wait_ok(&mut self, within: Duration) {
+        self.stdin.take();
+        let until = Instant::now() + within;
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                assert!(st.success(), "exit {st:?}: {}", self.diag());
+                return;
+            }
+            if Instant::now() > until {
+                let _ = self.child.kill();
+                panic!("did not exit within {within:?}: {}", self.diag());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for Rank {
+    fn drop(&mut self) {
+        // A failing test must not leave ranks behind.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_world(
+    test: &str,
+    role: &str,
+    job: &Job,
+    world: usize,
+    extra: &[(&str, String)],
+) -> Vec<Rank> {
+    let hold = extra.iter().any(|(k, _)| *k == "HOST_TEST_HOLD");
+    (0..world)
+        .map(|rank| {
+            let mut cmd = Command::new(std::env::current_exe().unwrap());
+            cmd.args([
+                "--exact",
+                test,
+                "--nocapture",
+                "--test-threads=1",
+                "--include-ignored",
+            ])
+            .env(ROLE, role)
+            .env("IPCREDUCE_RANK", rank.to_string())
+            .env("IPCREDUCE_WORLD_SIZE", world.to_string())
+            .env("IPCREDUCE_SOCKET", job.dir.join("s.sock"))
+            .env("IPCREDUCE_JOB_ID", format!("ht-{role}"))
+            .env("IPCREDUCE_SECRET", SECRET)
+            .env_remove("IPCREDUCE_LOCAL_RANK")
+            .env_remove("IPCREDUCE_ALGO")
+            .env_remove("IPCREDUCE_TIMEOUT_MS")
+            .stdin(if hold { Stdio::piped() } else { Stdio::null() })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+            for (k, v) in extra {
+                cmd.env(k, v);
+            }
+            let mut child = cmd.spawn().expect("spawn rank");
+            let (tx, lines) = mpsc::channel();
+            let output = Arc::new(Mutex::new(String::new()));
+            let (out, all) = (child.stdout.take().unwrap(), output.clone());
+            std::thread::spawn(move || {
+                for line in BufReader::new(out).lines().map_while(Result::ok) {
+                    all.lock().unwrap().push_str(&format!("{line}\n"));
+                    if let Some(at) = line.find("@@ ") {
+                        let _ = tx.send(line[at + 3..].to_string());
+                    }
+                }
+            });
+            let (mut err, all) = (child.stderr.take().unwrap(), output.clone());
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = err.read_to_string(&mut s);
+                all.lock().unwrap().push_str(&s);
+            });
+            let stdin = child.stdin.take();
+            Rank {
+                rank,
+                child,
+                stdin,
+                lines,
+                output,
+            }
+        })
+        .collect()
+}
+
+const T: Duration = Duration::from_secs(60);
+
+fn run_correct(test: &str, world: usize, sizes: &str, dtypes: &str, workspace: Option<usize>) {
+    let job = Job::new(&format!("c{world}"));
+    let mut extra = vec![
+        ("HOST_TEST_SIZES", sizes.to_string()),
+        ("HOST_TEST_DTYPES", dtypes.to_string()),
+    ];
+    if let Some(w) = workspace {
+        extra.push(("HOST_TEST_WORKSPACE", w.to_string()));
+    }
+    let mut ranks = spawn_world(test, "correct", &job, world, &extra);
+    for r in &mut ranks {
+        assert_eq!(r.next(T), "DONE", "{}", r.diag());
+    }
+    for r in &mut ranks {
+        r.wait_ok(T);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Tests
+
+#[test]
+fn every_dtype_and_algorithm_at_worlds_2_3_4_8() {
+    play_rank_if_child();
+    // 16 KiB slots: 65537 floats cross 16 chunks.
+    for world in [2, 3, 4, 8] {
+        run_correct(
+            "every_dtype_and_algorithm_at_worlds_2_3_4_8",
+            world,
+            "1,7,1000,65537",
+            "f32,f16,bf16",
+            Some(32 << 10),
+        );
+    }
+}
+
+#[test]
+fn multi_mib_messages_cross_default_chunks() {
+    play_rank_if_child();
+    // 3 MiB + a bit of float32 and of bfloat16 through the default 4 MiB slots / 1 MiB chunks.
+    let n = ((3 << 20) + 100) / 4;
+    run_correct(
+        "multi_mib_messages_cross_default_chunks",
+        2,
+        &n.to_string(),
+        "f32",
+        None,
+    );
+    run_correct(
+        "multi_mib_messages_cross_default_chunks",
+        3,
+        &(2 * n).to_string(),
+        "bf16",
+        None,
+    );
+}
+
+#[test]
+fn zero_copy_buffers_match_plain_ones() {
+    play_rank_if_child();
+    let job = Job::new("zc");
+    let mut ranks = spawn_world(
+        "zero_copy_buffers_match_plain_ones",
+        "zerocopy",
+        &job,
+        3,
+        &[],
+    );
+    for r in &mut ranks {
+        assert_eq!(r.next(T), "DONE", "{}", r.diag());
+        r.wait_ok(T);
+    }
+}
+
+#[test]
+fn mismatched_counts_fail_on_every_rank() {
+    play_rank_if_child();
+    let job = Job::new("mm");
+    let extra = [("HOST_TEST_HOLD", "1".to_string())];
+    let mut ranks = spawn_world(
+        "mismatched_counts_fail_on_every_rank",
+        "mismatch",
+        &job,
+        3,
+        &extra,
+    );
+    for r in &mut ranks {
+        let m = r.next(T);
+        let parts: Vec<&str> = m.splitn(5, ' ').collect();
+        assert_eq!(parts[0], "MISMATCH", "{}", r.diag());
+        let (peer, seq, ms, detail) = (parts[1], parts[2], parts[3], parts[4]);
+        assert_eq!(seq, "1");
+        assert!(ms.parse::<u64>().unwrap() < 5000, "took {ms} ms");
+        if r.rank == 1 {
+            assert!(detail.contains("count 200 vs 100"), "{m}");
+        } else {
+            assert_eq!(peer, "1", "{m}");
+            assert!(detail.contains("count 100 vs 200"), "{m}");
+        }
+        assert_eq!(r.next(T), "ABORTED", "{}", r.diag());
+    }
+    for r in &mut ranks {
+        r.wait_ok(T);
+    }
+}
+
+#[test]
+fn a_missing_rank_is_named_in_the_timeouts() {
+    play_rank_if_child();
+    let job = Job::new("to");
+    let extra = [
+        ("IPCREDUCE_TIMEOUT_MS", "1000".to_string()),
+        ("HOST_TEST_HOLD", "1".to_string()),
+    ];
+    let mut ranks = spawn_world(
+        "a_missing_rank_is_named_in_the_timeouts",
+        "timeout",
+        &job,
+        3,
+        &extra,
+    );
+    for r in &mut ranks {
+        let m = r.next(T);
+        if r.rank == 1 {
+            assert!(
+                m.starts_with("ABORTED") && m.contains("rank 1"),
+                "{m}: {}",
+                r.diag()
+            );
+        } else {
+            let parts: Vec<&str> = m.split(' ').collect();
+            assert_eq!(&parts[..3], ["TIMEOUT", "1", "2"], "{m}: {}", r.diag());
+            let ms: u64 = parts[3].parse().unwrap();
+            assert!((500..3000).contains(&ms), "timed out after {ms} ms");
+        }
+    }
+    for r in &mut ranks {
+        r.wait_ok(T);
+    }
+}
+
+#[test]
+fn a_dead_peer_aborts_the_waiting_ranks() {
+    play_rank_if_child();
+    let job = Job::new("death");
+    let mut ranks = spawn_world(
+        "a_dead_peer_aborts_the_waiting_ranks",
+        "death",
+        &job,
+        3,
+        &[],
+    );
+    for r in ranks.iter_mut().take(2) {
+        let m = r.next(T);
+        let parts: Vec<&str> = m.splitn(3, ' ').collect();
+        assert_eq!(parts[0], "ABORTED", "{m}: {}", r.diag());
+        let ms: u64 = parts[1].parse().unwrap();
+        assert!(ms < 5000, "noticed after {ms} ms (the timeout is 30 s)");
+        assert!(parts[2].contains('2'), "the reason names rank 2: {m}");
+        r.wait_ok(T);
+    }
+}
+
+#[test]
+fn create_destroy_cycles_leave_nothing_behind() {
+    play_rank_if_child();
+    let job = Job::new("cyc");
+    let extra = [("HOST_TEST_CYCLES", "1000".to_string())];
+    let mut ranks = spawn_world(
+        "create_destroy_cycles_leave_nothing_behind",
+        "cycles",
+        &job,
+        2,
+        &extra,
+    );
+    for r in &mut ranks {
+        let m = r.next(T);
+        assert!(m.starts_with("CYCLES"), "{m}: {}", r.diag());
+        eprintln!("rank {}: {m}", r.rank);
+        assert_eq!(r.next(T), "DONE", "{}", r.diag());
+        r.wait_ok(T);
+    }
+}
+
+/// `cargo test --release --test host_allreduce bench -- --ignored --nocapture`
+/// (`HOST_BENCH_WORLD=4` for more ranks).
+#[test]
+#[ignore]
+fn bench() {
+    play_rank_if_child();
+    let world = std::env::var("HOST_BENCH_WORLD")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    let job = Job::new("bench");
+    let sizes = "8,4096,65536,524288,2097152,8388608".to_string();
+    let mut ranks = spawn_world("bench", "bench", &job, world, &[("HOST_TEST_SIZES", sizes)]);
+    for _ in 0..6 {
+        println!("{world} ranks {}", ranks[0].next(Duration::from_secs(300)));
+    }
+    for r in &mut ranks {
+        r.wait_ok(T);
+    }
+}
