@@ -155,6 +155,10 @@ fn timeout(args: &FaultArgs, info: RankInfo) -> Result<String, String> {
     let started = Instant::now();
     let res = one_call(&mut comm, 1024, DType::F32, args.algo);
     let took = started.elapsed();
+    // Stay in the job a while: leaving at once would show slower survivors a departed rank
+    // instead of the timeout this scenario is about.
+    std::thread::sleep(limit);
+    drop(comm);
     match res {
         Ok(()) => Err("the call completed without the culprit".into()),
         Err(e) => {

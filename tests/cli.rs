@@ -1,0 +1,182 @@
+//! The command line as a user runs it, on the host backend (no GPU needed): `check`, `bench`
+//! and the fault scenarios, each with real processes started by `ipcreduce launch`.
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn ipcreduce(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ipcreduce"))
+        .args(args)
+        // A rank's variables from an outer launcher would make the command skip its own launch.
+        .env_remove("IPCREDUCE_RANK")
+        .env_remove("RANK")
+        .output()
+        .expect("run ipcreduce")
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[test]
+fn check_passes_on_the_host_backend_at_several_world_sizes() {
+    for ranks in ["2", "3", "4", "8"] {
+        let out = ipcreduce(&[
+            "check",
+            "--backend",
+            "host",
+            "--ranks",
+            ranks,
+            "--cases",
+            "150",
+            "--max-bytes",
+            "2M",
+        ]);
+        let all = text(&out);
+        assert!(out.status.success(), "world {ranks}:\n{all}");
+        assert!(
+            all.contains("150 passed, 0 failed"),
+            "world {ranks}:\n{all}"
+        );
+    }
+}
+
+#[test]
+fn bench_prints_a_checked_table_and_json() {
+    let dir = std::env::temp_dir().join(format!("ipcreduce-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("bench.json");
+    let out = ipcreduce(&[
+        "bench",
+        "--backend",
+        "host",
+        "--ranks",
+        "2",
+        "-b",
+        "8",
+        "-e",
+        "256K",
+        "-f",
+        "8",
+        "-d",
+        "all",
+        "-n",
+        "5",
+        "-w",
+        "2",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    assert!(all.contains("backend: host"), "{all}");
+    assert!(all.contains("nccl: unavailable"), "{all}");
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(doc["meta"]["backend"], "host");
+    assert_eq!(doc["meta"]["world"], 2);
+    let rows = doc["rows"].as_array().unwrap();
+    // 8 B .. 256 KiB by 8: 6 sizes, 3 dtypes, auto/oneshot/twoshot.
+    assert_eq!(rows.len(), 6 * 3 * 3, "{all}");
+    for row in rows {
+        assert_eq!(row["wrong"], 0, "{row}");
+        assert!(row["time_us"].as_f64().unwrap() > 0.0, "{row}");
+        assert_eq!(row["mode"], "eager");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn auto_says_why_it_picked_the_host_backend() {
+    if ipcreduce::backend::cuda::usable().is_ok() {
+        return; // a GPU machine picks cuda
+    }
+    let out = ipcreduce(&["bench", "--ranks", "2", "-e", "64", "-n", "2", "-w", "1"]);
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    assert!(
+        all.contains("backend: host (auto: CUDA backend unavailable"),
+        "{all}"
+    );
+    // Asking for cuda where there is none is a clear error, not a panic.
+    let out = ipcreduce(&["check", "--backend", "cuda", "--ranks", "2", "--cases", "1"]);
+    let all = text(&out);
+    assert!(!out.status.success());
+    assert!(all.contains("CUDA backend unavailable"), "{all}");
+    assert!(!all.contains("panicked"), "{all}");
+}
+
+/// Runs a fault scenario; returns the PASS/FAIL lines.
+fn faults(scenario: &str, ranks: &str, extra: &[&str]) -> (Vec<String>, Vec<String>, String) {
+    let mut args = vec![
+        "faults",
+        "--backend",
+        "host",
+        "--ranks",
+        ranks,
+        "--scenario",
+        scenario,
+    ];
+    args.extend_from_slice(extra);
+    let out = ipcreduce(&args);
+    let all = text(&out);
+    let pass = all
+        .lines()
+        .filter(|l| l.starts_with("PASS"))
+        .map(String::from)
+        .collect();
+    let fail = all
+        .lines()
+        .filter(|l| l.starts_with("FAIL"))
+        .map(String::from)
+        .collect();
+    (pass, fail, all)
+}
+
+#[test]
+fn mismatched_calls_fail_on_every_rank() {
+    for scenario in ["mismatch-count", "mismatch-dtype"] {
+        for algo in ["oneshot", "twoshot"] {
+            let (pass, fail, all) = faults(scenario, "4", &["-a", algo]);
+            assert_eq!(
+                (pass.len(), fail.len()),
+                (4, 0),
+                "{scenario} {algo}:\n{all}"
+            );
+            assert!(pass.iter().all(|l| l.contains("does not match")), "{all}");
+        }
+    }
+}
+
+#[test]
+fn a_missing_rank_times_out_and_is_named() {
+    let (pass, fail, all) = faults("timeout", "4", &["--timeout-ms", "800"]);
+    assert_eq!((pass.len(), fail.len()), (4, 0), "{all}");
+    assert!(
+        pass.iter()
+            .filter(|l| l.contains("waiting for peer rank 3"))
+            .count()
+            == 3,
+        "{all}"
+    );
+}
+
+#[test]
+fn a_killed_rank_is_named_by_the_survivors_within_two_seconds() {
+    let started = Instant::now();
+    let (pass, fail, all) = faults("kill", "4", &[]);
+    // The killed rank prints nothing; the three survivors pass (they check the 2 s bound).
+    assert_eq!((pass.len(), fail.len()), (3, 0), "{all}");
+    assert!(pass.iter().all(|l| l.contains("rank 3")), "{all}");
+    assert!(started.elapsed() < Duration::from_secs(30), "{all}");
+}
+
+#[test]
+fn create_destroy_cycles_leak_nothing() {
+    let (pass, fail, all) = faults("cycles", "2", &["--cycles", "1000"]);
+    assert_eq!((pass.len(), fail.len()), (2, 0), "{all}");
+}
