@@ -8,8 +8,9 @@
 //!   from rank 0 aborts its communicator.
 //!
 //! Stopping: the owner writes one byte into a socketpair the watcher polls; the watcher says
-//! BYE (unless the communicator is aborted: then silence tells the others to abort too) and
-//! returns. The owner waits for it, bounded.
+//! BYE and returns. If the communicator is aborted it says DIED(itself, why) instead, so the
+//! others abort too and learn the root cause (say, a mismatched call) rather than only that a
+//! rank left. The owner waits for it, bounded.
 
 use super::wire::{poll_timeout, Conn, Deadline, Kind, Reader, WireError, Writer};
 use crate::abort::AbortState;
@@ -129,6 +130,15 @@ fn say_bye(conn: &mut Conn) {
     let _ = conn.send(Kind::Bye, 0, &[], &[], &Deadline::after(SEND_BOUND));
 }
 
+/// Leaving an aborted communicator: tell the other end why, as a DIED about ourselves.
+fn say_failed(conn: &mut Conn, rank: usize, abort: &AbortState) {
+    let why = abort.reason().unwrap_or_else(|| "aborted".into());
+    let mut msg = Writer::new();
+    msg.u32(rank as u32)
+        .bytes(format!("rank {rank} left after an error: {why}").as_bytes());
+    let _ = conn.send(Kind::Died, 0, &msg.0, &[], &Deadline::after(SEND_BOUND));
+}
+
 /// What reading a liveness connection turned up.
 enum Event {
     Nothing,
@@ -173,22 +183,30 @@ fn root_loop(mut conns: Vec<(usize, Conn)>, wake: UnixStream, abort: &AbortState
                 continue;
             }
             match next_event(&mut conns[i].1) {
-                Event::Nothing | Event::Died(..) => {}
+                Event::Nothing => {}
+                // A rank leaving after an error says why (see say_failed).
+                Event::Died(_, why) => {
+                    dead.push((conns[i].0, why));
+                    conns.swap_remove(i);
+                }
                 Event::Bye => {
                     tracing::debug!("rank 0: rank {} left", conns[i].0);
                     conns.swap_remove(i);
                 }
                 Event::Gone(how) => {
-                    dead.push((conns[i].0, how));
+                    let k = conns[i].0;
+                    dead.push((
+                        k,
+                        format!(
+                            "rank {k} died: its connection to rank 0 closed without a goodbye{how} \
+                             (crashed, killed, or exited after an error)"
+                        ),
+                    ));
                     conns.swap_remove(i);
                 }
             }
         }
-        for (k, how) in dead {
-            let reason = format!(
-                "rank {k} died: its connection to rank 0 closed without a goodbye{how} \
-                 (crashed, killed, or exited after an error)"
-            );
+        for (k, reason) in dead {
             if abort.is_aborted() {
                 tracing::debug!("rank 0: {reason}");
             } else {
@@ -204,8 +222,10 @@ fn root_loop(mut conns: Vec<(usize, Conn)>, wake: UnixStream, abort: &AbortState
             }
         }
         if stop && woken(&wake) {
-            if !abort.is_aborted() {
-                for (_, c) in conns.iter_mut() {
+            for (_, c) in conns.iter_mut() {
+                if abort.is_aborted() {
+                    say_failed(c, 0, abort);
+                } else {
                     say_bye(c);
                 }
             }
@@ -249,7 +269,9 @@ fn leaf_loop(rank: usize, mut conn: Conn, wake: UnixStream, abort: &AbortState) 
             }
         }
         if stop && woken(&wake) {
-            if !abort.is_aborted() {
+            if abort.is_aborted() {
+                say_failed(&mut conn, rank, abort);
+            } else {
                 say_bye(&mut conn);
             }
             return;
