@@ -8,7 +8,7 @@
 use crate::backend::Call;
 use crate::cli::{join, parse_size, relaunch_unless_rank, RankArgs};
 use crate::error::Result;
-use crate::harness::{gather_f64, gather_u64, prepare, verify, Buffers};
+use crate::harness::{gather_f64, gather_u64, prepare, utc_now, verify, Buffers};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use crate::Communicator;
 
@@ -306,30 +306,6 @@ fn write_json(
         .map_err(|e| crate::Error::io(format!("writing {}", path.display()), e))
 }
 
-/// Current UTC time as ISO 8601, without a date crate.
-fn utc_now() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let (days, rem) = (secs / 86400, secs % 86400);
-    // Civil-from-days (Howard Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        (rem % 3600) / 60,
-        rem % 60
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -347,12 +323,5 @@ mod tests {
         assert_eq!(a, vec![Algorithm::OneShot, Algorithm::Nccl]);
         assert_eq!(parse_list("all", &DType::ALL).unwrap().len(), 3);
         assert!(parse_list::<DType>("f64", &DType::ALL).is_err());
-    }
-
-    #[test]
-    fn date_is_iso() {
-        let d = utc_now();
-        assert_eq!(d.len(), 20);
-        assert!(d.starts_with("20"));
     }
 }

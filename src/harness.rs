@@ -1,5 +1,6 @@
 //! What `bench` and `check` share: run one call on backend-owned buffers with fresh data and
-//! poisoned outputs, then check every element against the float64 reference.
+//! poisoned outputs, then check every element against the float64 reference. Also what the
+//! benchmarks' reports share (gathers over ranks, the date).
 
 use crate::backend::{BufId, Call};
 use crate::error::Result;
@@ -104,4 +105,40 @@ pub fn gather_f64(comm: &mut Communicator, v: f64) -> Result<Vec<f64>> {
         .into_iter()
         .map(f64::from_bits)
         .collect())
+}
+
+/// Current UTC time as ISO 8601, without a date crate.
+pub fn utc_now() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86400, secs % 86400);
+    // Civil-from-days (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn date_is_iso() {
+        let d = utc_now();
+        assert_eq!(d.len(), 20);
+        assert!(d.starts_with("20"));
+    }
 }

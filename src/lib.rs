@@ -12,6 +12,7 @@
 //! | [`backend::cuda`] | CUDA IPC data plane: workspaces, NVRTC kernels, NCCL |
 //! | [`reference`] | deterministic test data and the float64 reference |
 //! | [`bench`], [`check`] | the benchmark and the correctness sweep behind the CLI |
+//! | [`overlap`] | training-loop benchmark: compute overlapped with bucketed all-reduce |
 //! | [`launch`] | starting N ranks of a command |
 
 pub mod abort;
@@ -26,6 +27,7 @@ pub mod error;
 pub mod faults;
 pub mod harness;
 pub mod launch;
+pub mod overlap;
 pub mod plan;
 pub mod reference;
 pub mod types;

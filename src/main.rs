@@ -1,4 +1,4 @@
-//! The `ipcreduce` command: `launch`, `bench`, `check`.
+//! The `ipcreduce` command: `launch`, `bench`, `check`, `overlap`.
 
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
@@ -34,6 +34,8 @@ enum Cmd {
     Bench(ipcreduce::bench::BenchArgs),
     /// Check all-reduce results against a float64 reference.
     Check(ipcreduce::check::CheckArgs),
+    /// Training-loop benchmark: compute overlapped with bucketed all-reduce, ipcreduce vs NCCL
+    Overlap(ipcreduce::overlap::OverlapArgs),
     /// Provoke failures (mismatch, timeout, killed rank, create/destroy cycles) and check that
     /// every rank reports them.
     #[command(hide = true)]
@@ -80,6 +82,7 @@ fn main() -> ExitCode {
         }
         Cmd::Bench(args) => exit(ipcreduce::bench::run(args)),
         Cmd::Check(args) => exit(ipcreduce::check::run(args)),
+        Cmd::Overlap(args) => exit(ipcreduce::overlap::run(args)),
         Cmd::Faults(args) => exit(ipcreduce::faults::run(args)),
     }
 }

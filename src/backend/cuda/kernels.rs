@@ -6,6 +6,11 @@ use crate::types::{Algorithm, DType, ReduceOp};
 
 /// Source of the all-reduce kernels.
 pub const ALLREDUCE_SOURCE: &str = include_str!("kernels/allreduce.cu");
+/// Source of the compute-bound kernel `ipcreduce overlap` runs beside the all-reduce.
+pub const COMPUTE_SOURCE: &str = include_str!("kernels/compute.cu");
+/// Entry point in [`COMPUTE_SOURCE`] and its block size (its `__launch_bounds__`).
+pub const COMPUTE_KERNEL: &str = "ipcr_compute_fma";
+pub const COMPUTE_THREADS: u32 = 256;
 
 /// Sizes the kernels are compiled with; the host side must lay memory out the same way.
 pub const MAX_RANKS: usize = 8;
@@ -125,6 +130,27 @@ pub fn compile(arch: &str) -> Result<cudarc::nvrtc::Ptx> {
     cudarc::nvrtc::compile_ptx_with_opts(ALLREDUCE_SOURCE, opts).map_err(|e| Error::Cuda {
         rank: 0,
         op: format!("NVRTC compile of allreduce.cu for {arch}"),
+        detail: e.to_string(),
+    })
+}
+
+/// Compiles the compute kernel of `ipcreduce overlap` ([`COMPUTE_SOURCE`]) to PTX for `arch`.
+/// Same options as [`compile`] except `--fmad=false`: this kernel is timed, not checked, and
+/// uses explicit `fmaf` anyway. Needs only NVRTC, no GPU.
+pub fn compile_compute(arch: &str) -> Result<cudarc::nvrtc::Ptx> {
+    if !nvrtc_present() {
+        return Err(Error::CudaUnavailable(
+            "NVRTC (libnvrtc.so) not found: add CUDA's lib64 (or the nvidia-cuda-nvrtc wheel's lib) to LD_LIBRARY_PATH".into(),
+        ));
+    }
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
+        name: Some("compute.cu".into()),
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(COMPUTE_SOURCE, opts).map_err(|e| Error::Cuda {
+        rank: 0,
+        op: format!("NVRTC compile of compute.cu for {arch}"),
         detail: e.to_string(),
     })
 }
