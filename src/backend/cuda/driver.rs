@@ -52,16 +52,39 @@ pub fn driver_version() -> Option<String> {
     let res = unsafe { sys::cuDriverGetVersion(&mut v) };
     let cuda = (res == sys::CUresult::CUDA_SUCCESS)
         .then(|| format!("CUDA {}.{}", v / 1000, (v % 1000) / 10));
-    // "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  <date>"
+    // e.g. "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release ..."
     let kernel = std::fs::read_to_string("/proc/driver/nvidia/version")
         .ok()
-        .and_then(|t| {
-            let line = t.lines().next()?.to_string();
-            let after = line.split("Kernel Module").nth(1)?;
-            after.split_whitespace().next().map(str::to_string)
-        });
+        .and_then(|t| t.lines().next().and_then(version_token));
     match (kernel, cuda) {
         (Some(k), Some(c)) => Some(format!("{k} ({c})")),
         (k, c) => k.or(c),
+    }
+}
+
+/// The first token of `line` shaped like a driver version ("580.159.04").
+fn version_token(line: &str) -> Option<String> {
+    line.split_whitespace()
+        .find(|t| {
+            let parts: Vec<&str> = t.split('.').collect();
+            parts.len() >= 2
+                && parts
+                    .iter()
+                    .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .map(str::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::version_token;
+
+    #[test]
+    fn driver_version_is_found_in_either_format() {
+        let open = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (dvs-builder@U16)  Thu";
+        let closed = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023";
+        assert_eq!(version_token(open).as_deref(), Some("580.159.04"));
+        assert_eq!(version_token(closed).as_deref(), Some("535.104.05"));
+        assert_eq!(version_token("no version here"), None);
     }
 }
