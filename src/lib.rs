@@ -33,6 +33,18 @@ pub mod reference;
 pub mod types;
 
 pub use communicator::{Communicator, Options};
+
+/// Cores online on this machine. Not `available_parallelism`: `launch` binds each rank to one
+/// core, and a rank must still know how many its peers can use.
+pub fn machine_cores() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    if n > 0 {
+        n as usize
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    }
+}
 pub use element::Element;
 pub use error::{Error, Result};
 pub use types::{Algorithm, BackendChoice, BackendKind, DType, ReduceOp};

@@ -868,7 +868,7 @@ fn write_json(
         nccl_version: m.nccl_version,
         commit: env!("IPCREDUCE_GIT_COMMIT"),
         date: utc_now(),
-        host_cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        host_cores: crate::machine_cores(),
         args: args_json(args, plan),
     };
     let doc = report_json(&meta, cal, rows, ratio);

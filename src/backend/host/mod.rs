@@ -391,7 +391,7 @@ impl BackendOps for HostComm {
     }
 
     fn meta(&self) -> BackendMeta {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cores = crate::machine_cores();
         BackendMeta {
             devices: vec![format!("host: {cores} cores")],
             driver: None,

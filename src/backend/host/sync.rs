@@ -60,7 +60,7 @@ impl SpinPolicy {
     /// With more ranks than cores, spinning steals the core a peer needs, so spin less and
     /// hand the CPU over sooner.
     pub fn for_world(world: usize) -> SpinPolicy {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cores = crate::machine_cores();
         if world <= cores {
             SpinPolicy {
                 spin: Duration::from_micros(20),
