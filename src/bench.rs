@@ -8,7 +8,7 @@
 use crate::backend::Call;
 use crate::cli::{join, parse_size, relaunch_unless_rank, RankArgs};
 use crate::error::Result;
-use crate::harness::{gather_f64, gather_u64, prepare, utc_now, verify, Buffers};
+use crate::harness::{gather_f64, gather_u64, prepare, verify, Buffers, RunMeta};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use crate::Communicator;
 
@@ -70,14 +70,8 @@ pub struct Row {
 
 #[derive(Debug, serde::Serialize)]
 struct Meta {
-    backend: BackendKind,
-    world: usize,
-    devices: Vec<String>,
-    driver: Option<String>,
-    nccl_version: Option<String>,
-    commit: &'static str,
-    date: String,
-    host_cores: usize,
+    #[serde(flatten)]
+    run: RunMeta,
     iters: usize,
     warmup: usize,
     graph_calls: usize,
@@ -285,16 +279,8 @@ fn write_json(
     rows: &[Row],
     path: &std::path::Path,
 ) -> Result<()> {
-    let m = comm.meta();
     let meta = Meta {
-        backend: comm.backend(),
-        world: comm.world(),
-        devices: m.devices,
-        driver: m.driver,
-        nccl_version: m.nccl_version,
-        commit: env!("IPCREDUCE_GIT_COMMIT"),
-        date: utc_now(),
-        host_cores: crate::machine_cores(),
+        run: RunMeta::collect(comm),
         iters: args.iters,
         warmup: args.warmup,
         graph_calls: args.graph,

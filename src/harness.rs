@@ -90,6 +90,35 @@ pub fn run_checked(comm: &mut Communicator, call: &Call, seed: u64) -> Result<Ou
     verify(comm, call, seed)
 }
 
+/// What every report (bench, overlap) says about the run: machine, versions, commit, date.
+#[derive(Debug, serde::Serialize)]
+pub struct RunMeta {
+    pub backend: crate::BackendKind,
+    pub world: usize,
+    pub devices: Vec<String>,
+    pub driver: Option<String>,
+    pub nccl_version: Option<String>,
+    pub commit: &'static str,
+    pub date: String,
+    pub host_cores: usize,
+}
+
+impl RunMeta {
+    pub fn collect(comm: &Communicator) -> RunMeta {
+        let m = comm.meta();
+        RunMeta {
+            backend: comm.backend(),
+            world: comm.world(),
+            devices: m.devices,
+            driver: m.driver,
+            nccl_version: m.nccl_version,
+            commit: env!("IPCREDUCE_GIT_COMMIT"),
+            date: utc_now(),
+            host_cores: crate::machine_cores(),
+        }
+    }
+}
+
 /// Gathers one u64 from every rank.
 pub fn gather_u64(comm: &mut Communicator, v: u64) -> Result<Vec<u64>> {
     let all = comm.bootstrap().all_gather(&v.to_le_bytes())?;

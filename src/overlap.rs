@@ -29,7 +29,7 @@ use crate::backend::cuda::kernels::{self, COMPUTE_KERNEL, COMPUTE_THREADS};
 use crate::backend::cuda::memory::DeviceAlloc;
 use crate::cli::{join, parse_size, relaunch_unless_rank, RankArgs};
 use crate::error::{Error, Result};
-use crate::harness::{gather_f64, gather_u64, utc_now};
+use crate::harness::{gather_f64, gather_u64, RunMeta};
 use crate::reference::{count_wrong_par, fill_input_par};
 use crate::types::{Algorithm, BackendChoice, BackendKind, DType, ReduceOp};
 use crate::Communicator;
@@ -838,14 +838,8 @@ fn print_row(r: &Row) {
 
 #[derive(Debug, serde::Serialize)]
 struct Meta {
-    backend: BackendKind,
-    world: usize,
-    devices: Vec<String>,
-    driver: Option<String>,
-    nccl_version: Option<String>,
-    commit: &'static str,
-    date: String,
-    host_cores: usize,
+    #[serde(flatten)]
+    run: RunMeta,
     /// The options as run (bucket size after rounding to the element).
     args: serde_json::Value,
 }
@@ -859,16 +853,8 @@ fn write_json(
     ratio: Option<f64>,
     path: &std::path::Path,
 ) -> Result<()> {
-    let m = comm.meta();
     let meta = Meta {
-        backend: comm.backend(),
-        world: comm.world(),
-        devices: m.devices,
-        driver: m.driver,
-        nccl_version: m.nccl_version,
-        commit: env!("IPCREDUCE_GIT_COMMIT"),
-        date: utc_now(),
-        host_cores: crate::machine_cores(),
+        run: RunMeta::collect(comm),
         args: args_json(args, plan),
     };
     let doc = report_json(&meta, cal, rows, ratio);
@@ -1082,14 +1068,16 @@ mod tests {
         let args = parse(&["--grad-bytes", "10", "--bucket-bytes", "5"]);
         let plan = Plan::new(&args).unwrap();
         let meta = Meta {
-            backend: BackendKind::Cuda,
-            world: 2,
-            devices: vec!["GPU 0".into(), "GPU 1".into()],
-            driver: None,
-            nccl_version: Some("2.28.3".into()),
-            commit: env!("IPCREDUCE_GIT_COMMIT"),
-            date: utc_now(),
-            host_cores: 1,
+            run: crate::harness::RunMeta {
+                backend: BackendKind::Cuda,
+                world: 2,
+                devices: vec!["GPU 0".into(), "GPU 1".into()],
+                driver: None,
+                nccl_version: Some("2.28.3".into()),
+                commit: env!("IPCREDUCE_GIT_COMMIT"),
+                date: crate::harness::utc_now(),
+                host_cores: 1,
+            },
             args: args_json(&args, &plan),
         };
         let row = Row {
