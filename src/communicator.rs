@@ -182,11 +182,19 @@ impl Communicator {
     /// rank). The buffer stays valid after the communicator is dropped.
     pub fn host_buffer<T: Element>(&mut self, len: usize) -> Result<backend::host::HostBuffer<T>> {
         self.require_host("host_buffer")?;
-        let backend: *mut dyn BackendOps = self.backend.as_mut();
-        // SAFETY: `require_host` checked kind() == Host, and HostComm is the only backend of
-        // that kind, so the box holds a HostComm; &mut self makes the borrow exclusive.
-        let host = unsafe { &mut *backend.cast::<backend::host::HostComm>() };
-        host.host_buffer(len)
+        let rank = self.rank();
+        match self
+            .backend
+            .as_any_mut()
+            .downcast_mut::<backend::host::HostComm>()
+        {
+            Some(host) => host.host_buffer(len),
+            None => Err(Error::invalid(
+                rank,
+                "host_buffer",
+                "needs the host backend",
+            )),
+        }
     }
 
     fn require_host(&self, op: &'static str) -> Result<()> {

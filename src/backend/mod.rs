@@ -37,6 +37,9 @@ pub struct BackendMeta {
 pub trait BackendOps: Send {
     fn kind(&self) -> BackendKind;
 
+    /// The concrete backend, for the few calls that only one backend offers.
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
+
     /// Enqueues (cuda) or runs (host) one all-reduce. `algo` is never `Auto`.
     ///
     /// # Safety

@@ -581,6 +581,10 @@ impl BackendOps for CudaComm {
         BackendKind::Cuda
     }
 
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+
     unsafe fn all_reduce_raw(
         &mut self,
         send: *const c_void,

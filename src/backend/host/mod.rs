@@ -369,6 +369,10 @@ impl BackendOps for HostComm {
         BackendKind::Host
     }
 
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+
     unsafe fn all_reduce_raw(
         &mut self,
         send: *const c_void,
