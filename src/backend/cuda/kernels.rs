@@ -110,49 +110,65 @@ pub fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
-/// Compiles the all-reduce kernels to PTX for `arch` (e.g. "sm_90"). Needs only NVRTC, no GPU.
-pub fn compile(arch: &str) -> Result<cudarc::nvrtc::Ptx> {
-    if !nvrtc_present() {
-        return Err(Error::CudaUnavailable(
-            "NVRTC (libnvrtc.so) not found: add CUDA's lib64 (or the nvidia-cuda-nvrtc wheel's lib) to LD_LIBRARY_PATH".into(),
-        ));
+/// Fails with a clear error when NVRTC cannot be loaded (cudarc would panic on use).
+pub fn require_nvrtc() -> Result<()> {
+    if nvrtc_present() {
+        return Ok(());
     }
+    Err(Error::CudaUnavailable(
+        "NVRTC (libnvrtc.so) not found: add CUDA's lib64 (or the nvidia-cuda-nvrtc wheel's lib) to LD_LIBRARY_PATH".into(),
+    ))
+}
+
+/// Compiles `source` (named `name` in messages) to PTX for `arch` with the options every
+/// kernel of the crate uses, plus `extra`. Needs only NVRTC, no GPU.
+fn compile_source(
+    name: &str,
+    source: &str,
+    arch: &str,
+    extra: &[&str],
+) -> Result<cudarc::nvrtc::Ptx> {
+    require_nvrtc()?;
+    let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+    options.extend(extra.iter().map(|o| o.to_string()));
     let opts = cudarc::nvrtc::CompileOptions {
-        options: vec![
-            format!("--gpu-architecture={arch}"),
-            "--std=c++17".into(),
-            // Keep adds and multiplies separate so every build rounds the same way.
-            "--fmad=false".into(),
-        ],
-        name: Some("allreduce.cu".into()),
+        options,
+        name: Some(name.into()),
         ..Default::default()
     };
-    cudarc::nvrtc::compile_ptx_with_opts(ALLREDUCE_SOURCE, opts).map_err(|e| Error::Cuda {
+    cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(|e| Error::Cuda {
         rank: 0,
-        op: format!("NVRTC compile of allreduce.cu for {arch}"),
+        op: format!("NVRTC compile of {name} for {arch}"),
         detail: e.to_string(),
     })
+}
+
+/// Compiles the all-reduce kernels to PTX for `arch` (e.g. "sm_90"). Needs only NVRTC, no GPU.
+pub fn compile(arch: &str) -> Result<cudarc::nvrtc::Ptx> {
+    // Keep adds and multiplies separate so every build rounds the same way.
+    compile_source("allreduce.cu", ALLREDUCE_SOURCE, arch, &["--fmad=false"])
 }
 
 /// Compiles the compute kernel of `ipcreduce overlap` ([`COMPUTE_SOURCE`]) to PTX for `arch`.
 /// Same options as [`compile`] except `--fmad=false`: this kernel is timed, not checked, and
 /// uses explicit `fmaf` anyway. Needs only NVRTC, no GPU.
 pub fn compile_compute(arch: &str) -> Result<cudarc::nvrtc::Ptx> {
-    if !nvrtc_present() {
-        return Err(Error::CudaUnavailable(
-            "NVRTC (libnvrtc.so) not found: add CUDA's lib64 (or the nvidia-cuda-nvrtc wheel's lib) to LD_LIBRARY_PATH".into(),
-        ));
+    compile_source("compute.cu", COMPUTE_SOURCE, arch, &[])
+}
+
+/// For tests that need NVRTC: false (skip) where it is missing, unless CI's
+/// `IPCREDUCE_REQUIRE_NVRTC` is set, which turns a missing NVRTC into a failure.
+#[cfg(test)]
+pub(crate) fn nvrtc_for_tests() -> bool {
+    if nvrtc_present() {
+        return true;
     }
-    let opts = cudarc::nvrtc::CompileOptions {
-        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
-        name: Some("compute.cu".into()),
-        ..Default::default()
-    };
-    cudarc::nvrtc::compile_ptx_with_opts(COMPUTE_SOURCE, opts).map_err(|e| Error::Cuda {
-        rank: 0,
-        op: format!("NVRTC compile of compute.cu for {arch}"),
-        detail: e.to_string(),
-    })
+    assert!(
+        std::env::var_os("IPCREDUCE_REQUIRE_NVRTC").is_none(),
+        "IPCREDUCE_REQUIRE_NVRTC is set but NVRTC cannot be loaded"
+    );
+    eprintln!("skipped: NVRTC not installed");
+    false
 }
 
 #[cfg(test)]
@@ -223,12 +239,7 @@ mod tests {
     /// `IPCREDUCE_REQUIRE_NVRTC=1` so a missing library fails the test instead of skipping it.
     #[test]
     fn kernels_compile_with_nvrtc() {
-        if !nvrtc_present() {
-            assert!(
-                std::env::var_os("IPCREDUCE_REQUIRE_NVRTC").is_none(),
-                "IPCREDUCE_REQUIRE_NVRTC is set but NVRTC cannot be loaded"
-            );
-            eprintln!("skipped: NVRTC not installed");
+        if !nvrtc_for_tests() {
             return;
         }
         for arch in ["sm_80", "sm_90"] {

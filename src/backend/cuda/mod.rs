@@ -77,12 +77,7 @@ pub fn usable() -> Result<()> {
     if n == 0 {
         return Err(Error::CudaUnavailable("no CUDA device visible".into()));
     }
-    if !kernels::nvrtc_present() {
-        return Err(Error::CudaUnavailable(
-            "NVRTC (libnvrtc.so) not found: add CUDA's lib64 to LD_LIBRARY_PATH".into(),
-        ));
-    }
-    Ok(())
+    kernels::require_nvrtc()
 }
 
 pub struct CudaComm {
@@ -868,8 +863,7 @@ mod tests {
     /// equal ours, or the kernel would read garbage.
     #[test]
     fn kernel_args_size_matches_the_ptx() {
-        if !kernels::nvrtc_present() {
-            eprintln!("skipped: NVRTC not installed");
+        if !kernels::nvrtc_for_tests() {
             return;
         }
         let ptx = kernels::compile("sm_90").unwrap().to_src();
