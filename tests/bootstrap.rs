@@ -5,14 +5,13 @@
 //! of the parent. Ranks report on stdout with lines starting `@@ `; their stderr carries the
 //! library's log (warnings), which some tests inspect.
 
+mod common;
+
+use common::{say, Job, Rank, Spawn};
 use ipcreduce::bootstrap::{Bootstrap, RankInfo};
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::{DirBuilderExt, FileExt};
-use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const ROLE: &str = "IPCREDUCE_TEST_ROLE";
@@ -40,11 +39,6 @@ fn play_rank_if_child() {
     };
     let _ = std::io::stdout().flush();
     std::process::exit(code);
-}
-
-fn say(msg: impl std::fmt::Display) {
-    println!("@@ {msg}");
-    let _ = std::io::stdout().flush();
 }
 
 fn rank_timeout() -> Duration {
@@ -200,48 +194,6 @@ fn rank_expect_fail() -> i32 {
 // ---------------------------------------------------------------------------------------
 // Parent side
 
-/// A job's rendezvous settings, in a fresh private directory.
-struct Job {
-    dir: PathBuf,
-    socket: PathBuf,
-    job_id: String,
-    secret: String,
-}
-
-impl Job {
-    fn new(tag: &str) -> Job {
-        let dir = std::env::temp_dir().join(format!(
-            "ipcreduce-bt-{tag}-{}-{}",
-            std::process::id(),
-            unix_micros() % 1_000_000
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::DirBuilder::new().mode(0o700).create(&dir).unwrap();
-        Job {
-            socket: dir.join("s.sock"),
-            dir,
-            job_id: format!("bt-{tag}"),
-            secret: "0123456789abcdef0123456789abcdef".into(),
-        }
-    }
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// A rank process and what it says.
-struct Rank {
-    rank: usize,
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    stdout: Arc<Mutex<String>>,
-    stderr: Arc<Mutex<String>>,
-    status: Option<ExitStatus>,
-}
-
 fn spawn(
     test: &str,
     role: &str,
@@ -250,112 +202,15 @@ fn spawn(
     world: usize,
     extra: &[(&str, &str)],
 ) -> Rank {
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", test, "--nocapture", "--test-threads=1"])
-        .env(ROLE, role)
-        .env("IPCREDUCE_RANK", rank.to_string())
-        .env("IPCREDUCE_WORLD_SIZE", world.to_string())
-        .env("IPCREDUCE_SOCKET", &job.socket)
-        .env("IPCREDUCE_JOB_ID", &job.job_id)
-        .env("IPCREDUCE_SECRET", &job.secret)
-        .env_remove("IPCREDUCE_LOCAL_RANK")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    for (k, v) in extra {
-        cmd.env(k, v);
-    }
-    let mut child = cmd.spawn().expect("spawn rank");
-    let (tx, lines) = mpsc::channel();
-    let stdout = Arc::new(Mutex::new(String::new()));
-    let stderr = Arc::new(Mutex::new(String::new()));
-    let (out, all) = (child.stdout.take().unwrap(), stdout.clone());
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            all.lock().unwrap().push_str(&format!("{line}\n"));
-            // libtest's "test name ... " may precede our message on the same line.
-            if let Some(at) = line.find("@@ ") {
-                let _ = tx.send(line[at + 3..].to_string());
-            }
-        }
-    });
-    let (mut err, all) = (child.stderr.take().unwrap(), stderr.clone());
-    std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        all.lock().unwrap().push_str(&s);
-    });
-    Rank {
-        rank,
-        child,
-        lines,
-        stdout,
-        stderr,
-        status: None,
-    }
-}
-
-impl Rank {
-    fn diag(&self) -> String {
-        // Give the reader threads a moment to collect what the process wrote last.
-        std::thread::sleep(Duration::from_millis(50));
-        format!(
-            "rank {} (status {:?})\n--- stdout ---\n{}--- stderr ---\n{}",
-            self.rank,
-            self.status,
-            self.stdout.lock().unwrap(),
-            self.stderr.lock().unwrap()
-        )
-    }
-
-    /// The next `@@` message starting with `tag`, without the tag.
-    fn expect(&mut self, tag: &str, within: Duration) -> String {
-        let until = Instant::now() + within;
-        loop {
-            let left = until.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(m) if m.starts_with(tag) => return m[tag.len()..].trim().to_string(),
-                Ok(_) => {}
-                Err(_) => panic!("no {tag} within {within:?} from {}", self.diag()),
-            }
-        }
-    }
-
-    fn wait(&mut self, within: Duration) -> ExitStatus {
-        let until = Instant::now() + within;
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                self.status = Some(st);
-                return st;
-            }
-            if Instant::now() > until {
-                let _ = self.child.kill();
-                panic!("did not exit within {within:?}: {}", self.diag());
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    fn wait_ok(&mut self, within: Duration) {
-        let st = self.wait(within);
-        assert!(st.success(), "failed: {}", self.diag());
-    }
-
-    fn stderr(&self) -> String {
-        std::thread::sleep(Duration::from_millis(50));
-        self.stderr.lock().unwrap().clone()
-    }
-}
-
-impl Drop for Rank {
-    fn drop(&mut self) {
-        // A failing test must not leave ranks behind.
-        if self.status.is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
+    let spec = Spawn {
+        test,
+        role_var: ROLE,
+        role,
+        world,
+        extra,
+        hold: false,
+    };
+    Rank::spawn(&spec, job, rank)
 }
 
 fn spawn_world(
@@ -379,7 +234,7 @@ const T: Duration = Duration::from_secs(20);
 fn all_gather_worlds_2_3_4_8() {
     play_rank_if_child();
     for world in [2, 3, 4, 8] {
-        let job = Job::new(&format!("gather{world}"));
+        let job = Job::new("bt", &format!("gather{world}"));
         let mut ranks = spawn_world("all_gather_worlds_2_3_4_8", "gather", &job, world, &[]);
         for r in &mut ranks {
             r.expect("DONE", T);
@@ -392,7 +247,7 @@ fn all_gather_worlds_2_3_4_8() {
 #[test]
 fn all_gather_fds_shares_memfds() {
     play_rank_if_child();
-    let job = Job::new("fds");
+    let job = Job::new("bt", "fds");
     let mut ranks = spawn_world("all_gather_fds_shares_memfds", "fds", &job, 4, &[]);
     for r in &mut ranks {
         r.expect("DONE", T);
@@ -403,7 +258,7 @@ fn all_gather_fds_shares_memfds() {
 #[test]
 fn barrier_waits_for_the_slowest_rank() {
     play_rank_if_child();
-    let job = Job::new("barrier");
+    let job = Job::new("bt", "barrier");
     let mut ranks = spawn_world(
         "barrier_waits_for_the_slowest_rank",
         "barrier",
@@ -424,7 +279,7 @@ fn barrier_waits_for_the_slowest_rank() {
 /// A same-user process with the right socket but wrong credentials of the job is refused and
 /// logged by rank 0, and the real job still completes.
 fn stranger_is_refused(test: &str, tag: &str, wrong: (&str, &str), logged: &str) {
-    let job = Job::new(tag);
+    let job = Job::new("bt", tag);
     let mut r0 = spawn(test, "gather", &job, 0, 2, &[]);
     let mut stranger = spawn(test, "expect_fail", &job, 1, 2, &[wrong]);
     let why = stranger.expect("FAILED", T);
@@ -470,7 +325,7 @@ fn wrong_job_id_is_refused_and_the_job_completes() {
 fn duplicate_rank_is_refused() {
     play_rank_if_child();
     let test = "duplicate_rank_is_refused";
-    let job = Job::new("dup");
+    let job = Job::new("bt", "dup");
     let mut r0 = spawn(test, "gather", &job, 0, 3, &[]);
     let mut a = spawn(test, "gather", &job, 1, 3, &[]);
     let mut b = spawn(test, "gather", &job, 1, 3, &[]);
@@ -478,10 +333,10 @@ fn duplicate_rank_is_refused() {
     // the rendezvous is still open when the duplicate arrives.
     let until = Instant::now() + T;
     let (mut winner, mut loser) = loop {
-        if a.child.try_wait().unwrap().is_some() {
+        if a.has_exited() {
             break (b, a);
         }
-        if b.child.try_wait().unwrap().is_some() {
+        if b.has_exited() {
             break (a, b);
         }
         assert!(
@@ -493,7 +348,7 @@ fn duplicate_rank_is_refused() {
     let why = loser.expect("CONNECT_FAILED", T);
     eprintln!("duplicate: {why}");
     assert!(why.contains("duplicate rank"), "{why}");
-    loser.status = Some(loser.wait(T));
+    loser.wait(T);
     let mut r2 = spawn(test, "gather", &job, 2, 3, &[]);
     for r in [&mut r0, &mut winner, &mut r2] {
         r.expect("DONE", T);
@@ -505,15 +360,15 @@ fn duplicate_rank_is_refused() {
 /// SIGKILLs `victim` of 4 ranks between operations; the other 3 must see their abort state
 /// set, naming the victim, well within 2 s.
 fn kill_one_of_four(test: &str, victim: usize) {
-    let job = Job::new(&format!("kill{victim}"));
+    let job = Job::new("bt", &format!("kill{victim}"));
     let v = victim.to_string();
     let mut ranks = spawn_world(test, "kill", &job, 4, &[("IPCREDUCE_TEST_VICTIM", &v)]);
     for r in &mut ranks {
         r.expect("READY", T);
     }
     let killed_at = unix_micros();
-    ranks[victim].child.kill().unwrap();
-    ranks[victim].status = Some(ranks[victim].wait(T));
+    ranks[victim].kill();
+    ranks[victim].wait(T);
 
     let mut latencies = HashMap::new();
     for r in ranks.iter_mut().filter(|r| r.rank != victim) {
@@ -558,7 +413,7 @@ fn missing_rank_times_out_naming_it() {
     let test = "missing_rank_times_out_naming_it";
     let timeout_ms = 1500u64;
     let t = timeout_ms.to_string();
-    let job = Job::new("timeout");
+    let job = Job::new("bt", "timeout");
     // World 3, rank 2 never starts.
     let mut ranks: Vec<Rank> = (0..2)
         .map(|r| spawn(test, "expect_fail", &job, r, 3, &[(TIMEOUT_VAR, &t)]))
@@ -585,7 +440,7 @@ fn missing_rank_times_out_naming_it() {
 #[test]
 fn missing_rank_0_times_out_naming_it() {
     play_rank_if_child();
-    let job = Job::new("noroot");
+    let job = Job::new("bt", "noroot");
     let mut r1 = spawn(
         "missing_rank_0_times_out_naming_it",
         "expect_fail",

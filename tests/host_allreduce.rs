@@ -5,22 +5,19 @@
 //! `IPCREDUCE_HOST_ROLE` set; the test function sees the variable and plays the rank. Ranks
 //! report on stdout with lines starting `@@ `; the parent checks those and the exit codes.
 
+mod common;
+
+use common::{say, Job, Rank, Spawn, SECRET};
 use ipcreduce::backend::{BufId, Call};
 use ipcreduce::bootstrap::RankInfo;
 use ipcreduce::{
     reference, Algorithm, BackendChoice, Communicator, DType, Error, Options, ReduceOp,
 };
 use std::ffi::c_void;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::DirBuilderExt;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 const ROLE: &str = "IPCREDUCE_HOST_ROLE";
-const SECRET: &str = "00112233445566778899aabbccddeeff";
 
 // ---------------------------------------------------------------------------------------
 // Rank side
@@ -51,11 +48,6 @@ fn hold(c: Communicator) {
         let _ = std::io::stdin().read_to_end(&mut Vec::new());
     }
     drop(c);
-}
-
-fn say(msg: impl std::fmt::Display) {
-    println!("@@ {msg}");
-    let _ = std::io::stdout().flush();
 }
 
 fn env_list<T: std::str::FromStr>(var: &str) -> Vec<T> {
@@ -421,78 +413,6 @@ fn rank_bench() -> i32 {
 // ---------------------------------------------------------------------------------------
 // Parent side
 
-/// A job's rendezvous directory (private), removed on drop.
-struct Job {
-    dir: PathBuf,
-}
-
-impl Job {
-    fn new(tag: &str) -> Job {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        let dir =
-            std::env::temp_dir().join(format!("ipcreduce-ht-{tag}-{}-{nanos}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::DirBuilder::new().mode(0o700).create(&dir).unwrap();
-        Job { dir }
-    }
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-struct Rank {
-    rank: usize,
-    child: Child,
-    /// Held ranks exit when this closes.
-    stdin: Option<std::process::ChildStdin>,
-    lines: mpsc::Receiver<String>,
-    output: Arc<Mutex<String>>,
-}
-
-impl Rank {
-    fn diag(&self) -> String {
-        std::thread::sleep(Duration::from_millis(50));
-        format!("rank {}:\n{}", self.rank, self.output.lock().unwrap())
-    }
-
-    /// The next `@@` message.
-    fn next(&mut self, within: Duration) -> String {
-        match self.lines.recv_timeout(within) {
-            Ok(m) => m,
-            Err(_) => panic!("no message within {within:?} from {}", self.diag()),
-        }
-    }
-
-    fn wait_ok(&mut self, within: Duration) {
-        self.stdin.take();
-        let until = Instant::now() + within;
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                assert!(st.success(), "exit {st:?}: {}", self.diag());
-                return;
-            }
-            if Instant::now() > until {
-                let _ = self.child.kill();
-                panic!("did not exit within {within:?}: {}", self.diag());
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-}
-
-impl Drop for Rank {
-    fn drop(&mut self) {
-        // A failing test must not leave ranks behind.
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn spawn_world(
     test: &str,
     role: &str,
@@ -500,66 +420,22 @@ fn spawn_world(
     world: usize,
     extra: &[(&str, String)],
 ) -> Vec<Rank> {
-    let hold = extra.iter().any(|(k, _)| *k == "HOST_TEST_HOLD");
-    (0..world)
-        .map(|rank| {
-            let mut cmd = Command::new(std::env::current_exe().unwrap());
-            cmd.args([
-                "--exact",
-                test,
-                "--nocapture",
-                "--test-threads=1",
-                "--include-ignored",
-            ])
-            .env(ROLE, role)
-            .env("IPCREDUCE_RANK", rank.to_string())
-            .env("IPCREDUCE_WORLD_SIZE", world.to_string())
-            .env("IPCREDUCE_SOCKET", job.dir.join("s.sock"))
-            .env("IPCREDUCE_JOB_ID", format!("ht-{role}"))
-            .env("IPCREDUCE_SECRET", SECRET)
-            .env_remove("IPCREDUCE_LOCAL_RANK")
-            .env_remove("IPCREDUCE_ALGO")
-            .env_remove("IPCREDUCE_TIMEOUT_MS")
-            .stdin(if hold { Stdio::piped() } else { Stdio::null() })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-            for (k, v) in extra {
-                cmd.env(k, v);
-            }
-            let mut child = cmd.spawn().expect("spawn rank");
-            let (tx, lines) = mpsc::channel();
-            let output = Arc::new(Mutex::new(String::new()));
-            let (out, all) = (child.stdout.take().unwrap(), output.clone());
-            std::thread::spawn(move || {
-                for line in BufReader::new(out).lines().map_while(Result::ok) {
-                    all.lock().unwrap().push_str(&format!("{line}\n"));
-                    if let Some(at) = line.find("@@ ") {
-                        let _ = tx.send(line[at + 3..].to_string());
-                    }
-                }
-            });
-            let (mut err, all) = (child.stderr.take().unwrap(), output.clone());
-            std::thread::spawn(move || {
-                let mut s = String::new();
-                let _ = err.read_to_string(&mut s);
-                all.lock().unwrap().push_str(&s);
-            });
-            let stdin = child.stdin.take();
-            Rank {
-                rank,
-                child,
-                stdin,
-                lines,
-                output,
-            }
-        })
-        .collect()
+    let extra: Vec<(&str, &str)> = extra.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let spec = Spawn {
+        test,
+        role_var: ROLE,
+        role,
+        world,
+        extra: &extra,
+        hold: extra.iter().any(|(k, _)| *k == "HOST_TEST_HOLD"),
+    };
+    common::spawn_world(&spec, job)
 }
 
 const T: Duration = Duration::from_secs(60);
 
 fn run_correct(test: &str, world: usize, sizes: &str, dtypes: &str, workspace: Option<usize>) {
-    let job = Job::new(&format!("c{world}"));
+    let job = Job::new("ht", &format!("c{world}"));
     let mut extra = vec![
         ("HOST_TEST_SIZES", sizes.to_string()),
         ("HOST_TEST_DTYPES", dtypes.to_string()),
@@ -618,7 +494,7 @@ fn multi_mib_messages_cross_default_chunks() {
 #[test]
 fn zero_copy_buffers_match_plain_ones() {
     play_rank_if_child();
-    let job = Job::new("zc");
+    let job = Job::new("ht", "zc");
     let mut ranks = spawn_world(
         "zero_copy_buffers_match_plain_ones",
         "zerocopy",
@@ -635,7 +511,7 @@ fn zero_copy_buffers_match_plain_ones() {
 #[test]
 fn mismatched_counts_fail_on_every_rank() {
     play_rank_if_child();
-    let job = Job::new("mm");
+    let job = Job::new("ht", "mm");
     let extra = [("HOST_TEST_HOLD", "1".to_string())];
     let mut ranks = spawn_world(
         "mismatched_counts_fail_on_every_rank",
@@ -667,7 +543,7 @@ fn mismatched_counts_fail_on_every_rank() {
 #[test]
 fn a_missing_rank_is_named_in_the_timeouts() {
     play_rank_if_child();
-    let job = Job::new("to");
+    let job = Job::new("ht", "to");
     let extra = [
         ("IPCREDUCE_TIMEOUT_MS", "1000".to_string()),
         ("HOST_TEST_HOLD", "1".to_string()),
@@ -702,7 +578,7 @@ fn a_missing_rank_is_named_in_the_timeouts() {
 #[test]
 fn a_dead_peer_aborts_the_waiting_ranks() {
     play_rank_if_child();
-    let job = Job::new("death");
+    let job = Job::new("ht", "death");
     let mut ranks = spawn_world(
         "a_dead_peer_aborts_the_waiting_ranks",
         "death",
@@ -724,7 +600,7 @@ fn a_dead_peer_aborts_the_waiting_ranks() {
 #[test]
 fn create_destroy_cycles_leave_nothing_behind() {
     play_rank_if_child();
-    let job = Job::new("cyc");
+    let job = Job::new("ht", "cyc");
     let extra = [("HOST_TEST_CYCLES", "1000".to_string())];
     let mut ranks = spawn_world(
         "create_destroy_cycles_leave_nothing_behind",
@@ -752,7 +628,7 @@ fn bench() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(2);
-    let job = Job::new("bench");
+    let job = Job::new("ht", "bench");
     let sizes = "8,4096,65536,524288,2097152,8388608".to_string();
     let mut ranks = spawn_world("bench", "bench", &job, world, &[("HOST_TEST_SIZES", sizes)]);
     for _ in 0..6 {
