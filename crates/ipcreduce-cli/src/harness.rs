@@ -2,10 +2,10 @@
 //! poisoned outputs, then check every element against the float64 reference. Also what the
 //! benchmarks' reports share (gathers over ranks, the date).
 
-use crate::backend::{BufId, Call};
-use crate::error::Result;
-use crate::reference::{count_wrong_par, fill_input_par, fingerprint};
-use crate::Communicator;
+use ipcreduce::backend::{BufId, Call};
+use ipcreduce::error::Result;
+use ipcreduce::reference::{count_wrong_par, fill_input_par, fingerprint};
+use ipcreduce::Communicator;
 
 /// Poison byte for outputs and guard areas: all-ones is NaN in every dtype.
 const POISON: u8 = 0xFF;
@@ -25,7 +25,6 @@ pub struct Outcome {
 pub struct Buffers {
     pub send: BufId,
     pub recv: BufId,
-    pub capacity: usize,
 }
 
 impl Buffers {
@@ -34,7 +33,6 @@ impl Buffers {
         Ok(Buffers {
             send: comm.test_alloc(capacity)?,
             recv: comm.test_alloc(capacity)?,
-            capacity,
         })
     }
 
@@ -93,7 +91,7 @@ pub fn run_checked(comm: &mut Communicator, call: &Call, seed: u64) -> Result<Ou
 /// What every report (bench, overlap) says about the run: machine, versions, commit, date.
 #[derive(Debug, serde::Serialize)]
 pub struct RunMeta {
-    pub backend: crate::BackendKind,
+    pub backend: ipcreduce::BackendKind,
     pub world: usize,
     pub devices: Vec<String>,
     pub driver: Option<String>,
@@ -114,7 +112,7 @@ impl RunMeta {
             nccl_version: m.nccl_version,
             commit: env!("IPCREDUCE_GIT_COMMIT"),
             date: utc_now(),
-            host_cores: crate::machine_cores(),
+            host_cores: ipcreduce::machine_cores(),
         }
     }
 }

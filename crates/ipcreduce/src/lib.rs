@@ -11,23 +11,15 @@
 //! | [`backend::host`] | shared-memory data plane, reduction loops in Rust |
 //! | [`backend::cuda`] | CUDA IPC data plane: workspaces, NVRTC kernels, NCCL |
 //! | [`reference`] | deterministic test data and the float64 reference |
-//! | [`bench`], [`check`] | the benchmark and the correctness sweep behind the CLI |
-//! | [`overlap`] | training-loop benchmark: compute overlapped with bucketed all-reduce |
-//! | [`launch`] | starting N ranks of a command |
+//!
+//! The `ipcreduce` command (bench, check, overlap, launch) lives in the `ipcreduce-cli` crate.
 
 pub mod abort;
 pub mod backend;
-pub mod bench;
 pub mod bootstrap;
-pub mod check;
-pub mod cli;
 mod communicator;
 pub mod element;
 pub mod error;
-pub mod faults;
-pub mod harness;
-pub mod launch;
-pub mod overlap;
 pub mod plan;
 pub mod reference;
 pub mod types;

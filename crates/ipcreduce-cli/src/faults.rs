@@ -14,12 +14,12 @@
 //!
 //! Each rank prints `PASS <scenario> rank R: ...` or `FAIL ...` and exits 0 or 1.
 
-use crate::backend::Call;
-use crate::bootstrap::RankInfo;
 use crate::cli::{relaunch_unless_rank, RankArgs};
-use crate::error::Error;
-use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
-use crate::{Communicator, Options};
+use ipcreduce::backend::Call;
+use ipcreduce::bootstrap::RankInfo;
+use ipcreduce::error::Error;
+use ipcreduce::types::{Algorithm, BackendKind, DType, ReduceOp};
+use ipcreduce::{Communicator, Options};
 use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -102,7 +102,7 @@ fn one_call(
     count: usize,
     dtype: DType,
     algo: Algorithm,
-) -> crate::Result<()> {
+) -> ipcreduce::Result<()> {
     let bytes = count * 4; // room for the largest dtype
     let send = comm.test_alloc(bytes)?;
     let recv = comm.test_alloc(bytes)?;

@@ -24,16 +24,16 @@
 //! loop) are checked element by element against the float64 reference. Any wrong element
 //! makes the exit status 1.
 
-use crate::backend::cuda::driver::ck;
-use crate::backend::cuda::kernels::{self, COMPUTE_KERNEL, COMPUTE_THREADS};
-use crate::backend::cuda::memory::DeviceAlloc;
 use crate::cli::{join, parse_size, relaunch_unless_rank, RankArgs};
-use crate::error::{Error, Result};
 use crate::harness::{gather_f64, gather_u64, RunMeta};
-use crate::reference::{count_wrong_par, fill_input_par};
-use crate::types::{Algorithm, BackendChoice, BackendKind, DType, ReduceOp};
-use crate::Communicator;
 use cudarc::driver::{safe as cs, sys, DriverError};
+use ipcreduce::backend::cuda::driver::ck;
+use ipcreduce::backend::cuda::kernels::{self, COMPUTE_KERNEL, COMPUTE_THREADS};
+use ipcreduce::backend::cuda::memory::DeviceAlloc;
+use ipcreduce::error::{Error, Result};
+use ipcreduce::reference::{count_wrong_par, fill_input_par};
+use ipcreduce::types::{Algorithm, BackendChoice, BackendKind, DType, ReduceOp};
+use ipcreduce::Communicator;
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -241,7 +241,7 @@ pub fn run(args: OverlapArgs) -> i32 {
         eprintln!("error: overlap needs the cuda backend (compute and NCCL run on GPUs)");
         return 2;
     }
-    if let Err(e) = crate::backend::cuda::usable() {
+    if let Err(e) = ipcreduce::backend::cuda::usable() {
         eprintln!("error: overlap needs the cuda backend: {e}");
         return 2;
     }

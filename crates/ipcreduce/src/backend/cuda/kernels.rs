@@ -157,9 +157,10 @@ pub fn compile_compute(arch: &str) -> Result<cudarc::nvrtc::Ptx> {
 }
 
 /// For tests that need NVRTC: false (skip) where it is missing, unless CI's
-/// `IPCREDUCE_REQUIRE_NVRTC` is set, which turns a missing NVRTC into a failure.
-#[cfg(test)]
-pub(crate) fn nvrtc_for_tests() -> bool {
+/// `IPCREDUCE_REQUIRE_NVRTC` is set, which turns a missing NVRTC into a failure. Public for the
+/// tests of the crates built on this one.
+#[doc(hidden)]
+pub fn nvrtc_for_tests() -> bool {
     if nvrtc_present() {
         return true;
     }

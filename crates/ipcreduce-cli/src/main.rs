@@ -1,5 +1,13 @@
 //! The `ipcreduce` command: `launch`, `bench`, `check`, `overlap`.
 
+mod bench;
+mod check;
+mod cli;
+mod faults;
+mod harness;
+mod launch;
+mod overlap;
+
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
 use std::process::ExitCode;
@@ -31,15 +39,15 @@ enum Cmd {
         cmd: Vec<OsString>,
     },
     /// Time all-reduce, nccl-tests style.
-    Bench(ipcreduce::bench::BenchArgs),
+    Bench(crate::bench::BenchArgs),
     /// Check all-reduce results against a float64 reference.
-    Check(ipcreduce::check::CheckArgs),
+    Check(crate::check::CheckArgs),
     /// Training-loop benchmark: compute overlapped with bucketed all-reduce, ipcreduce vs NCCL
-    Overlap(ipcreduce::overlap::OverlapArgs),
+    Overlap(crate::overlap::OverlapArgs),
     /// Provoke failures (mismatch, timeout, killed rank, create/destroy cycles) and check that
     /// every rank reports them.
     #[command(hide = true)]
-    Faults(ipcreduce::faults::FaultArgs),
+    Faults(crate::faults::FaultArgs),
 }
 
 /// Logs go to stderr, filtered by IPCREDUCE_LOG, else RUST_LOG, else warnings only.
@@ -72,7 +80,7 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
             let grace = Duration::from_secs_f64(grace);
-            match ipcreduce::launch::spawn_ranks_with(n, program, args, &[], grace) {
+            match crate::launch::spawn_ranks_with(n, program, args, &[], grace) {
                 Ok(code) => exit(code),
                 Err(e) => {
                     eprintln!("error: {e}");
@@ -80,9 +88,9 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Cmd::Bench(args) => exit(ipcreduce::bench::run(args)),
-        Cmd::Check(args) => exit(ipcreduce::check::run(args)),
-        Cmd::Overlap(args) => exit(ipcreduce::overlap::run(args)),
-        Cmd::Faults(args) => exit(ipcreduce::faults::run(args)),
+        Cmd::Bench(args) => exit(crate::bench::run(args)),
+        Cmd::Check(args) => exit(crate::check::run(args)),
+        Cmd::Overlap(args) => exit(crate::overlap::run(args)),
+        Cmd::Faults(args) => exit(crate::faults::run(args)),
     }
 }

@@ -1,8 +1,9 @@
 //! Options shared by `bench` and `check`, and how they start their ranks.
 
-use crate::backend;
-use crate::types::{BackendChoice, BackendKind};
-use crate::{launch, Communicator, Options};
+use crate::launch;
+use ipcreduce::backend;
+use ipcreduce::types::{BackendChoice, BackendKind};
+use ipcreduce::{Communicator, Options};
 
 /// Options common to the commands that run collectives.
 #[derive(clap::Args, Debug, Clone)]
@@ -61,7 +62,7 @@ pub fn relaunch_unless_rank(args: &RankArgs) -> Option<i32> {
 }
 
 /// Joins the job as a rank; rank 0 says which backend was picked and why.
-pub fn join(args: &RankArgs, with_nccl: bool) -> crate::Result<Communicator> {
+pub fn join(args: &RankArgs, with_nccl: bool) -> ipcreduce::Result<Communicator> {
     let opts = Options {
         backend: args.backend,
         with_nccl,

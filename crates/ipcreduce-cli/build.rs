@@ -15,6 +15,6 @@ fn main() {
         .unwrap_or(false);
     let suffix = if dirty { "-dirty" } else { "" };
     println!("cargo:rustc-env=IPCREDUCE_GIT_COMMIT={commit}{suffix}");
-    println!("cargo:rerun-if-changed=.git/HEAD");
-    println!("cargo:rerun-if-changed=.git/index");
+    println!("cargo:rerun-if-changed=../../.git/HEAD");
+    println!("cargo:rerun-if-changed=../../.git/index");
 }

@@ -5,12 +5,12 @@
 //! the output of the timed calls is checked element by element against the float64 reference.
 //! Times are the slowest rank's; any wrong element makes the exit status non-zero.
 
-use crate::backend::Call;
 use crate::cli::{join, parse_size, relaunch_unless_rank, RankArgs};
-use crate::error::Result;
 use crate::harness::{gather_f64, gather_u64, prepare, verify, Buffers, RunMeta};
-use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
-use crate::Communicator;
+use ipcreduce::backend::Call;
+use ipcreduce::error::Result;
+use ipcreduce::types::{Algorithm, BackendKind, DType, ReduceOp};
+use ipcreduce::Communicator;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -122,7 +122,7 @@ fn bench(args: &BenchArgs) -> Result<bool> {
         Algorithm::TwoShot,
         Algorithm::Nccl,
     ];
-    let bad = |e: String| crate::Error::Config(e);
+    let bad = |e: String| ipcreduce::Error::Config(e);
     let algos = parse_list(&args.algos, &all_algos).map_err(bad)?;
     let dtypes = parse_list(&args.dtypes, &DType::ALL).map_err(bad)?;
     let mut comm = join(&args.ranks, algos.contains(&Algorithm::Nccl))?;
@@ -287,9 +287,9 @@ fn write_json(
     };
     let doc = serde_json::json!({ "meta": meta, "rows": rows });
     let text =
-        serde_json::to_string_pretty(&doc).map_err(|e| crate::Error::Config(e.to_string()))?;
+        serde_json::to_string_pretty(&doc).map_err(|e| ipcreduce::Error::Config(e.to_string()))?;
     std::fs::write(path, text)
-        .map_err(|e| crate::Error::io(format!("writing {}", path.display()), e))
+        .map_err(|e| ipcreduce::Error::io(format!("writing {}", path.display()), e))
 }
 
 #[cfg(test)]

@@ -6,9 +6,9 @@
 //! A call: validate, stamp nothing on the host, launch one kernel on the caller's stream. All
 //! protocol state is on the device (see kernels/allreduce.cu), so calls can be graph-captured.
 
-pub(crate) mod driver;
+pub mod driver;
 pub mod kernels;
-pub(crate) mod memory;
+pub mod memory;
 mod nccl;
 mod workspace;
 

@@ -5,8 +5,8 @@
 //! cannot reach the socket. When one rank fails, the others get a grace period to notice
 //! (the bootstrap's liveness aborts them) and are then terminated, then killed.
 
-use crate::bootstrap::MAX_WORLD;
-use crate::error::{Error, Result};
+use ipcreduce::bootstrap::MAX_WORLD;
+use ipcreduce::error::{Error, Result};
 use nix::sys::signal::{self, SaFlags, SigAction, SigHandler, SigSet, Signal};
 use nix::unistd::Pid;
 use rand::RngCore;

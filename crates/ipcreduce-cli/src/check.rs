@@ -7,12 +7,12 @@
 //! outputs are bitwise equal, and (for messages up to 16 MiB) one-shot and two-shot give
 //! bitwise the same result. The last line is `N passed, N failed`.
 
-use crate::backend::Call;
 use crate::cli::{join, parse_size, relaunch_unless_rank, RankArgs};
-use crate::error::Result;
 use crate::harness::{gather_u64, run_checked, Buffers};
-use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
-use crate::Communicator;
+use ipcreduce::backend::Call;
+use ipcreduce::error::Result;
+use ipcreduce::types::{Algorithm, BackendKind, DType, ReduceOp};
+use ipcreduce::Communicator;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -123,9 +123,9 @@ fn check(args: &CheckArgs) -> Result<(usize, usize)> {
         .split(',')
         .map(|s| s.trim().parse())
         .collect::<std::result::Result<_, String>>()
-        .map_err(crate::Error::Config)?;
+        .map_err(ipcreduce::Error::Config)?;
     if algos.is_empty() || algos.contains(&Algorithm::Nccl) {
-        return Err(crate::Error::Config(
+        return Err(ipcreduce::Error::Config(
             "check draws from auto, oneshot and twoshot".into(),
         ));
     }
