@@ -4,6 +4,7 @@ mod bench;
 mod check;
 mod cli;
 mod faults;
+mod gpu;
 mod harness;
 mod launch;
 mod overlap;

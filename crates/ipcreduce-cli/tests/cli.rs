@@ -86,6 +86,12 @@ fn bench_prints_a_checked_table_and_json() {
         assert_eq!(row["wrong"], 0, "{row}");
         assert!(row["time_us"].as_f64().unwrap() > 0.0, "{row}");
         assert_eq!(row["mode"], "eager");
+        // Every call checked (2 warm-up + 5 timed), and the path that ran named.
+        assert_eq!(row["calls"], 7, "{row}");
+        assert_eq!(row["registered"], false, "{row}");
+        assert_eq!(row["path"], row["ran"], "{row}");
+        let gross = row["gross_us"].as_f64().unwrap();
+        assert!(gross >= row["time_us"].as_f64().unwrap(), "{row}");
     }
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -121,8 +121,9 @@ pub fn require_nvrtc() -> Result<()> {
 }
 
 /// Compiles `source` (named `name` in messages) to PTX for `arch` with the options every
-/// kernel of the crate uses, plus `extra`. Needs only NVRTC, no GPU.
-fn compile_source(
+/// kernel of the crate uses, plus `extra`. Needs only NVRTC, no GPU. Public for the
+/// command's own kernels (the benchmark's input refresh), so every source compiles one way.
+pub fn compile_source(
     name: &str,
     source: &str,
     arch: &str,

@@ -1,0 +1,453 @@
+//! The benchmark's timed loop on the cuda backend.
+//!
+//! One measurement: the first input is generated on the device, then every call is an
+//! all-reduce followed by the refresh kernel (refresh.cu), which checks that call's output
+//! on the device and writes the next input from it. The loop runs eagerly or as CUDA graph
+//! replays (the refresh is captured with the call, its iteration counter lives on the device).
+//! The refresh alone is timed the same way and subtracted: `time_us` is the all-reduce's share.
+//! After the loop the host reads the final output back and checks every element itself.
+
+use super::pattern;
+use super::{Measure, Measured};
+use crate::gpu::{comm_context, cu, load_kernels};
+use cudarc::driver::{safe as cs, sys};
+use ipcreduce::backend::cuda::driver::ck;
+use ipcreduce::backend::cuda::memory::DeviceAlloc;
+use ipcreduce::error::{Error, Result};
+use ipcreduce::types::{DType, ReduceOp};
+use ipcreduce::Communicator;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+pub const REFRESH_SOURCE: &str = include_str!("refresh.cu");
+const REFRESH_THREADS: u32 = 512;
+/// Bytes of `struct State` in refresh.cu: {u32 iter, u32 blocks_done, u64 wrong}.
+const STATE_BYTES: usize = 16;
+
+/// Must match `struct RefreshArgs` in refresh.cu field by field.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RefreshArgs {
+    send: u64,
+    recv: u64,
+    count: u64,
+    seed: u64,
+    state: u64,
+    rank: i32,
+    world: i32,
+    op: i32,
+    check: i32,
+}
+
+/// Device memory for the send and receive buffers: plain, or registered with every peer
+/// (zero-copy calls).
+enum Memory {
+    Plain(DeviceAlloc),
+}
+
+impl Memory {
+    fn new(comm: &mut Communicator, bytes: usize, registered: bool) -> Result<Memory> {
+        if registered {
+            return Err(Error::invalid(
+                comm.rank(),
+                "bench --registered",
+                "this build has no Communicator::alloc (registered buffers)",
+            ));
+        }
+        Ok(Memory::Plain(DeviceAlloc::new(bytes, comm.rank())?))
+    }
+
+    fn ptr(&self) -> u64 {
+        match self {
+            Memory::Plain(m) => m.ptr,
+        }
+    }
+
+    /// Registered memory is freed collectively; plain memory on drop.
+    fn free(self, _comm: &mut Communicator) {
+        match self {
+            Memory::Plain(m) => drop(m),
+        }
+    }
+}
+
+/// Buffers, stream and kernels of one dtype's sweep.
+pub struct CudaRunner {
+    rank: usize,
+    send: Option<Memory>,
+    recv: Option<Memory>,
+    /// The measured loop's state, and a scratch one for timing the refresh alone.
+    state: DeviceAlloc,
+    scratch: DeviceAlloc,
+    capacity: usize,
+    refresh: [cs::CudaFunction; 3],
+    max_grid: u32,
+    stream: Arc<cs::CudaStream>,
+    ctx: Arc<cs::CudaContext>,
+}
+
+impl CudaRunner {
+    pub fn new(comm: &mut Communicator, capacity: usize, registered: bool) -> Result<CudaRunner> {
+        let rank = comm.rank();
+        let ctx = comm_context(comm)?;
+        ctx.bind_to_thread()
+            .map_err(cu(rank, "binding the context"))?;
+        let funcs = load_kernels(
+            &ctx,
+            rank,
+            "refresh.cu",
+            REFRESH_SOURCE,
+            &["ipcr_refresh_f32", "ipcr_refresh_f16", "ipcr_refresh_bf16"],
+        )?;
+        let refresh: [cs::CudaFunction; 3] = funcs.try_into().map_err(|_| Error::Cuda {
+            rank,
+            op: "loading refresh.cu".into(),
+            detail: "expected three kernels".into(),
+        })?;
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(cu(rank, "SM count query"))?;
+        let stream = ctx.new_stream().map_err(cu(rank, "cuStreamCreate"))?;
+        // Collective when registered: every rank allocates the same sizes in the same order.
+        let send = Memory::new(comm, capacity, registered)?;
+        let recv = Memory::new(comm, capacity, registered)?;
+        Ok(CudaRunner {
+            rank,
+            send: Some(send),
+            recv: Some(recv),
+            state: DeviceAlloc::new(STATE_BYTES, rank)?,
+            scratch: DeviceAlloc::new(STATE_BYTES, rank)?,
+            capacity,
+            refresh,
+            // Enough blocks to fill the GPU a few times over; the loop is grid-strided.
+            max_grid: u32::try_from(sms).unwrap_or(1).max(1) * 4,
+            stream,
+            ctx,
+        })
+    }
+
+    /// Frees the buffers (collectively when registered).
+    pub fn free(mut self, comm: &mut Communicator) {
+        if let Err(e) = self.stream.synchronize() {
+            tracing::warn!(rank = self.rank, "synchronize before freeing: {e}");
+        }
+        for m in [self.send.take(), self.recv.take()].into_iter().flatten() {
+            m.free(comm);
+        }
+    }
+
+    fn ptrs(&self) -> (u64, u64) {
+        let p = |m: &Option<Memory>| m.as_ref().map_or(0, Memory::ptr);
+        (p(&self.send), p(&self.recv))
+    }
+
+    fn kernel(&self, dtype: DType) -> &cs::CudaFunction {
+        match dtype {
+            DType::F32 => &self.refresh[0],
+            DType::F16 => &self.refresh[1],
+            _ => &self.refresh[2],
+        }
+    }
+
+    /// Enqueues one refresh (see refresh.cu) on our stream.
+    fn launch_refresh(&self, m: &Measure, state: u64, check: bool) -> Result<()> {
+        let (send, recv) = self.ptrs();
+        let mut args = RefreshArgs {
+            send,
+            recv,
+            count: m.count as u64,
+            seed: m.seed,
+            state,
+            rank: self.rank as i32,
+            world: m.world as i32,
+            op: op_code(m.op),
+            check: i32::from(check),
+        };
+        let grid = (m.count.div_ceil(REFRESH_THREADS as usize) as u64)
+            .clamp(1, u64::from(self.max_grid)) as u32;
+        let mut params = [(&mut args as *mut RefreshArgs).cast::<c_void>()];
+        // SAFETY: the kernel takes one RefreshArgs (copied at launch); it touches `count`
+        // elements of our send and recv buffers (capacity checked in `measure`) and the
+        // 16-byte state.
+        ck(
+            unsafe {
+                sys::cuLaunchKernel(
+                    self.kernel(m.dtype).cu_function(),
+                    grid,
+                    1,
+                    1,
+                    REFRESH_THREADS,
+                    1,
+                    1,
+                    0,
+                    self.stream.cu_stream(),
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            },
+            self.rank,
+            || format!("launching the refresh kernel ({} x {})", m.count, m.dtype),
+        )
+    }
+
+    /// Sets a state to {iter, 0, 0}.
+    fn reset_state(&self, state: u64, iter: u32) -> Result<()> {
+        let mut bytes = [0u8; STATE_BYTES];
+        bytes[..4].copy_from_slice(&iter.to_le_bytes());
+        // SAFETY: 16 bytes into our 16-byte allocation; synchronized before `bytes` goes.
+        ck(
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    state,
+                    bytes.as_ptr().cast(),
+                    STATE_BYTES,
+                    self.stream.cu_stream(),
+                )
+            },
+            self.rank,
+            || "writing the refresh state".into(),
+        )?;
+        self.sync()
+    }
+
+    /// (next iteration, wrong count) of a state.
+    fn read_state(&self, state: u64) -> Result<(u32, u64)> {
+        let mut bytes = [0u8; STATE_BYTES];
+        self.sync()?;
+        // SAFETY: 16 bytes from our allocation into a live array, waited for below.
+        ck(
+            unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    bytes.as_mut_ptr().cast(),
+                    state,
+                    STATE_BYTES,
+                    self.stream.cu_stream(),
+                )
+            },
+            self.rank,
+            || "reading the refresh state".into(),
+        )?;
+        self.sync()?;
+        let iter = u32::from_le_bytes(bytes[..4].try_into().unwrap_or_default());
+        let wrong = u64::from_le_bytes(bytes[8..].try_into().unwrap_or_default());
+        Ok((iter, wrong))
+    }
+
+    fn sync(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(cu(self.rank, "bench stream synchronize"))
+    }
+
+    /// Poisons the output and writes the first input (iteration 0) on the device.
+    fn prepare(&self, m: &Measure) -> Result<()> {
+        let (_, recv) = self.ptrs();
+        // SAFETY: the first `bytes` of our recv buffer.
+        ck(
+            unsafe {
+                sys::cuMemsetD8Async(
+                    recv,
+                    0xFF,
+                    m.count * m.dtype.size(),
+                    self.stream.cu_stream(),
+                )
+            },
+            self.rank,
+            || "poisoning the output".into(),
+        )?;
+        self.reset_state(self.state.ptr, u32::MAX)?;
+        self.launch_refresh(m, self.state.ptr, false)?;
+        self.sync()
+    }
+
+    /// Times `one` (which enqueues one unit of work on our stream): eager `warmup` + `iters`
+    /// units, or graphs of `k` units. Returns (microseconds per unit, units enqueued in all).
+    fn time_loop(
+        &self,
+        comm: &mut Communicator,
+        m: &Measure,
+        mut one: impl FnMut(&mut Communicator) -> Result<()>,
+    ) -> Result<(f64, u64)> {
+        let rank = self.rank;
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self
+            .ctx
+            .new_event(flags)
+            .map_err(cu(rank, "cuEventCreate"))?;
+        let end = self
+            .ctx
+            .new_event(flags)
+            .map_err(cu(rank, "cuEventCreate"))?;
+        let iters = m.iters.max(1);
+        let (timed, total) = match m.graph {
+            None => {
+                for _ in 0..m.warmup {
+                    one(comm)?;
+                }
+                self.sync()?;
+                start
+                    .record(&self.stream)
+                    .map_err(cu(rank, "cuEventRecord"))?;
+                for _ in 0..iters {
+                    one(comm)?;
+                }
+                (iters, m.warmup + iters)
+            }
+            Some(k) => {
+                let k = k.max(1);
+                self.sync()?;
+                self.stream
+                    .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                    .map_err(cu(rank, "cuStreamBeginCapture"))?;
+                let mut captured = Ok(());
+                for _ in 0..k {
+                    captured = one(comm);
+                    if captured.is_err() {
+                        break;
+                    }
+                }
+                let g = self
+                    .stream
+                    .end_capture(sys::CUgraphInstantiate_flags(0))
+                    .map_err(cu(rank, "cuStreamEndCapture"))?;
+                captured?;
+                let g = g.ok_or_else(|| Error::Cuda {
+                    rank,
+                    op: "graph capture".into(),
+                    detail: "captured an empty graph".into(),
+                })?;
+                let (warm, reps) = (m.warmup.div_ceil(k).max(1), iters.div_ceil(k));
+                for _ in 0..warm {
+                    g.launch().map_err(cu(rank, "cuGraphLaunch"))?;
+                }
+                self.sync()?;
+                start
+                    .record(&self.stream)
+                    .map_err(cu(rank, "cuEventRecord"))?;
+                for _ in 0..reps {
+                    g.launch().map_err(cu(rank, "cuGraphLaunch"))?;
+                }
+                (reps * k, (warm + reps) * k)
+            }
+        };
+        end.record(&self.stream)
+            .map_err(cu(rank, "cuEventRecord"))?;
+        self.sync()?;
+        // Kernels record failures (timeouts, mismatches) on the device; this surfaces them.
+        comm.synchronize()?;
+        let ms = start
+            .elapsed_ms(&end)
+            .map_err(cu(rank, "cuEventElapsedTime"))?;
+        Ok((f64::from(ms) * 1e3 / timed as f64, total as u64))
+    }
+
+    /// One measurement (see the module comment).
+    pub fn measure(&mut self, comm: &mut Communicator, m: &Measure) -> Result<Measured> {
+        let bytes = m.count * m.dtype.size();
+        if bytes > self.capacity {
+            return Err(Error::invalid(
+                self.rank,
+                "bench",
+                "message exceeds the buffers",
+            ));
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(cu(self.rank, "binding the context"))?;
+        self.prepare(m)?;
+        comm.bootstrap().barrier()?;
+        let (send, recv) = self.ptrs();
+        let stream = self.stream.cu_stream() as *mut c_void;
+        let (gross_us, calls) = self.time_loop(comm, m, |comm| {
+            // SAFETY: both buffers hold `capacity` >= bytes on the communicator's GPU, do not
+            // overlap, and live until `free` (after a synchronize).
+            unsafe {
+                comm.all_reduce_raw(
+                    send as *const c_void,
+                    recv as *mut c_void,
+                    m.count,
+                    m.dtype,
+                    m.op,
+                    m.algo,
+                    stream,
+                )?;
+            }
+            self.launch_refresh(m, self.state.ptr, true)
+        })?;
+        let (next_iter, wrong_calls) = self.read_state(self.state.ptr)?;
+        if u64::from(next_iter) != calls {
+            return Err(Error::invalid(
+                self.rank,
+                "bench",
+                format!("the refresh ran {next_iter} times for {calls} calls"),
+            ));
+        }
+        // The last call's output, checked here element by element.
+        let mut out = vec![0u8; bytes];
+        // SAFETY: `bytes` from our recv buffer into `out`, waited for below.
+        ck(
+            unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    out.as_mut_ptr().cast(),
+                    recv,
+                    bytes,
+                    self.stream.cu_stream(),
+                )
+            },
+            self.rank,
+            || format!("copying {bytes} bytes of results from the device"),
+        )?;
+        self.sync()?;
+        let salts = pattern::salts(m.seed, m.world);
+        let wrong_final = pattern::count_wrong(m.dtype, m.op, &salts, next_iter - 1, &out);
+        // The refresh alone, same launches, on a scratch state (its checks fail: ignored).
+        self.reset_state(self.scratch.ptr, 0)?;
+        let (refresh_us, _) =
+            self.time_loop(comm, m, |_| self.launch_refresh(m, self.scratch.ptr, true))?;
+        Ok(Measured {
+            gross_us,
+            refresh_us,
+            calls,
+            wrong_calls,
+            wrong_final,
+        })
+    }
+}
+
+fn op_code(op: ReduceOp) -> i32 {
+    match op {
+        ReduceOp::Sum => 0,
+        ReduceOp::Max => 1,
+        _ => 2,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ipcreduce::backend::cuda::kernels;
+
+    /// Compiles refresh.cu with NVRTC (no GPU needed); `IPCREDUCE_REQUIRE_NVRTC=1` turns a
+    /// skip into a failure. Every kernel is there and takes one argument of our struct's size.
+    #[test]
+    fn refresh_kernel_compiles_and_matches_its_arguments() {
+        if !kernels::nvrtc_for_tests() {
+            return;
+        }
+        for arch in ["sm_80", "sm_90"] {
+            let ptx = kernels::compile_source("refresh.cu", REFRESH_SOURCE, arch, &[])
+                .unwrap_or_else(|e| panic!("{e}"))
+                .to_src();
+            for name in ["ipcr_refresh_f32", "ipcr_refresh_f16", "ipcr_refresh_bf16"] {
+                assert!(ptx.contains(&format!(".entry {name}")), "{arch}: {name}");
+                let param = format!("{name}_param_0[{}]", std::mem::size_of::<RefreshArgs>());
+                assert!(ptx.contains(&param), "{arch}: {name} does not take {param}");
+            }
+            assert!(
+                ptx.contains("atom.global.add.u64"),
+                "{arch}: wrong count not summed"
+            );
+        }
+        assert!(REFRESH_SOURCE.contains(&format!("#define REFRESH_THREADS {REFRESH_THREADS}")));
+    }
+}

@@ -1,0 +1,472 @@
+//! `ipcreduce bench`: nccl-tests-style timing table, every timed call checked.
+//!
+//! For each registration (plain buffers, and with `--registered` buffers from
+//! `Communicator::alloc` as well), dtype, size, algorithm and mode (eager, and CUDA graph with
+//! `-G K`): the timed loop runs `x <- f(all_reduce(x))`, where the refresh `f` checks each
+//! call's output against its exact value and writes the next, different input from it (see
+//! [`pattern`]). A stale read, a missed element or a wrong sum in any call, warm-up and timed
+//! ones alike, counts as wrong; the host then checks the last call's output again itself.
+//! The refresh alone is timed the same way and subtracted, so `time_us` is the all-reduce's
+//! share. Times are the slowest rank's; any wrong element makes the exit status non-zero.
+
+mod cuda;
+mod host;
+pub mod pattern;
+
+use crate::cli::{join, parse_size, relaunch_unless_rank, RankArgs};
+use crate::harness::{gather_f64, gather_u64, RunMeta};
+use ipcreduce::error::Result;
+use ipcreduce::types::{Algorithm, BackendKind, DType, ReduceOp};
+use ipcreduce::Communicator;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub ranks: RankArgs,
+    /// Algorithms, comma separated: auto, oneshot, twoshot, nccl, or all.
+    #[arg(short = 'a', long = "algo", default_value = "all")]
+    pub algos: String,
+    /// Smallest message in bytes (K, M, G suffixes).
+    #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = parse_size)]
+    pub min_bytes: usize,
+    /// Largest message in bytes.
+    #[arg(short = 'e', long = "maxbytes", default_value = "32M", value_parser = parse_size)]
+    pub max_bytes: usize,
+    /// Multiplication factor between sizes.
+    #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
+    pub step: usize,
+    /// Data types, comma separated: float, half, bfloat16 (or f32, f16, bf16), or all.
+    #[arg(short = 'd', long = "datatype", default_value = "float")]
+    pub dtypes: String,
+    /// Reduction: sum, max or min.
+    #[arg(short = 'o', long = "op", default_value = "sum")]
+    pub op: ReduceOp,
+    /// Timed iterations per size.
+    #[arg(short = 'n', long = "iters", default_value_t = 20)]
+    pub iters: usize,
+    /// Warm-up iterations per size.
+    #[arg(short = 'w', long = "warmup", default_value_t = 5)]
+    pub warmup: usize,
+    /// Also time K calls captured in one CUDA graph (0 = eager only).
+    #[arg(short = 'G', long = "cudagraph", default_value_t = 0)]
+    pub graph: usize,
+    /// Write the results as JSON to this file (rank 0).
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+    /// Seed of the input patterns.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Also run every ipcreduce algorithm on registered (zero-copy) buffers from
+    /// `Communicator::alloc` (cuda), beside the plain ones.
+    #[arg(long)]
+    pub registered: bool,
+}
+
+/// One line of the table / one JSON row.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Row {
+    pub algo: Algorithm,
+    /// What `auto` resolved to (same as algo otherwise).
+    pub ran: Algorithm,
+    /// The library's name of the path that ran (kernel family, copy engine...), else `ran`.
+    pub path: String,
+    /// Thread blocks the path used, when the library says.
+    pub ctas: Option<u32>,
+    /// Whether the buffers came from `Communicator::alloc`.
+    pub registered: bool,
+    /// Whether the library ran the call without a staging copy, when it says.
+    pub zero_copy: Option<bool>,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub mode: &'static str,
+    pub bytes: usize,
+    pub count: usize,
+    /// Per call: the loop's time minus the refresh's (slowest rank).
+    pub time_us: f64,
+    /// Per call of the loop, all-reduce and refresh together (slowest rank).
+    pub gross_us: f64,
+    /// Per refresh alone (slowest rank).
+    pub refresh_us: f64,
+    pub algbw_gbps: f64,
+    pub busbw_gbps: f64,
+    /// Checked calls per rank (warm-up and timed).
+    pub calls: u64,
+    /// Wrong output elements over every call (checked on the device) plus wrong elements
+    /// of the last output (checked on the host), summed over ranks.
+    pub wrong: u64,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct Meta {
+    #[serde(flatten)]
+    run: RunMeta,
+    iters: usize,
+    warmup: usize,
+    graph_calls: usize,
+    seed: u64,
+    timing: &'static str,
+}
+
+/// What one measurement asks for.
+#[derive(Debug, Clone, Copy)]
+pub struct Measure {
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub algo: Algorithm,
+    pub count: usize,
+    pub world: usize,
+    pub seed: u64,
+    pub warmup: usize,
+    pub iters: usize,
+    /// Calls per CUDA graph (None: eager).
+    pub graph: Option<usize>,
+}
+
+/// What one measurement found on this rank.
+#[derive(Debug, Clone, Copy)]
+pub struct Measured {
+    pub gross_us: f64,
+    pub refresh_us: f64,
+    pub calls: u64,
+    pub wrong_calls: u64,
+    pub wrong_final: u64,
+}
+
+/// The backend's timed loop.
+enum Runner {
+    Cuda(cuda::CudaRunner),
+    Host(host::HostRunner),
+}
+
+impl Runner {
+    fn new(comm: &mut Communicator, capacity: usize, registered: bool) -> Result<Runner> {
+        Ok(match comm.backend() {
+            BackendKind::Cuda => Runner::Cuda(cuda::CudaRunner::new(comm, capacity, registered)?),
+            _ => Runner::Host(host::HostRunner::new(comm, capacity, registered)?),
+        })
+    }
+
+    fn measure(&mut self, comm: &mut Communicator, m: &Measure) -> Result<Measured> {
+        match self {
+            Runner::Cuda(r) => r.measure(comm, m),
+            Runner::Host(r) => r.measure(comm, m),
+        }
+    }
+
+    fn free(self, comm: &mut Communicator) {
+        if let Runner::Cuda(r) = self {
+            r.free(comm);
+        }
+    }
+}
+
+pub fn run(args: BenchArgs) -> i32 {
+    if let Some(code) = relaunch_unless_rank(&args.ranks) {
+        return code;
+    }
+    match bench(&args) {
+        Ok(true) => 0,
+        Ok(false) => 1,
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
+}
+
+pub(crate) fn parse_list<T>(s: &str, all: &[T]) -> Result<Vec<T>, String>
+where
+    T: Copy + std::str::FromStr<Err = String>,
+{
+    if s.eq_ignore_ascii_case("all") {
+        return Ok(all.to_vec());
+    }
+    s.split(',').map(|p| p.trim().parse()).collect()
+}
+
+pub(crate) fn sizes(min: usize, max: usize, step: usize) -> Vec<usize> {
+    let mut v = Vec::new();
+    let mut s = min.max(1);
+    while s <= max {
+        v.push(s);
+        s = match s.checked_mul(step.max(2)) {
+            Some(n) => n,
+            None => break,
+        };
+    }
+    v
+}
+
+/// The algorithms every rank can run, in the order asked; rank 0 says why others are left out.
+pub(crate) fn available(comm: &mut Communicator, algos: &[Algorithm]) -> Result<Vec<Algorithm>> {
+    let mut keep = Vec::new();
+    for &a in algos {
+        let why = comm.unavailable(a);
+        // NCCL may fail on one rank only: running it on the others would leave them waiting.
+        let all = gather_u64(comm, u64::from(why.is_none()))?;
+        if all.iter().all(|v| *v == 1) {
+            keep.push(a);
+        } else if comm.rank() == 0 {
+            let why = why.unwrap_or_else(|| "unavailable on another rank".into());
+            println!("# {a}: unavailable: {why}");
+        }
+    }
+    Ok(keep)
+}
+
+/// Runs the sweep; Ok(false) when any result was wrong.
+fn bench(args: &BenchArgs) -> Result<bool> {
+    let all_algos = [
+        Algorithm::Auto,
+        Algorithm::OneShot,
+        Algorithm::TwoShot,
+        Algorithm::Nccl,
+    ];
+    let bad = |e: String| ipcreduce::Error::Config(e);
+    let algos = parse_list(&args.algos, &all_algos).map_err(bad)?;
+    let dtypes = parse_list(&args.dtypes, &DType::ALL).map_err(bad)?;
+    let mut comm = join(&args.ranks, algos.contains(&Algorithm::Nccl))?;
+    let (rank, world) = (comm.rank(), comm.world());
+    if world > pattern::MAX_WORLD {
+        return Err(bad(format!(
+            "bench checks exact results for at most {} ranks, this job has {world}",
+            pattern::MAX_WORLD
+        )));
+    }
+    let mut modes = vec![("eager", None)];
+    if args.graph > 0 {
+        if comm.backend() == BackendKind::Cuda {
+            modes.push(("graph", Some(args.graph)));
+        } else if rank == 0 {
+            println!("# -G ignored: CUDA graphs need the cuda backend");
+        }
+    }
+    let mut registrations = vec![false];
+    if args.registered {
+        if comm.backend() == BackendKind::Cuda {
+            registrations.push(true);
+        } else if rank == 0 {
+            println!("# --registered ignored: registered buffers need the cuda backend");
+        }
+    }
+    let algos = available(&mut comm, &algos)?;
+
+    if rank == 0 {
+        print_header();
+    }
+    let mut rows = Vec::new();
+    let sizes = sizes(args.min_bytes, args.max_bytes, args.step);
+    for &registered in &registrations {
+        for &dtype in &dtypes {
+            let capacity = sizes.last().copied().unwrap_or(0).max(dtype.size());
+            let mut runner = Runner::new(&mut comm, capacity, registered)?;
+            for &bytes in &sizes {
+                let count = (bytes / dtype.size()).max(1);
+                // NCCL does not use our registration: its rows would repeat the plain ones.
+                for &algo in algos
+                    .iter()
+                    .filter(|a| !(registered && **a == Algorithm::Nccl))
+                {
+                    for &(mode, graph) in &modes {
+                        let m = Measure {
+                            dtype,
+                            op: args.op,
+                            algo,
+                            count,
+                            world,
+                            seed: args.seed ^ (bytes as u64) << 20 ^ u64::from(algo.code()) << 56,
+                            warmup: args.warmup,
+                            iters: args.iters,
+                            graph,
+                        };
+                        let got = runner.measure(&mut comm, &m)?;
+                        let row = make_row(&mut comm, &m, mode, registered, &got)?;
+                        if rank == 0 {
+                            print_row(&row);
+                        }
+                        rows.push(row);
+                    }
+                }
+            }
+            runner.free(&mut comm);
+        }
+    }
+    if rank == 0 {
+        if let Some(path) = &args.json {
+            write_json(&comm, args, &rows, path)?;
+        }
+        let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+        println!("# rows: {}, wrong elements: {wrong}", rows.len());
+    }
+    Ok(rows.iter().all(|r| r.wrong == 0))
+}
+
+/// What the library says ran for the last call: (path, CTAs, zero-copy).
+fn last_path(
+    comm: &Communicator,
+    algo: Algorithm,
+    bytes: usize,
+) -> (String, Option<u32>, Option<bool>) {
+    (comm.resolve(algo, bytes).name().to_string(), None, None)
+}
+
+/// Gathers one measurement from every rank into a row (collective).
+fn make_row(
+    comm: &mut Communicator,
+    m: &Measure,
+    mode: &'static str,
+    registered: bool,
+    got: &Measured,
+) -> Result<Row> {
+    let world = comm.world();
+    let bytes = m.count * m.dtype.size();
+    let slowest = |v: Vec<f64>| v.into_iter().fold(f64::NEG_INFINITY, f64::max);
+    let time_us = slowest(gather_f64(comm, got.gross_us - got.refresh_us)?);
+    let gross_us = slowest(gather_f64(comm, got.gross_us)?);
+    let refresh_us = slowest(gather_f64(comm, got.refresh_us)?);
+    let wrong = gather_u64(comm, got.wrong_calls + got.wrong_final)?
+        .iter()
+        .sum();
+    let algbw = bytes as f64 / time_us / 1e3;
+    let busbw = algbw * 2.0 * (world as f64 - 1.0) / world as f64;
+    let (path, ctas, zero_copy) = last_path(comm, m.algo, bytes);
+    Ok(Row {
+        algo: m.algo,
+        ran: comm.resolve(m.algo, bytes),
+        path,
+        ctas,
+        registered,
+        zero_copy,
+        dtype: m.dtype,
+        op: m.op,
+        mode,
+        bytes,
+        count: m.count,
+        time_us,
+        gross_us,
+        refresh_us,
+        algbw_gbps: algbw,
+        busbw_gbps: busbw,
+        calls: got.calls,
+        wrong,
+    })
+}
+
+const HEADER: [&str; 13] = [
+    "size", "count", "type", "redop", "algo", "path", "ctas", "reg", "mode", "time(us)", "algbw",
+    "busbw", "#wrong",
+];
+
+fn print_header() {
+    let units = [
+        "(B)",
+        "(elements)",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "(GB/s)",
+        "(GB/s)",
+        "",
+    ];
+    for cols in [HEADER, units] {
+        println!(
+            "# {:>10} {:>11} {:>8} {:>5} {:>8} {:>10} {:>4} {:>3} {:>5} {:>10} {:>8} {:>8} {:>6}",
+            cols[0],
+            cols[1],
+            cols[2],
+            cols[3],
+            cols[4],
+            cols[5],
+            cols[6],
+            cols[7],
+            cols[8],
+            cols[9],
+            cols[10],
+            cols[11],
+            cols[12]
+        );
+    }
+}
+
+/// How a row names its algorithm: `auto:<what ran>` for auto.
+pub(crate) fn algo_label(algo: Algorithm, ran: Algorithm) -> String {
+    if algo == Algorithm::Auto {
+        format!("auto:{}", short(ran))
+    } else {
+        algo.name().to_string()
+    }
+}
+
+fn print_row(r: &Row) {
+    println!(
+        "  {:>10} {:>11} {:>8} {:>5} {:>8} {:>10} {:>4} {:>3} {:>5} {:>10.2} {:>8.2} {:>8.2} {:>6}",
+        r.bytes,
+        r.count,
+        r.dtype.name(),
+        r.op.name(),
+        algo_label(r.algo, r.ran),
+        r.path,
+        r.ctas.map_or("-".to_string(), |c| c.to_string()),
+        if r.registered { "yes" } else { "no" },
+        r.mode,
+        r.time_us,
+        r.algbw_gbps,
+        r.busbw_gbps,
+        r.wrong
+    );
+}
+
+fn short(a: Algorithm) -> &'static str {
+    match a {
+        Algorithm::OneShot => "1s",
+        Algorithm::TwoShot => "2s",
+        other => other.name(),
+    }
+}
+
+fn write_json(
+    comm: &Communicator,
+    args: &BenchArgs,
+    rows: &[Row],
+    path: &std::path::Path,
+) -> Result<()> {
+    let meta = Meta {
+        run: RunMeta::collect(comm),
+        iters: args.iters,
+        warmup: args.warmup,
+        graph_calls: args.graph,
+        seed: args.seed,
+        timing: "time_us: per call, (all-reduce + input refresh) minus the refresh alone; \
+                 every call's output checked",
+    };
+    let doc = serde_json::json!({ "meta": meta, "rows": rows });
+    let text =
+        serde_json::to_string_pretty(&doc).map_err(|e| ipcreduce::Error::Config(e.to_string()))?;
+    std::fs::write(path, text)
+        .map_err(|e| ipcreduce::Error::io(format!("writing {}", path.display()), e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn size_sweep_is_geometric_and_inclusive() {
+        assert_eq!(sizes(8, 64, 2), vec![8, 16, 32, 64]);
+        assert_eq!(sizes(8, 100, 4), vec![8, 32]);
+        assert_eq!(sizes(0, 1, 2), vec![1]);
+    }
+
+    #[test]
+    fn lists_parse() {
+        let a = parse_list("oneshot,nccl", &[Algorithm::Auto]).unwrap();
+        assert_eq!(a, vec![Algorithm::OneShot, Algorithm::Nccl]);
+        assert_eq!(parse_list("all", &DType::ALL).unwrap().len(), 3);
+        assert!(parse_list::<DType>("f64", &DType::ALL).is_err());
+    }
+}

@@ -1,0 +1,222 @@
+//! The benchmark's data: small-integer inputs that change every call, and their exact
+//! results. The device twin of this file is `refresh.cu`; both must compute the same values
+//! (the host checks the device's final output with these functions, so any difference fails
+//! every row).
+//!
+//! Input element `i` of `rank` at iteration `iter` is an integer in -16..=15. Sums of up to 8
+//! of them are exact in f32, f16 and bf16 whatever the order, so a result is right only if it
+//! is equal to the expected value. Consecutive iterations differ at every element (an odd
+//! step modulo 32), so a sum that reads any rank's previous input is wrong.
+
+use ipcreduce::element::{load_f64, store_f64};
+use ipcreduce::types::{DType, ReduceOp};
+
+/// Largest world the patterns stay exact for (8 x 16 = 128 fits bf16's 8-bit significand).
+pub const MAX_WORLD: usize = 8;
+
+fn lowbias32(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7feb_352d);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846c_a68b);
+    x ^= x >> 16;
+    x
+}
+
+/// Per-rank salt, from the seed and the rank only.
+pub fn salt(seed: u64, rank: usize) -> u32 {
+    let r = (rank as u32).wrapping_add(1);
+    lowbias32(
+        seed as u32 ^ lowbias32(((seed >> 32) as u32).wrapping_add(0x9e37_79b9u32.wrapping_mul(r))),
+    )
+}
+
+/// Input element `i` at `iter` of `rank`, whose salt is `salt`. Rank 0 steps by an odd
+/// amount, the others by an even non-zero one (modulo 32): a sum that reads one rank's
+/// previous input, or every rank's, differs.
+#[inline]
+pub fn value(salt: u32, rank: usize, iter: u32, i: u64) -> i32 {
+    let h = lowbias32(i as u32 ^ lowbias32((i >> 32) as u32 ^ salt));
+    let step = if rank == 0 {
+        2 * (h & 15) + 1
+    } else {
+        2 * (h % 15) + 2
+    };
+    ((h >> 4).wrapping_add(iter.wrapping_mul(step)) & 31) as i32 - 16
+}
+
+/// The exact all-reduce of element `i` at `iter` over ranks with these salts.
+#[inline]
+pub fn expected(op: ReduceOp, salts: &[u32], iter: u32, i: u64) -> f64 {
+    let mut acc = f64::from(value(salts[0], 0, iter, i));
+    for (r, &s) in salts.iter().enumerate().skip(1) {
+        acc = op.apply_f64(acc, f64::from(value(s, r, iter, i)));
+    }
+    acc
+}
+
+/// What a wrong output element turns the next input into: it survives every operator, so an
+/// error of any call reaches the final output.
+pub fn poison(op: ReduceOp) -> f64 {
+    if op == ReduceOp::Min {
+        f64::NEG_INFINITY
+    } else {
+        f64::INFINITY
+    }
+}
+
+/// The salts of every rank of a world.
+pub fn salts(seed: u64, world: usize) -> Vec<u32> {
+    (0..world).map(|r| salt(seed, r)).collect()
+}
+
+/// One refresh on the host (the host backend's `f`, same contract as refresh.cu): checks
+/// `recv` against iteration `iter` when `check`, writes iteration `iter + 1` of `rank`'s input
+/// into `send` (poison where the output was wrong), and returns the wrong count.
+pub struct Refresh<'a> {
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub salts: &'a [u32],
+    pub rank: usize,
+}
+
+impl Refresh<'_> {
+    pub fn run(&self, iter: u32, check: bool, recv: &[u8], send: &mut [u8]) -> u64 {
+        let count = send.len() / self.dtype.size();
+        let mine = self.salts[self.rank];
+        let mut wrong = 0;
+        for i in 0..count {
+            let ok = !check
+                || load_f64(self.dtype, recv, i) == expected(self.op, self.salts, iter, i as u64);
+            wrong += u64::from(!ok);
+            let next = if ok {
+                f64::from(value(mine, self.rank, iter.wrapping_add(1), i as u64))
+            } else {
+                poison(self.op)
+            };
+            store_f64(self.dtype, send, i, next);
+        }
+        wrong
+    }
+}
+
+/// Wrong elements of `out` as the result of iteration `iter`, spread over the cores.
+pub fn count_wrong(dtype: DType, op: ReduceOp, salts: &[u32], iter: u32, out: &[u8]) -> u64 {
+    let count = out.len() / dtype.size();
+    let wrong_in = |lo: usize, hi: usize| -> u64 {
+        (lo..hi)
+            .filter(|&i| load_f64(dtype, out, i) != expected(op, salts, iter, i as u64))
+            .count() as u64
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if count < 1 << 16 || threads == 1 {
+        return wrong_in(0, count);
+    }
+    let per = count.div_ceil(threads);
+    std::thread::scope(|s| {
+        let parts: Vec<_> = (0..threads)
+            .map(|t| s.spawn(move || wrong_in((t * per).min(count), ((t + 1) * per).min(count))))
+            .collect();
+        parts
+            .into_iter()
+            .map(|h| h.join().unwrap_or(u64::MAX))
+            .sum()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_are_small_integers_that_change_every_iteration() {
+        let salts = salts(7, 4);
+        for i in 0..10_000u64 {
+            for iter in 0..40u32 {
+                for (r, &s) in salts.iter().enumerate() {
+                    let v = value(s, r, iter, i);
+                    assert!((-16..=15).contains(&v));
+                    assert_ne!(v, value(s, r, iter + 1, i), "element {i} iteration {iter}");
+                }
+                // Every rank's previous input: the sum differs too.
+                let (now, next) = (
+                    expected(ReduceOp::Sum, &salts, iter, i),
+                    expected(ReduceOp::Sum, &salts, iter + 1, i),
+                );
+                assert_ne!(now, next, "element {i} iteration {iter}");
+            }
+        }
+        // Ranks and seeds differ.
+        assert_ne!(salt(7, 0), salt(7, 1));
+        assert_ne!(salt(7, 0), salt(8, 0));
+        assert_ne!(salt(1, 0), salt(1 << 32, 0));
+    }
+
+    #[test]
+    fn sums_of_a_full_world_are_exact_in_every_dtype() {
+        let salts = salts(1, MAX_WORLD);
+        for dtype in DType::ALL {
+            let mut buf = vec![0u8; dtype.size()];
+            for i in 0..5000u64 {
+                let want = expected(ReduceOp::Sum, &salts, 3, i);
+                store_f64(dtype, &mut buf, 0, want);
+                assert_eq!(load_f64(dtype, &buf, 0), want, "{dtype}");
+            }
+        }
+    }
+
+    /// The host refresh chains: right outputs give the next pattern, a wrong one poisons the
+    /// next input, and the count says how many were wrong.
+    #[test]
+    fn refresh_checks_and_chains() {
+        let (dtype, op, world, n) = (DType::Bf16, ReduceOp::Sum, 2, 64);
+        let salts = salts(5, world);
+        let f = Refresh {
+            dtype,
+            op,
+            salts: &salts,
+            rank: 1,
+        };
+        let mut send = vec![0u8; n * 2];
+        let mut recv = vec![0xFFu8; n * 2];
+        // First fill: iteration u32::MAX + 1 = 0, nothing checked.
+        assert_eq!(f.run(u32::MAX, false, &recv, &mut send), 0);
+        for i in 0..n {
+            assert_eq!(
+                load_f64(dtype, &send, i),
+                f64::from(value(salts[1], 1, 0, i as u64))
+            );
+        }
+        // A right output of iteration 0, but for element 5.
+        for i in 0..n {
+            store_f64(dtype, &mut recv, i, expected(op, &salts, 0, i as u64));
+        }
+        store_f64(dtype, &mut recv, 5, 1000.0);
+        assert_eq!(count_wrong(dtype, op, &salts, 0, &recv), 1);
+        assert_eq!(f.run(0, true, &recv, &mut send), 1);
+        assert_eq!(load_f64(dtype, &send, 5), f64::INFINITY);
+        assert_eq!(
+            load_f64(dtype, &send, 6),
+            f64::from(value(salts[1], 1, 1, 6))
+        );
+        // Last call's result is wrong for this call.
+        store_f64(dtype, &mut recv, 5, expected(op, &salts, 0, 5));
+        assert_eq!(count_wrong(dtype, op, &salts, 1, &recv), n as u64);
+    }
+
+    /// The device twin carries the same constants.
+    #[test]
+    fn kernel_uses_the_same_hash() {
+        let src = super::super::cuda::REFRESH_SOURCE;
+        for needle in [
+            "0x7feb352du",
+            "0x846ca68bu",
+            "0x9e3779b9u * (u32)(rank + 1)",
+            "rank == 0 ? 2u * (h & 15u) + 1u : 2u * (h % 15u) + 2u",
+            "& 31u) - 16",
+            "#define MAX_RANKS 8",
+        ] {
+            assert!(src.contains(needle), "refresh.cu lacks `{needle}`");
+        }
+    }
+}
