@@ -8,6 +8,7 @@ mod gpu;
 mod harness;
 mod launch;
 mod overlap;
+mod plot;
 
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
@@ -45,6 +46,8 @@ enum Cmd {
     Check(crate::check::CheckArgs),
     /// Training-loop benchmark: compute overlapped with bucketed all-reduce, ipcreduce vs NCCL
     Overlap(crate::overlap::OverlapArgs),
+    /// Plot latency and bus bandwidth against size from bench JSON files.
+    Plot(crate::plot::PlotArgs),
     /// Provoke failures (mismatch, timeout, killed rank, create/destroy cycles) and check that
     /// every rank reports them.
     #[command(hide = true)]
@@ -92,6 +95,7 @@ fn main() -> ExitCode {
         Cmd::Bench(args) => exit(crate::bench::run(args)),
         Cmd::Check(args) => exit(crate::check::run(args)),
         Cmd::Overlap(args) => exit(crate::overlap::run(args)),
+        Cmd::Plot(args) => exit(crate::plot::run(args)),
         Cmd::Faults(args) => exit(crate::faults::run(args)),
     }
 }
