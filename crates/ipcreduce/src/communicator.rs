@@ -1,6 +1,8 @@
 //! The public entry point: a communicator over the ranks of one job.
 
-use crate::backend::{self, BackendMeta, BackendOps, BufId, Call};
+use crate::backend::{self, BackendMeta, BackendOps};
+#[cfg(feature = "test-support")]
+use crate::backend::{BufId, Call};
 use crate::bootstrap::{Bootstrap, RankInfo};
 use crate::element::{as_bytes, as_bytes_mut, Element};
 use crate::error::{Error, Result};
@@ -250,33 +252,51 @@ impl Communicator {
         Ok(())
     }
 
-    // --- buffers owned by the backend, for the benchmark and the checks ---------------
-
+    /// Why `algo` cannot run on this communicator, if it cannot.
     pub fn unavailable(&self, algo: Algorithm) -> Option<String> {
         self.backend.unavailable(algo)
     }
+
+    /// Waits until the work this communicator enqueued is finished (cuda), and reports an
+    /// error a kernel recorded.
+    pub fn synchronize(&mut self) -> Result<()> {
+        self.backend.synchronize()
+    }
+}
+
+/// Buffers owned by the backend, for the benchmark and the checks (`test-support` feature).
+#[cfg(feature = "test-support")]
+impl Communicator {
+    fn test_buffers(&mut self) -> &mut dyn backend::TestBuffers {
+        let any = self.backend.as_any_mut();
+        if any.is::<backend::host::HostComm>() {
+            any.downcast_mut::<backend::host::HostComm>()
+                .expect("checked above")
+        } else {
+            any.downcast_mut::<backend::cuda::CudaComm>()
+                .expect("the backend is host or cuda")
+        }
+    }
+
     pub fn test_alloc(&mut self, bytes: usize) -> Result<BufId> {
-        self.backend.alloc(bytes)
+        self.test_buffers().alloc(bytes)
     }
     pub fn test_free(&mut self, id: BufId) {
-        self.backend.free(id)
+        self.test_buffers().free(id)
     }
     pub fn test_write(&mut self, id: BufId, data: &[u8]) -> Result<()> {
-        self.backend.write(id, data)
+        self.test_buffers().write(id, data)
     }
     pub fn test_read(&mut self, id: BufId, out: &mut [u8]) -> Result<()> {
-        self.backend.read(id, out)
+        self.test_buffers().read(id, out)
     }
     /// Runs one call on backend-owned buffers (algorithm resolved here).
     pub fn test_run(&mut self, call: &Call) -> Result<()> {
         let mut c = *call;
         c.algo = self.resolve(c.algo, c.count * c.dtype.size());
-        self.backend.run(&c)
+        self.test_buffers().run(&c)
     }
-    pub fn synchronize(&mut self) -> Result<()> {
-        self.backend.synchronize()
-    }
-    /// Mean microseconds per call; see [`BackendOps::time`].
+    /// Mean microseconds per call; see [`backend::TestBuffers::time`].
     pub fn test_time(
         &mut self,
         call: &Call,
@@ -286,7 +306,7 @@ impl Communicator {
     ) -> Result<f64> {
         let mut c = *call;
         c.algo = self.resolve(c.algo, c.count * c.dtype.size());
-        self.backend.time(&c, warmup, iters, graph)
+        self.test_buffers().time(&c, warmup, iters, graph)
     }
 }
 

@@ -10,10 +10,13 @@ pub mod driver;
 pub mod kernels;
 pub mod memory;
 mod nccl;
+mod peers;
+#[cfg(feature = "test-support")]
+mod testbufs;
 mod workspace;
 
 use crate::abort::AbortState;
-use crate::backend::{BackendMeta, BackendOps, BufId, Call};
+use crate::backend::{BackendMeta, BackendOps};
 use crate::bootstrap::Bootstrap;
 use crate::communicator::Options;
 use crate::error::{Error, Result};
@@ -24,6 +27,7 @@ use kernels::{
     ERR_MISMATCH, ERR_TIMEOUT, LL_BYTES, LL_MAX_BYTES, MAX_BLOCKS, MAX_RANKS, SIG_BYTES,
 };
 use memory::{DeviceAlloc, MappedHostWords};
+use peers::{check_peer_access, device_uuid};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Weak};
@@ -85,6 +89,7 @@ pub struct CudaComm {
     rank: usize,
     world: usize,
     ordinal: usize,
+    #[cfg(feature = "test-support")]
     bufs: Vec<Option<DeviceAlloc>>,
     nccl: std::result::Result<nccl::Nccl, String>,
     words: Arc<MappedHostWords>,
@@ -304,6 +309,7 @@ impl CudaComm {
             timeout: opts.timeout,
             abort,
             nccl: Err("not requested".into()),
+            #[cfg(feature = "test-support")]
             bufs: Vec::new(),
             devices,
             seq: 0,
@@ -320,59 +326,6 @@ impl CudaComm {
             };
         }
         Ok(comm)
-    }
-
-    /// Writes a rank-specific pattern into our workspace, then reads every peer's through its
-    /// mapping: the real cross-process test that P2P queries alone cannot give.
-    fn cross_process_check(&mut self, boot: &mut Bootstrap) -> Result<()> {
-        let rank = self.rank;
-        let pattern = |r: usize| -> [u8; 16] {
-            let mut p = [0u8; 16];
-            for (i, b) in p.iter_mut().enumerate() {
-                *b = (0xA5 ^ (r as u8).wrapping_mul(31) ^ (i as u8).wrapping_mul(7)) | 1;
-            }
-            p
-        };
-        let probe = self.ws.base(rank) + DATA_OFFSET;
-        let mine = pattern(rank);
-        // SAFETY: 16 bytes inside our own data area.
-        ck(
-            unsafe { sys::cuMemcpyHtoD_v2(probe, mine.as_ptr().cast(), 16) },
-            rank,
-            || "writing the cross-process probe".into(),
-        )?;
-        // The copy may return before its DMA lands: wait before telling the peers.
-        // SAFETY: no arguments.
-        ck(unsafe { sys::cuCtxSynchronize() }, rank, || {
-            "cuCtxSynchronize".into()
-        })?;
-        boot.barrier()?;
-        for peer in 0..self.world {
-            let mut got = [0u8; 16];
-            let addr = self.ws.base(peer) + DATA_OFFSET;
-            // SAFETY: 16 bytes inside the peer's mapped data area.
-            let res = unsafe { sys::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), addr, 16) };
-            ck(res, rank, || format!("reading rank {peer}'s probe")).map_err(|e| {
-                Error::PeerAccess {
-                    rank,
-                    peer,
-                    op: "cross-process read",
-                    detail: e.to_string(),
-                }
-            })?;
-            if got != pattern(peer) {
-                return Err(Error::PeerAccess {
-                    rank,
-                    peer,
-                    op: "cross-process read",
-                    detail: format!(
-                        "read back {got:02x?} instead of the peer's pattern through the {} mapping",
-                        self.ws.mode.name()
-                    ),
-                });
-            }
-        }
-        boot.barrier()
     }
 
     fn cuda_err(&self, op: String, e: cudarc::driver::DriverError) -> Error {
@@ -616,167 +569,10 @@ impl BackendOps for CudaComm {
         }
     }
 
-    fn alloc(&mut self, bytes: usize) -> Result<BufId> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| self.cuda_err("binding the context".into(), e))?;
-        let buf = DeviceAlloc::new(bytes, self.rank)?;
-        self.bufs.push(Some(buf));
-        Ok(self.bufs.len() - 1)
-    }
-
-    fn free(&mut self, id: BufId) {
-        if let Some(slot) = self.bufs.get_mut(id) {
-            *slot = None;
-        }
-    }
-
-    fn write(&mut self, id: BufId, data: &[u8]) -> Result<()> {
-        let buf = self.buf(id)?;
-        assert!(data.len() <= buf.bytes);
-        let ptr = buf.ptr;
-        // On our stream, then waited for: a plain cuMemcpyHtoD from pageable memory may return
-        // before its DMA lands, and our (non-blocking) stream would not wait for it.
-        // SAFETY: in bounds of our allocation; `data` outlives the synchronize below.
-        ck(
-            unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    ptr,
-                    data.as_ptr().cast(),
-                    data.len(),
-                    self.stream.cu_stream(),
-                )
-            },
-            self.rank,
-            || format!("copying {} bytes to the device", data.len()),
-        )?;
-        self.synchronize()
-    }
-
-    fn read(&mut self, id: BufId, out: &mut [u8]) -> Result<()> {
-        self.synchronize()?;
-        let buf = self.buf(id)?;
-        assert!(out.len() <= buf.bytes);
-        let ptr = buf.ptr;
-        // SAFETY: in bounds of our allocation; `out` outlives the synchronize below.
-        ck(
-            unsafe {
-                sys::cuMemcpyDtoHAsync_v2(
-                    out.as_mut_ptr().cast(),
-                    ptr,
-                    out.len(),
-                    self.stream.cu_stream(),
-                )
-            },
-            self.rank,
-            || format!("copying {} bytes from the device", out.len()),
-        )?;
-        self.synchronize()
-    }
-
-    fn run(&mut self, call: &Call) -> Result<()> {
-        let (s, r) = (self.buf(call.send)?, self.buf(call.recv)?);
-        let end = call.offset + call.count * call.dtype.size();
-        if end > s.bytes || end > r.bytes {
-            return Err(Error::invalid(self.rank, "run", "call exceeds its buffers"));
-        }
-        let (s, r) = (s.ptr + call.offset as u64, r.ptr + call.offset as u64);
-        let stream = self.stream.cu_stream();
-        self.launch(s, r, call.count, call.dtype, call.op, call.algo, stream)
-    }
-
     fn synchronize(&mut self) -> Result<()> {
         let res = self.stream.synchronize();
         self.check_health()?;
         res.map_err(|e| self.cuda_err("stream synchronize".into(), e))
-    }
-
-    fn time(
-        &mut self,
-        call: &Call,
-        warmup: usize,
-        iters: usize,
-        graph: Option<usize>,
-    ) -> Result<f64> {
-        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let start = self
-            .ctx
-            .new_event(flags)
-            .map_err(|e| self.cuda_err("cuEventCreate".into(), e))?;
-        let end = self
-            .ctx
-            .new_event(flags)
-            .map_err(|e| self.cuda_err("cuEventCreate".into(), e))?;
-        let iters = iters.max(1);
-        let calls = match graph {
-            None => {
-                for _ in 0..warmup {
-                    self.run(call)?;
-                }
-                self.synchronize()?;
-                start
-                    .record(&self.stream)
-                    .map_err(|e| self.cuda_err("cuEventRecord".into(), e))?;
-                for _ in 0..iters {
-                    self.run(call)?;
-                }
-                iters
-            }
-            Some(k) => {
-                let k = k.max(1);
-                self.synchronize()?;
-                self.stream
-                    .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                    .map_err(|e| self.cuda_err("cuStreamBeginCapture".into(), e))?;
-                let mut captured = Ok(());
-                for _ in 0..k {
-                    captured = self.run(call);
-                    if captured.is_err() {
-                        break;
-                    }
-                }
-                let g = self
-                    .stream
-                    .end_capture(sys::CUgraphInstantiate_flags(0))
-                    .map_err(|e| self.cuda_err("cuStreamEndCapture".into(), e))?;
-                captured?;
-                let g = g.ok_or_else(|| Error::Cuda {
-                    rank: self.rank,
-                    op: "graph capture".into(),
-                    detail: "captured an empty graph".into(),
-                })?;
-                let reps = iters.div_ceil(k);
-                for _ in 0..warmup.div_ceil(k).max(1) {
-                    g.launch()
-                        .map_err(|e| self.cuda_err("cuGraphLaunch".into(), e))?;
-                }
-                self.synchronize()?;
-                start
-                    .record(&self.stream)
-                    .map_err(|e| self.cuda_err("cuEventRecord".into(), e))?;
-                for _ in 0..reps {
-                    g.launch()
-                        .map_err(|e| self.cuda_err("cuGraphLaunch".into(), e))?;
-                }
-                reps * k
-            }
-        };
-        end.record(&self.stream)
-            .map_err(|e| self.cuda_err("cuEventRecord".into(), e))?;
-        self.synchronize()?;
-        let ms = start
-            .elapsed_ms(&end)
-            .map_err(|e| self.cuda_err("cuEventElapsedTime".into(), e))?;
-        Ok(ms as f64 * 1000.0 / calls as f64)
-    }
-}
-
-impl CudaComm {
-    fn buf(&self, id: BufId) -> Result<&DeviceAlloc> {
-        self.bufs
-            .get(id)
-            .and_then(|b| b.as_ref())
-            .ok_or_else(|| Error::invalid(self.rank, "buffer", format!("no buffer #{id}")))
     }
 }
 
@@ -787,62 +583,6 @@ impl Drop for CudaComm {
             tracing::warn!(rank = self.rank, "synchronize at teardown failed: {e}");
         }
     }
-}
-
-fn device_uuid(device: sys::CUdevice, rank: usize) -> Result<Vec<u8>> {
-    // SAFETY: a plain C struct filled by the driver.
-    let mut uuid: sys::CUuuid = unsafe { std::mem::zeroed() };
-    ck(
-        unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, device) },
-        rank,
-        || "cuDeviceGetUuid".into(),
-    )?;
-    Ok(uuid.bytes.iter().map(|b| *b as u8).collect())
-}
-
-/// For every peer on another GPU: that GPU must be visible here and reachable by P2P.
-fn check_peer_access(rank: usize, device: sys::CUdevice, uuids: &[Vec<u8>]) -> Result<()> {
-    let mine = &uuids[rank];
-    let count = cs::CudaContext::device_count().unwrap_or(0);
-    let mut visible = HashMap::new();
-    for ord in 0..count {
-        let mut dev = 0;
-        // SAFETY: writes one device handle.
-        if unsafe { sys::cuDeviceGet(&mut dev, ord) } == sys::CUresult::CUDA_SUCCESS {
-            visible.insert(device_uuid(dev, rank)?, (ord, dev));
-        }
-    }
-    for (peer, uuid) in uuids.iter().enumerate() {
-        if peer == rank || uuid == mine {
-            continue;
-        }
-        let Some(&(ord, peer_dev)) = visible.get(uuid) else {
-            return Err(Error::PeerAccess {
-                rank,
-                peer,
-                op: "P2P query",
-                detail:
-                    "the peer's GPU is not visible to this process (CUDA_VISIBLE_DEVICES differs?)"
-                        .into(),
-            });
-        };
-        let mut can = 0;
-        // SAFETY: writes one int.
-        ck(
-            unsafe { sys::cuDeviceCanAccessPeer(&mut can, device, peer_dev) },
-            rank,
-            || "cuDeviceCanAccessPeer".into(),
-        )?;
-        if can == 0 {
-            return Err(Error::PeerAccess {
-                rank,
-                peer,
-                op: "P2P query",
-                detail: format!("this GPU cannot access GPU {ord} directly (no P2P path)"),
-            });
-        }
-    }
-    Ok(())
 }
 
 fn env_usize(name: &str) -> Result<Option<usize>> {

@@ -16,6 +16,7 @@
 //! overwrite as soon as the call returns) end with a `done` barrier.
 
 mod arena;
+#[cfg(feature = "test-support")]
 mod buffers;
 mod failure;
 mod heap;
@@ -30,14 +31,15 @@ mod twoshot;
 pub use heap::{HostBuffer, SymmetricBuffer};
 
 use crate::abort::AbortState;
-use crate::backend::{BackendMeta, BackendOps, BufId, Call};
+use crate::backend::{BackendMeta, BackendOps};
+#[cfg(feature = "test-support")]
+use crate::backend::{BufId, Call};
 use crate::bootstrap::Bootstrap;
 use crate::communicator::Options;
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use arena::{Control, Layout, Mapping, SRC_INLINE};
-use buffers::Buffers;
 use failure::Fail;
 use heap::HeapAlloc;
 use stamp::Stamp;
@@ -45,7 +47,9 @@ use std::ffi::c_void;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+#[cfg(feature = "test-support")]
+use std::time::Instant;
 use sync::SpinPolicy;
 
 /// Default data area: two slots of 4 MiB.
@@ -90,7 +94,8 @@ pub struct HostComm {
     /// Barriers entered so far.
     barriers: u64,
     heap: Arc<Mutex<HeapAlloc>>,
-    bufs: Buffers,
+    #[cfg(feature = "test-support")]
+    bufs: buffers::Buffers,
     /// Scratch for the source list of a reduction (no allocation per call).
     srcs: Vec<*const u8>,
 }
@@ -167,7 +172,8 @@ impl HostComm {
             seq: 0,
             barriers: 0,
             heap: Arc::new(Mutex::new(heap)),
-            bufs: Buffers::default(),
+            #[cfg(feature = "test-support")]
+            bufs: buffers::Buffers::default(),
             srcs: Vec::with_capacity(world),
         })
     }
@@ -403,6 +409,14 @@ impl BackendOps for HostComm {
         }
     }
 
+    fn synchronize(&mut self) -> Result<()> {
+        // Host calls are synchronous.
+        Ok(())
+    }
+}
+
+#[cfg(feature = "test-support")]
+impl crate::backend::TestBuffers for HostComm {
     fn alloc(&mut self, bytes: usize) -> Result<BufId> {
         self.bufs.alloc(self.rank, bytes)
     }
@@ -444,11 +458,6 @@ impl BackendOps for HostComm {
         };
         // SAFETY: both buffers hold the call's bytes; distinct ids never overlap.
         unsafe { self.all_reduce(s, r, call.count, call.dtype, call.op, call.algo) }
-    }
-
-    fn synchronize(&mut self) -> Result<()> {
-        // Host calls are synchronous.
-        Ok(())
     }
 
     fn time(

@@ -3,6 +3,7 @@
 //! each peer maps it once).
 
 use super::buffers::AlignedBuf;
+use crate::backend::TestBuffers;
 use super::*;
 use crate::reference;
 
