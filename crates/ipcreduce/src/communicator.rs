@@ -4,44 +4,12 @@ use crate::backend::{self, BackendMeta, BackendOps};
 #[cfg(feature = "test-support")]
 use crate::backend::{BufId, Call};
 use crate::bootstrap::{Bootstrap, RankInfo};
+use crate::config::Config;
 use crate::element::{as_bytes, as_bytes_mut, Element};
 use crate::error::{Error, Result};
 use crate::plan;
 use crate::types::{Algorithm, BackendChoice, BackendKind, DType, ReduceOp};
 use std::ffi::c_void;
-use std::time::Duration;
-
-/// How a communicator is built.
-#[derive(Debug, Clone)]
-pub struct Options {
-    pub backend: BackendChoice,
-    /// Bound on every wait (bootstrap and collectives). `IPCREDUCE_TIMEOUT_MS` overrides.
-    pub timeout: Duration,
-    /// Bytes of shared workspace per rank (data area); messages above it are chunked.
-    /// None = the backend's default.
-    pub workspace_bytes: Option<usize>,
-    /// Build an NCCL communicator beside ours (cuda backend), for `Algorithm::Nccl`.
-    pub with_nccl: bool,
-}
-
-impl Default for Options {
-    fn default() -> Self {
-        Options {
-            backend: BackendChoice::Auto,
-            timeout: timeout_from_env().unwrap_or(Duration::from_secs(30)),
-            workspace_bytes: None,
-            with_nccl: false,
-        }
-    }
-}
-
-/// Reads `IPCREDUCE_TIMEOUT_MS`.
-pub fn timeout_from_env() -> Option<Duration> {
-    std::env::var("IPCREDUCE_TIMEOUT_MS")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .map(Duration::from_millis)
-}
 
 /// A group of ranks that all-reduce together.
 pub struct Communicator {
@@ -53,19 +21,21 @@ pub struct Communicator {
 }
 
 impl Communicator {
-    /// Joins the job described by the environment (see [`RankInfo::from_env`]).
-    pub fn init(opts: &Options) -> Result<Communicator> {
-        Self::with_rank_info(RankInfo::from_env()?, opts)
+    /// Joins the job described by the environment (see [`RankInfo::from_env`]); `config`'s
+    /// unset knobs come from the environment (see [`Config::resolve`]).
+    pub fn init(config: &Config) -> Result<Communicator> {
+        Self::with_rank_info(RankInfo::from_env()?, config)
     }
 
     /// Joins the job described by `info`.
-    pub fn with_rank_info(info: RankInfo, opts: &Options) -> Result<Communicator> {
-        let algo_env = Algorithm::from_env().map_err(Error::Config)?;
-        let mut boot = Bootstrap::connect(info, opts.timeout)?;
-        let kind = agree_on_backend(&mut boot, opts.backend)?;
+    pub fn with_rank_info(info: RankInfo, config: &Config) -> Result<Communicator> {
+        let config = config.resolve()?;
+        let algo_env = config.algo;
+        let mut boot = Bootstrap::connect(info, config.timeout())?;
+        let kind = agree_on_backend(&mut boot, config.backend)?;
         let backend: Box<dyn BackendOps> = match kind {
-            BackendKind::Host => Box::new(backend::host::HostComm::new(&mut boot, opts)?),
-            BackendKind::Cuda => Box::new(backend::cuda::CudaComm::new(&mut boot, opts)?),
+            BackendKind::Host => Box::new(backend::host::HostComm::new(&mut boot, &config)?),
+            BackendKind::Cuda => Box::new(backend::cuda::CudaComm::new(&mut boot, &config)?),
         };
         Ok(Communicator {
             backend,

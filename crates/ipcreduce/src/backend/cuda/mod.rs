@@ -1,6 +1,6 @@
 //! CUDA backend: one process per GPU (or several under MPS), peer memory through CUDA IPC.
 //!
-//! Start-up (once per communicator): pick the GPU (`local_rank % device count`), compile the
+//! Start-up (once per communicator): pick the GPU (see [`Config::pick_device`]), compile the
 //! kernels with NVRTC, create and share the workspaces ([`workspace`]), check every pair of
 //! ranks for real (P2P query + a cross-process write/read), optionally build NCCL beside us.
 //! A call: validate, stamp nothing on the host, launch one kernel on the caller's stream. All
@@ -18,7 +18,7 @@ mod workspace;
 use crate::abort::AbortState;
 use crate::backend::{BackendMeta, BackendOps};
 use crate::bootstrap::Bootstrap;
-use crate::communicator::Options;
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use cudarc::driver::{safe as cs, sys};
@@ -31,7 +31,7 @@ use peers::{check_peer_access, device_uuid};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Weak};
-use workspace::{ShareMode, Workspaces};
+use workspace::Workspaces;
 
 /// Default bytes of one data slot (the workspace holds two). Larger messages are chunked.
 const DEFAULT_SLOT_BYTES: usize = 16 << 20;
@@ -181,7 +181,7 @@ impl Loaded {
 }
 
 impl CudaComm {
-    pub fn new(boot: &mut Bootstrap, opts: &Options) -> Result<CudaComm> {
+    pub fn new(boot: &mut Bootstrap, config: &Config) -> Result<CudaComm> {
         usable()?;
         let rank = boot.rank();
         let world = boot.world();
@@ -198,7 +198,11 @@ impl CudaComm {
             detail: e.to_string(),
         };
         let count = cs::CudaContext::device_count().map_err(|e| cuda("cuDeviceGetCount", e))?;
-        let ordinal = boot.info().local_rank % count as usize;
+        let ordinal = config.pick_device(
+            current_device(rank)?,
+            boot.info().local_rank,
+            count as usize,
+        )?;
         let gpu = Loaded::get(ordinal, rank)?;
         let ctx = gpu.ctx.clone();
         ctx.bind_to_thread()
@@ -215,19 +219,22 @@ impl CudaComm {
             .map(|a| uuids.iter().filter(|b| *b == a).count())
             .max()
             .unwrap_or(1);
-        let blocks = env_usize("IPCREDUCE_BLOCKS")?
-            .unwrap_or(DEFAULT_BLOCKS.min(96 / sharing))
-            .clamp(1, MAX_BLOCKS);
-        let slot_bytes = opts
-            .workspace_bytes
-            .map(|b| b / 2)
-            .or(env_usize("IPCREDUCE_SLOT_BYTES")?)
-            .unwrap_or(DEFAULT_SLOT_BYTES);
+        let blocks = config.blocks.unwrap_or(DEFAULT_BLOCKS.min(96 / sharing));
+        if blocks > MAX_BLOCKS {
+            return Err(Error::Config(format!(
+                "blocks {blocks} (Config::blocks or IPCREDUCE_BLOCKS): at most {MAX_BLOCKS}"
+            )));
+        }
+        let slot_bytes = config.workspace_bytes.map_or(DEFAULT_SLOT_BYTES, |b| b / 2);
         let slot_bytes = (slot_bytes.max(64 << 10) / 256) * 256;
         // Messages up to this size take the low-latency one-shot (0 disables it).
-        let ll_max = env_usize("IPCREDUCE_LL_MAX")?
-            .unwrap_or(crate::plan::LL_DEFAULT_MAX_BYTES)
-            .min(LL_MAX_BYTES);
+        let ll_max = config.ll_max_bytes();
+        if ll_max > LL_MAX_BYTES {
+            return Err(Error::Config(format!(
+                "low-latency limit {ll_max} bytes (Config::ll_max_bytes or IPCREDUCE_LL_MAX): \
+                 at most {LL_MAX_BYTES}"
+            )));
+        }
         // Every rank must use the same grid and slot size: the protocol pairs block b with
         // block b and alternates slots by chunk count.
         let mine = [blocks as u64, slot_bytes as u64, ll_max as u64]
@@ -249,7 +256,7 @@ impl CudaComm {
             boot,
             device,
             SIG_BYTES + LL_BYTES + 2 * slot_bytes,
-            ShareMode::from_env()?,
+            config.sharing,
         )?;
         if ws.size < SIG_BYTES + LL_BYTES + 2 * slot_bytes {
             return Err(Error::Cuda {
@@ -306,7 +313,7 @@ impl CudaComm {
             blocks,
             slot_bytes,
             ll_max,
-            timeout: opts.timeout,
+            timeout: config.timeout(),
             abort,
             nccl: Err("not requested".into()),
             #[cfg(feature = "test-support")]
@@ -317,8 +324,8 @@ impl CudaComm {
         comm.cross_process_check(boot)?;
 
         let shared_gpu = (0..world).any(|i| (0..i).any(|j| uuids[i] == uuids[j]));
-        if opts.with_nccl {
-            comm.nccl = if shared_gpu && std::env::var_os("IPCREDUCE_NCCL_SHARED_GPU").is_none() {
+        if config.with_nccl {
+            comm.nccl = if shared_gpu && !config.nccl_shared_gpu() {
                 // Keep the exchange inside Nccl::init out of it: no rank calls it.
                 Err("NCCL refuses two ranks on one GPU (set IPCREDUCE_NCCL_SHARED_GPU=1 to run it over loopback sockets)".into())
             } else {
@@ -585,14 +592,31 @@ impl Drop for CudaComm {
     }
 }
 
-fn env_usize(name: &str) -> Result<Option<usize>> {
-    match std::env::var(name) {
-        Ok(v) if !v.is_empty() => v
-            .parse()
-            .map(Some)
-            .map_err(|_| Error::Config(format!("{name}={v}: expected a positive integer"))),
-        _ => Ok(None),
+/// The device of the CUDA context current on this thread, if there is one: a caller that
+/// made its own context current (PyTorch does) gets its communicator on that GPU.
+fn current_device(rank: usize) -> Result<Option<usize>> {
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: writes one handle (null when no context is current).
+    ck(unsafe { sys::cuCtxGetCurrent(&mut ctx) }, rank, || {
+        "cuCtxGetCurrent".into()
+    })?;
+    if ctx.is_null() {
+        return Ok(None);
     }
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: writes one device handle of the current context.
+    ck(unsafe { sys::cuCtxGetDevice(&mut dev) }, rank, || {
+        "cuCtxGetDevice".into()
+    })?;
+    let count = cs::CudaContext::device_count().unwrap_or(0);
+    for ordinal in 0..count {
+        let mut d: sys::CUdevice = 0;
+        // SAFETY: writes one device handle.
+        if unsafe { sys::cuDeviceGet(&mut d, ordinal) } == sys::CUresult::CUDA_SUCCESS && d == dev {
+            return Ok(Some(ordinal as usize));
+        }
+    }
+    Ok(None)
 }
 
 #[cfg(test)]

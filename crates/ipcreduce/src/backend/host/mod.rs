@@ -35,7 +35,7 @@ use crate::backend::{BackendMeta, BackendOps};
 #[cfg(feature = "test-support")]
 use crate::backend::{BufId, Call};
 use crate::bootstrap::Bootstrap;
-use crate::communicator::Options;
+use crate::config::Config;
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
@@ -54,26 +54,12 @@ use sync::SpinPolicy;
 
 /// Default data area: two slots of 4 MiB.
 pub const DEFAULT_WORKSPACE_BYTES: usize = 8 << 20;
-/// Default symmetric heap (virtual: pages are only allocated when buffers touch them).
-pub const DEFAULT_HEAP_BYTES: usize = 64 << 20;
 /// Largest chunk, even when slots are larger. Per-chunk sync costs ~1 us; among 128 KiB to
 /// 4 MiB, 1 MiB timed best for 0.5-8 MiB messages at 2 ranks on the 2-core dev VM (by ~10%:
 /// cross-core line transfers dominate whatever the chunk size).
 const MAX_CHUNK_BYTES: usize = 1 << 20;
 /// Two-shot shards start on multiples of this many bytes.
 const SHARD_ALIGN_BYTES: usize = 64;
-
-/// Reads `IPCREDUCE_HOST_HEAP_MB` (size of the symmetric heap; all ranks must agree).
-fn heap_bytes_from_env() -> Result<usize> {
-    match std::env::var("IPCREDUCE_HOST_HEAP_MB") {
-        Ok(v) if !v.is_empty() => v
-            .parse::<usize>()
-            .ok()
-            .and_then(|mb| mb.checked_mul(1 << 20))
-            .ok_or_else(|| Error::Config(format!("IPCREDUCE_HOST_HEAP_MB={v} is not a size"))),
-        _ => Ok(DEFAULT_HEAP_BYTES),
-    }
-}
 
 /// The shared-memory communicator of one rank.
 pub struct HostComm {
@@ -106,11 +92,11 @@ unsafe impl Send for HostComm {}
 
 impl HostComm {
     /// Creates our arena, exchanges arena fds with every rank and maps theirs.
-    pub fn new(boot: &mut Bootstrap, opts: &Options) -> Result<HostComm> {
+    pub fn new(boot: &mut Bootstrap, config: &Config) -> Result<HostComm> {
         let (rank, world) = (boot.rank(), boot.world());
         let layout = Layout::new(
-            opts.workspace_bytes.unwrap_or(DEFAULT_WORKSPACE_BYTES),
-            heap_bytes_from_env()?,
+            config.workspace_bytes.unwrap_or(DEFAULT_WORKSPACE_BYTES),
+            config.host_heap_bytes(),
         );
         let (fd, own) = arena::create(&layout, world, rank)?;
         let fds = boot.all_gather_fds(fd.as_fd())?;
@@ -122,7 +108,7 @@ impl HostComm {
             layout,
             own,
             fds,
-            opts.timeout,
+            config.timeout(),
         )
     }
 

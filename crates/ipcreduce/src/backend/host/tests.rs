@@ -3,8 +3,8 @@
 //! each peer maps it once).
 
 use super::buffers::AlignedBuf;
-use crate::backend::TestBuffers;
 use super::*;
+use crate::backend::TestBuffers;
 use crate::reference;
 
 struct World {
