@@ -80,22 +80,12 @@ impl Buf {
         Buf(vec![0u32; bytes.div_ceil(4)], bytes)
     }
     fn bytes(&self) -> &[u8] {
-        &bytemuck(&self.0)[..self.1]
+        &bytemuck::cast_slice(&self.0)[..self.1]
     }
     fn bytes_mut(&mut self) -> &mut [u8] {
         let n = self.1;
-        &mut bytemuck_mut(&mut self.0)[..n]
+        &mut bytemuck::cast_slice_mut(&mut self.0)[..n]
     }
-}
-
-fn bytemuck(v: &[u32]) -> &[u8] {
-    // SAFETY: u32 has no padding; any byte view of it is initialised.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 4) }
-}
-
-fn bytemuck_mut(v: &mut [u32]) -> &mut [u8] {
-    // SAFETY: as above; every byte pattern is a valid u32.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 4) }
 }
 
 /// All-reduce of `input` (rank's bytes) out of place or in place; returns the output.

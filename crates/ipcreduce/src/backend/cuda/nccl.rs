@@ -130,15 +130,15 @@ impl Nccl {
             // SAFETY: plain bytes, overwritten below.
             unsafe { std::mem::zeroed() }
         };
-        // SAFETY: ncclUniqueId is 128 plain bytes.
-        let raw: [u8; 128] = unsafe { std::mem::transmute(id) };
+        let raw: [u8; 128] = id.internal.map(|c| c as u8);
         let all = boot.all_gather(if rank == 0 { &raw } else { &[0] })?;
         let root: [u8; 128] = all[0]
             .as_slice()
             .try_into()
             .map_err(|_| err("NCCL id exchange", "rank 0 sent no NCCL id".into()))?;
-        // SAFETY: 128 plain bytes back into the id.
-        let id: ns::ncclUniqueId = unsafe { std::mem::transmute(root) };
+        let id = ns::ncclUniqueId {
+            internal: root.map(|b| b as std::ffi::c_char),
+        };
 
         let name = CString::new("ipcreduce").expect("no NUL");
         let socket = CString::new("Socket").expect("no NUL");
