@@ -72,11 +72,7 @@ struct KernelArgs {
 
 /// Whether this process can use the cuda backend (driver, a GPU, NVRTC).
 pub fn usable() -> Result<()> {
-    if !driver::driver_present() {
-        return Err(Error::CudaUnavailable(
-            "libcuda.so not found (no NVIDIA driver)".into(),
-        ));
-    }
+    require_driver(driver::driver_present())?;
     cudarc::driver::result::init()
         .map_err(|e| Error::CudaUnavailable(format!("cuInit failed: {e}")))?;
     let n = cs::CudaContext::device_count()
@@ -85,6 +81,16 @@ pub fn usable() -> Result<()> {
         return Err(Error::CudaUnavailable("no CUDA device visible".into()));
     }
     kernels::require_nvrtc()
+}
+
+/// The first check of [`usable`]: cudarc panics on use when libcuda is missing.
+fn require_driver(present: bool) -> Result<()> {
+    if present {
+        return Ok(());
+    }
+    Err(Error::CudaUnavailable(
+        "libcuda.so not found (no NVIDIA driver)".into(),
+    ))
 }
 
 pub struct CudaComm {
@@ -682,10 +688,14 @@ mod tests {
 
     #[test]
     fn unusable_without_a_driver_is_an_error_not_a_panic() {
-        if driver::driver_present() {
-            return;
-        }
-        let err = usable().unwrap_err();
+        let err = require_driver(false).unwrap_err();
         assert!(err.to_string().contains("libcuda"), "{err}");
+        require_driver(true).unwrap();
+        // On this machine, whatever it has: an answer, never a panic.
+        match (driver::driver_present(), usable()) {
+            (false, Err(e)) => assert!(e.to_string().contains("libcuda"), "{e}"),
+            (false, Ok(())) => panic!("usable without a driver"),
+            (true, _) => {}
+        }
     }
 }
