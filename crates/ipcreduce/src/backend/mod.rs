@@ -4,7 +4,8 @@
 pub mod cuda;
 pub mod host;
 
-use crate::error::Result;
+use crate::bootstrap::Bootstrap;
+use crate::error::{Error, Result};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use std::ffi::c_void;
 
@@ -64,16 +65,29 @@ pub trait BackendOps: Send {
 
     fn meta(&self) -> BackendMeta;
 
-    // --- buffers for tests and benchmarks ---------------------------------------------
+    /// Waits until all enqueued work is finished.
+    fn synchronize(&mut self) -> Result<()>;
+
+    /// The error that made the communicator unusable, or one a kernel recorded, if any,
+    /// without waiting (as `ncclCommGetAsyncError`).
+    fn async_error(&self) -> Option<Error>;
+
+    /// Collective part of leaving the job, run before the backend is dropped (with the
+    /// bootstrap still connected). Bounded; never fails (problems are logged).
+    fn leave(&mut self, _boot: &mut Bootstrap) {}
+}
+
+/// Backend-owned buffers and timing, for the benchmark and the correctness sweeps: not part
+/// of the data plane, compiled only with the `test-support` feature.
+#[cfg(feature = "test-support")]
+pub trait TestBuffers {
     fn alloc(&mut self, bytes: usize) -> Result<BufId>;
     fn free(&mut self, id: BufId);
     fn write(&mut self, id: BufId, data: &[u8]) -> Result<()>;
     fn read(&mut self, id: BufId, out: &mut [u8]) -> Result<()>;
     /// Runs `call` on the backend's own buffers.
     fn run(&mut self, call: &Call) -> Result<()>;
-    /// Waits until all enqueued work is finished.
-    fn synchronize(&mut self) -> Result<()>;
-    /// Median-free mean time of one call in microseconds over `iters` calls after `warmup`.
+    /// Mean time of one call in microseconds over `iters` calls after `warmup`.
     /// `graph = Some(k)`: capture k calls in a CUDA graph and time its replays instead.
     fn time(
         &mut self,
