@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct PlotArgs {
-    /// Bench JSON files (`ipcreduce bench --json`); lines of several files are told apart by
-    /// the file's name.
+    /// Bench JSON files (`ipcreduce bench --json`). Files that split a sweep by size make one
+    /// line per (algorithm, mode, registration); lines measured in two files carry the name.
     #[arg(required = true)]
     pub inputs: Vec<PathBuf>,
     /// The PNG to write.
@@ -88,8 +88,7 @@ fn pick(values: &[String], want: Option<&str>, preferred: &str) -> Option<String
     values.first().cloned()
 }
 
-/// Groups the rows of every document into lines for one dtype and op. `names` tells the
-/// documents apart in labels when there are several.
+/// Groups the rows of every document (named) into lines for one dtype and op.
 pub fn series(
     docs: &[(String, Value)],
     dtype: Option<&str>,
@@ -107,16 +106,24 @@ pub fn series(
     let dtype = pick(&dtypes, dtype, "bf16").ok_or("the files hold no rows")?;
     let ops: Vec<String> = rows.iter().map(|(_, r)| r.op.clone()).collect();
     let op = pick(&ops, op, "sum").ok_or("the files hold no rows")?;
-    let several = docs.len() > 1;
-    let mut lines: BTreeMap<String, Series> = BTreeMap::new();
-    for (name, r) in rows
+    let rows: Vec<(String, RowView)> = rows
         .into_iter()
         .filter(|(_, r)| r.dtype == dtype && r.op == op)
-    {
-        let mut label = format!("{} {}", r.algo, r.mode);
-        if r.registered {
-            label.push_str(" reg");
-        }
+        .collect();
+    let base = |r: &RowView| {
+        let reg = if r.registered { " reg" } else { "" };
+        format!("{} {}{reg}", r.algo, r.mode)
+    };
+    // Files that split one sweep by size merge into one line; files that measured the same
+    // line at the same size (two runs) are told apart by name.
+    let mut seen: BTreeMap<(String, u64), &str> = BTreeMap::new();
+    let several = rows.iter().any(|(name, r)| {
+        let key = (base(r), r.point.bytes.to_bits());
+        seen.insert(key, name).is_some_and(|prev| prev != name)
+    });
+    let mut lines: BTreeMap<String, Series> = BTreeMap::new();
+    for (name, r) in &rows {
+        let mut label = base(r);
         if several {
             label = format!("{label} ({name})");
         }
@@ -126,7 +133,7 @@ pub fn series(
             graph: r.mode == "graph",
             points: Vec::new(),
         });
-        line.points.push(r.point);
+        line.points.push(r.point.clone());
     }
     if lines.is_empty() {
         return Err(format!("no rows of {dtype} {op} in the files"));
@@ -378,6 +385,15 @@ mod tests {
         let (_, _, lines) = series(&two, None, None).unwrap();
         assert_eq!(lines.len(), 8);
         assert!(lines.iter().any(|s| s.label == "nccl eager (b)"));
+        // A sweep split by size over two files is one line per (algo, mode, registration).
+        let mut big = doc();
+        for r in big["rows"].as_array_mut().unwrap() {
+            r["bytes"] = serde_json::json!(r["bytes"].as_f64().unwrap() * 1e6);
+        }
+        let split = vec![("small".to_string(), doc()), ("big".to_string(), big)];
+        let (_, _, lines) = series(&split, None, None).unwrap();
+        assert_eq!(lines.len(), 4);
+        assert_eq!(lines[0].points.len(), 4);
         // Nothing to draw, or not a bench file: errors.
         assert!(series(&docs, Some("f16"), None).is_err());
         assert!(series(&[("x".into(), serde_json::json!({}))], None, None).is_err());

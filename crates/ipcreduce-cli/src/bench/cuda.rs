@@ -45,14 +45,15 @@ enum Memory {
     Plain(DeviceAlloc),
 }
 
+/// Why this build cannot run on registered buffers, if it cannot.
+pub fn registration_unavailable() -> Option<String> {
+    Some("this build of the library has no Communicator::alloc".into())
+}
+
 impl Memory {
     fn new(comm: &mut Communicator, bytes: usize, registered: bool) -> Result<Memory> {
-        if registered {
-            return Err(Error::invalid(
-                comm.rank(),
-                "bench --registered",
-                "this build has no Communicator::alloc (registered buffers)",
-            ));
+        if let (true, Some(why)) = (registered, registration_unavailable()) {
+            return Err(Error::invalid(comm.rank(), "bench --registered", why));
         }
         Ok(Memory::Plain(DeviceAlloc::new(bytes, comm.rank())?))
     }

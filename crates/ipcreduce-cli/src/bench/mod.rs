@@ -243,10 +243,10 @@ fn bench(args: &BenchArgs) -> Result<bool> {
     }
     let mut registrations = vec![false];
     if args.registered {
-        if comm.backend() == BackendKind::Cuda {
-            registrations.push(true);
-        } else if rank == 0 {
-            println!("# --registered ignored: registered buffers need the cuda backend");
+        match registration_unavailable(&comm) {
+            None => registrations.push(true),
+            Some(why) if rank == 0 => println!("# --registered: unavailable: {why}"),
+            Some(_) => {}
         }
     }
     let algos = available(&mut comm, &algos)?;
@@ -299,6 +299,14 @@ fn bench(args: &BenchArgs) -> Result<bool> {
         println!("# rows: {}, wrong elements: {wrong}", rows.len());
     }
     Ok(rows.iter().all(|r| r.wrong == 0))
+}
+
+/// Why registered buffers cannot be benchmarked here, if they cannot (the same on every rank).
+fn registration_unavailable(comm: &Communicator) -> Option<String> {
+    if comm.backend() != BackendKind::Cuda {
+        return Some("registered buffers need the cuda backend".into());
+    }
+    cuda::registration_unavailable()
 }
 
 /// What the library says ran for the last call: (path, CTAs, zero-copy).
