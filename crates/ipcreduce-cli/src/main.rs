@@ -9,6 +9,7 @@ mod harness;
 mod launch;
 mod overlap;
 mod plot;
+mod report;
 
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
@@ -48,6 +49,8 @@ enum Cmd {
     Overlap(crate::overlap::OverlapArgs),
     /// Plot latency and bus bandwidth against size from bench JSON files.
     Plot(crate::plot::PlotArgs),
+    /// Print the bandwidth goals table (Markdown) from bench and overlap JSON files.
+    Report(crate::report::ReportArgs),
     /// Provoke failures (mismatch, timeout, killed rank, create/destroy cycles) and check that
     /// every rank reports them.
     #[command(hide = true)]
@@ -96,6 +99,7 @@ fn main() -> ExitCode {
         Cmd::Check(args) => exit(crate::check::run(args)),
         Cmd::Overlap(args) => exit(crate::overlap::run(args)),
         Cmd::Plot(args) => exit(crate::plot::run(args)),
+        Cmd::Report(args) => exit(crate::report::run(args)),
         Cmd::Faults(args) => exit(crate::faults::run(args)),
     }
 }
