@@ -1,4 +1,4 @@
-//! The `ipcreduce` command: `launch`, `bench`, `check`, `overlap`.
+//! The `ipcreduce` command: `launch`, `bench`, `check`, `overlap`, `model`.
 
 mod bench;
 mod check;
@@ -6,6 +6,7 @@ mod cli;
 mod faults;
 mod harness;
 mod launch;
+mod model;
 mod overlap;
 
 use clap::{Parser, Subcommand};
@@ -53,6 +54,8 @@ enum Cmd {
     Check(crate::check::CheckArgs),
     /// Training-loop benchmark: compute overlapped with bucketed all-reduce, ipcreduce vs NCCL
     Overlap(crate::overlap::OverlapArgs),
+    /// Scale model: hierarchical (ipcreduce inside nodes, NCCL between) against flat NCCL
+    Model(crate::model::ModelArgs),
     /// Provoke failures (mismatch, timeout, killed rank, create/destroy cycles) and check that
     /// every rank reports them.
     #[command(hide = true)]
@@ -120,5 +123,6 @@ fn main() -> ExitCode {
         Cmd::Check(args) => exit(crate::check::run(args)),
         Cmd::Overlap(args) => exit(crate::overlap::run(args)),
         Cmd::Faults(args) => exit(crate::faults::run(args)),
+        Cmd::Model(args) => exit(crate::model::run(args)),
     }
 }
