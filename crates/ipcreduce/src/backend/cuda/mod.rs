@@ -630,8 +630,10 @@ impl BackendOps for CudaComm {
     }
 
     fn synchronize(&mut self) -> Result<()> {
-        self.wait_all("synchronize")?;
-        self.check_health()
+        let waited = self.wait_all("synchronize");
+        // What a kernel recorded explains a failed wait better than the wait does.
+        self.check_health()?;
+        waited
     }
 
     fn async_error(&self) -> Option<Error> {
