@@ -39,6 +39,7 @@ fn play_rank_if_child() {
         "streams" => rank_streams(),
         "teardown" => rank_teardown(),
         "llwrap" => rank_ll_wrap(),
+        "device" => rank_device(),
         other => panic!("unknown role {other}"),
     };
     let _ = std::io::stdout().flush();
@@ -561,6 +562,55 @@ fn rank_ll_wrap() -> i32 {
     0
 }
 
+/// The device is the caller's: the CUDA context current on the thread (made on another GPU
+/// than local_rank % count picks, where there are several), else the configured one.
+fn rank_device() -> i32 {
+    let base = ipcreduce::bootstrap::RankInfo::from_env().unwrap();
+    let count = cudarc::driver::safe::CudaContext::device_count().unwrap() as usize;
+    let current = (base.local_rank + 1) % count;
+    // Makes device `current`'s primary context current on this thread.
+    let _ctx = cudarc::driver::safe::CudaContext::new(current).unwrap();
+    let mut checked = 0;
+    for (cycle, chosen) in [None, Some(count - 1)].into_iter().enumerate() {
+        let info = ipcreduce::bootstrap::RankInfo::new(
+            base.rank,
+            base.world,
+            base.socket.with_file_name(format!("d{cycle}.sock")),
+            format!("device{cycle}"),
+            base.secret.clone(),
+        )
+        .unwrap();
+        let cfg = Config {
+            device: chosen,
+            ..config(None)
+        };
+        let mut c = Communicator::with_rank_info(info, &cfg).unwrap();
+        let want = chosen.unwrap_or(current);
+        assert_eq!(
+            c.cuda_device(),
+            Some(want),
+            "config {chosen:?}, current {current}"
+        );
+        // A call on its own stream works there.
+        let x = DeviceAlloc::new(4096, c.rank()).unwrap();
+        let stream = c.cuda_stream().expect("a cuda stream");
+        reduce(
+            &mut c,
+            x.ptr,
+            x.ptr,
+            1024,
+            DType::F32,
+            ReduceOp::Sum,
+            Algorithm::Auto,
+            stream,
+        );
+        c.synchronize().unwrap();
+        checked += 1;
+    }
+    say(format!("DONE {checked}"));
+    0
+}
+
 // ---------------------------------------------------------------------------------------
 // Parent side
 
@@ -648,6 +698,12 @@ fn default_stream_and_switching_streams() {
 fn teardown_with_work_in_flight() {
     play_rank_if_child();
     run_role("teardown_with_work_in_flight", "teardown", &[2, 4], &[]);
+}
+
+#[test]
+fn the_device_is_the_callers() {
+    play_rank_if_child();
+    run_role("the_device_is_the_callers", "device", &[2], &[]);
 }
 
 #[test]

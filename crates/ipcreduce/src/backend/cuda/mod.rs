@@ -640,6 +640,14 @@ impl BackendOps for CudaComm {
         self.check_health().err()
     }
 
+    fn device(&self) -> Option<usize> {
+        Some(self.ordinal)
+    }
+
+    fn own_stream(&self) -> Option<*mut c_void> {
+        Some(self.stream.cu_stream().cast())
+    }
+
     fn leave(&mut self, boot: &mut Bootstrap) {
         self.teardown(boot)
     }
