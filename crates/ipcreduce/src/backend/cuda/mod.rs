@@ -11,6 +11,9 @@ pub mod kernels;
 pub mod memory;
 mod nccl;
 mod workspace;
+// Workspaces over peer memory or staged through host memory (IPCREDUCE_TRANSPORT).
+mod host_staged;
+mod transport;
 
 use crate::abort::AbortState;
 use crate::backend::{BackendMeta, BackendOps, BufId, Call};
@@ -27,7 +30,7 @@ use memory::{DeviceAlloc, MappedHostWords};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Weak};
-use workspace::{ShareMode, Workspaces};
+use transport::SharedWorkspaces;
 
 /// Default bytes of one data slot (the workspace holds two). Larger messages are chunked.
 const DEFAULT_SLOT_BYTES: usize = 16 << 20;
@@ -90,7 +93,7 @@ pub struct CudaComm {
     words: Arc<MappedHostWords>,
     /// Private device state: counters[MAX_BLOCKS][2], then the error word.
     state: DeviceAlloc,
-    ws: Workspaces,
+    ws: SharedWorkspaces,
     blocks: usize,
     slot_bytes: usize,
     ll_max: usize,
@@ -240,12 +243,9 @@ impl CudaComm {
             });
         }
 
-        let ws = Workspaces::create(
-            boot,
-            device,
-            SIG_BYTES + LL_BYTES + 2 * slot_bytes,
-            ShareMode::from_env()?,
-        )?;
+        // Also checks every pair (P2P query, mapping, cross-process read) for the transport.
+        let ws =
+            SharedWorkspaces::open(boot, device, SIG_BYTES + LL_BYTES + 2 * slot_bytes, &uuids)?;
         if ws.size < SIG_BYTES + LL_BYTES + 2 * slot_bytes {
             return Err(Error::Cuda {
                 rank,
@@ -261,11 +261,7 @@ impl CudaComm {
         let words = Arc::new(MappedHostWords::new(16, rank)?);
         // SAFETY: zeroing memory we own (signal area of our workspace, private state).
         unsafe {
-            ck(
-                sys::cuMemsetD8_v2(ws.base(rank), 0, SIG_BYTES + LL_BYTES),
-                rank,
-                || "clearing the signal and LL areas".into(),
-            )?;
+            ws.clear(rank, SIG_BYTES + LL_BYTES)?;
             ck(sys::cuMemsetD8_v2(state.ptr, 0, state.bytes), rank, || {
                 "clearing the protocol state".into()
             })?;
@@ -286,7 +282,6 @@ impl CudaComm {
                 .map(|n| String::from_utf8_lossy(n).into_owned())
                 .collect()
         };
-        check_peer_access(rank, device, &uuids)?;
 
         let mut comm = CudaComm {
             rank,
@@ -308,7 +303,8 @@ impl CudaComm {
             devices,
             seq: 0,
         };
-        comm.cross_process_check(boot)?;
+        // Every rank's signal area is cleared before any kernel writes into it.
+        boot.barrier()?;
 
         let shared_gpu = (0..world).any(|i| (0..i).any(|j| uuids[i] == uuids[j]));
         if opts.with_nccl {
@@ -320,59 +316,6 @@ impl CudaComm {
             };
         }
         Ok(comm)
-    }
-
-    /// Writes a rank-specific pattern into our workspace, then reads every peer's through its
-    /// mapping: the real cross-process test that P2P queries alone cannot give.
-    fn cross_process_check(&mut self, boot: &mut Bootstrap) -> Result<()> {
-        let rank = self.rank;
-        let pattern = |r: usize| -> [u8; 16] {
-            let mut p = [0u8; 16];
-            for (i, b) in p.iter_mut().enumerate() {
-                *b = (0xA5 ^ (r as u8).wrapping_mul(31) ^ (i as u8).wrapping_mul(7)) | 1;
-            }
-            p
-        };
-        let probe = self.ws.base(rank) + DATA_OFFSET;
-        let mine = pattern(rank);
-        // SAFETY: 16 bytes inside our own data area.
-        ck(
-            unsafe { sys::cuMemcpyHtoD_v2(probe, mine.as_ptr().cast(), 16) },
-            rank,
-            || "writing the cross-process probe".into(),
-        )?;
-        // The copy may return before its DMA lands: wait before telling the peers.
-        // SAFETY: no arguments.
-        ck(unsafe { sys::cuCtxSynchronize() }, rank, || {
-            "cuCtxSynchronize".into()
-        })?;
-        boot.barrier()?;
-        for peer in 0..self.world {
-            let mut got = [0u8; 16];
-            let addr = self.ws.base(peer) + DATA_OFFSET;
-            // SAFETY: 16 bytes inside the peer's mapped data area.
-            let res = unsafe { sys::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), addr, 16) };
-            ck(res, rank, || format!("reading rank {peer}'s probe")).map_err(|e| {
-                Error::PeerAccess {
-                    rank,
-                    peer,
-                    op: "cross-process read",
-                    detail: e.to_string(),
-                }
-            })?;
-            if got != pattern(peer) {
-                return Err(Error::PeerAccess {
-                    rank,
-                    peer,
-                    op: "cross-process read",
-                    detail: format!(
-                        "read back {got:02x?} instead of the peer's pattern through the {} mapping",
-                        self.ws.mode.name()
-                    ),
-                });
-            }
-        }
-        boot.barrier()
     }
 
     fn cuda_err(&self, op: String, e: cudarc::driver::DriverError) -> Error {
