@@ -245,11 +245,15 @@ impl SharedWorkspaces {
         uuids: &[Vec<u8>],
     ) -> Result<SharedWorkspaces> {
         let rank = boot.rank();
+        // Every variable is read before the first exchange, so a bad one fails on every rank
+        // at once instead of leaving the others waiting.
         let forced = Transport::from_env()?;
+        let share = ShareMode::from_env()?;
+        let denied = denied_peer(rank)?;
         let mut step = if forced == Some(Transport::Host) {
             agree(boot, forced, "P2P query", None)?
         } else {
-            let p2p = match denied_peer(rank)? {
+            let p2p = match denied {
                 Some(peer) => Err((
                     peer,
                     format!("denied by {DENY_ENV} (a test of the fallback)"),
@@ -259,7 +263,7 @@ impl SharedWorkspaces {
             agree(boot, forced, "P2P query", p2p.err())?
         };
         if step == Step::Peer {
-            match Workspaces::create(boot, device, bytes, ShareMode::from_env()?) {
+            match Workspaces::create(boot, device, bytes, share) {
                 Err(e) => step = agree(boot, forced, "workspace mapping", Some(pair(rank, e)))?,
                 Ok(ws) => {
                     step = agree(boot, forced, "workspace mapping", None)?;
