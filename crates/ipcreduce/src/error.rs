@@ -7,6 +7,7 @@ use std::time::Duration;
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// Missing or contradictory configuration (environment variables, CLI flags).
     #[error("configuration error: {0}")]

@@ -6,6 +6,7 @@
 //! | module | what is there |
 //! |---|---|
 //! | [`Communicator`] | the public API: init, all-reduce (raw pointers, host slices) |
+//! | [`Config`] | every knob, and the `IPCREDUCE_*` environment variables |
 //! | [`bootstrap`] | control plane: Unix-socket rendezvous, all-gather, fd passing, liveness |
 //! | [`plan`] | pure decisions: algorithm choice, chunks, shards |
 //! | [`backend::host`] | shared-memory data plane, reduction loops in Rust |
@@ -18,13 +19,15 @@ pub mod abort;
 pub mod backend;
 pub mod bootstrap;
 mod communicator;
+pub mod config;
 pub mod element;
 pub mod error;
 pub mod plan;
 pub mod reference;
 pub mod types;
 
-pub use communicator::{Communicator, Options};
+pub use communicator::Communicator;
+pub use config::{Config, Options, Sharing, Transport};
 
 /// Cores online on this machine. Not `available_parallelism`: `launch` binds each rank to one
 /// core, and a rank must still know how many its peers can use.

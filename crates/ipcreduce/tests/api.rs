@@ -2,15 +2,15 @@
 //! bad calls get clear errors and write nothing.
 
 use ipcreduce::bootstrap::RankInfo;
-use ipcreduce::{Algorithm, BackendChoice, Communicator, DType, Error, Options, ReduceOp};
+use ipcreduce::{Algorithm, BackendChoice, Communicator, Config, DType, Error, ReduceOp};
 use std::ffi::c_void;
 
 fn single_rank() -> Communicator {
     let dir = std::env::temp_dir().join(format!("ipcreduce-api-{}", std::process::id()));
     let info = RankInfo::new(0, 1, dir.join("s.sock"), "api-test", None).unwrap();
-    let opts = Options {
+    let opts = Config {
         backend: BackendChoice::Host,
-        ..Options::default()
+        ..Config::default()
     };
     Communicator::with_rank_info(info, &opts).unwrap()
 }

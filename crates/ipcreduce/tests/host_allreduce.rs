@@ -11,7 +11,7 @@ use common::{say, Job, Rank, Spawn, SECRET};
 use ipcreduce::backend::{BufId, Call};
 use ipcreduce::bootstrap::RankInfo;
 use ipcreduce::{
-    reference, Algorithm, BackendChoice, Communicator, DType, Error, Options, ReduceOp,
+    reference, Algorithm, BackendChoice, Communicator, Config, DType, Error, ReduceOp,
 };
 use std::ffi::c_void;
 use std::io::{Read, Write};
@@ -58,13 +58,13 @@ fn env_list<T: std::str::FromStr>(var: &str) -> Vec<T> {
         .collect()
 }
 
-fn options() -> Options {
-    Options {
+fn options() -> Config {
+    Config {
         backend: BackendChoice::Host,
         workspace_bytes: std::env::var("HOST_TEST_WORKSPACE")
             .ok()
             .and_then(|v| v.parse().ok()),
-        ..Options::default()
+        ..Config::default()
     }
 }
 

@@ -64,16 +64,21 @@ pub trait BackendOps: Send {
 
     fn meta(&self) -> BackendMeta;
 
-    // --- buffers for tests and benchmarks ---------------------------------------------
+    /// Waits until all enqueued work is finished.
+    fn synchronize(&mut self) -> Result<()>;
+}
+
+/// Backend-owned buffers and timing, for the benchmark and the correctness sweeps: not part
+/// of the data plane, compiled only with the `test-support` feature.
+#[cfg(feature = "test-support")]
+pub trait TestBuffers {
     fn alloc(&mut self, bytes: usize) -> Result<BufId>;
     fn free(&mut self, id: BufId);
     fn write(&mut self, id: BufId, data: &[u8]) -> Result<()>;
     fn read(&mut self, id: BufId, out: &mut [u8]) -> Result<()>;
     /// Runs `call` on the backend's own buffers.
     fn run(&mut self, call: &Call) -> Result<()>;
-    /// Waits until all enqueued work is finished.
-    fn synchronize(&mut self) -> Result<()>;
-    /// Median-free mean time of one call in microseconds over `iters` calls after `warmup`.
+    /// Mean time of one call in microseconds over `iters` calls after `warmup`.
     /// `graph = Some(k)`: capture k calls in a CUDA graph and time its replays instead.
     fn time(
         &mut self,

@@ -1,6 +1,6 @@
 //! CUDA backend: one process per GPU (or several under MPS), peer memory through CUDA IPC.
 //!
-//! Start-up (once per communicator): pick the GPU (`local_rank % device count`), compile the
+//! Start-up (once per communicator): pick the GPU (see [`Config::pick_device`]), compile the
 //! kernels with NVRTC, create and share the workspaces ([`workspace`]), check every pair of
 //! ranks for real (P2P query + a cross-process write/read), optionally build NCCL beside us.
 //! A call: validate, stamp nothing on the host, launch one kernel on the caller's stream. All
@@ -10,15 +10,18 @@ pub mod driver;
 pub mod kernels;
 pub mod memory;
 mod nccl;
+mod peers;
+#[cfg(feature = "test-support")]
+mod testbufs;
 mod workspace;
 // Workspaces over peer memory or staged through host memory (IPCREDUCE_TRANSPORT).
 mod host_staged;
 mod transport;
 
 use crate::abort::AbortState;
-use crate::backend::{BackendMeta, BackendOps, BufId, Call};
+use crate::backend::{BackendMeta, BackendOps};
 use crate::bootstrap::Bootstrap;
-use crate::communicator::Options;
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use cudarc::driver::{safe as cs, sys};
@@ -27,6 +30,7 @@ use kernels::{
     ERR_MISMATCH, ERR_TIMEOUT, LL_BYTES, LL_MAX_BYTES, MAX_BLOCKS, MAX_RANKS, SIG_BYTES,
 };
 use memory::{DeviceAlloc, MappedHostWords};
+use peers::device_uuid;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Weak};
@@ -88,6 +92,7 @@ pub struct CudaComm {
     rank: usize,
     world: usize,
     ordinal: usize,
+    #[cfg(feature = "test-support")]
     bufs: Vec<Option<DeviceAlloc>>,
     nccl: std::result::Result<nccl::Nccl, String>,
     words: Arc<MappedHostWords>,
@@ -179,7 +184,7 @@ impl Loaded {
 }
 
 impl CudaComm {
-    pub fn new(boot: &mut Bootstrap, opts: &Options) -> Result<CudaComm> {
+    pub fn new(boot: &mut Bootstrap, config: &Config) -> Result<CudaComm> {
         usable()?;
         let rank = boot.rank();
         let world = boot.world();
@@ -196,7 +201,11 @@ impl CudaComm {
             detail: e.to_string(),
         };
         let count = cs::CudaContext::device_count().map_err(|e| cuda("cuDeviceGetCount", e))?;
-        let ordinal = boot.info().local_rank % count as usize;
+        let ordinal = config.pick_device(
+            current_device(rank)?,
+            boot.info().local_rank,
+            count as usize,
+        )?;
         let gpu = Loaded::get(ordinal, rank)?;
         let ctx = gpu.ctx.clone();
         ctx.bind_to_thread()
@@ -213,19 +222,22 @@ impl CudaComm {
             .map(|a| uuids.iter().filter(|b| *b == a).count())
             .max()
             .unwrap_or(1);
-        let blocks = env_usize("IPCREDUCE_BLOCKS")?
-            .unwrap_or(DEFAULT_BLOCKS.min(96 / sharing))
-            .clamp(1, MAX_BLOCKS);
-        let slot_bytes = opts
-            .workspace_bytes
-            .map(|b| b / 2)
-            .or(env_usize("IPCREDUCE_SLOT_BYTES")?)
-            .unwrap_or(DEFAULT_SLOT_BYTES);
+        let blocks = config.blocks.unwrap_or(DEFAULT_BLOCKS.min(96 / sharing));
+        if blocks > MAX_BLOCKS {
+            return Err(Error::Config(format!(
+                "blocks {blocks} (Config::blocks or IPCREDUCE_BLOCKS): at most {MAX_BLOCKS}"
+            )));
+        }
+        let slot_bytes = config.workspace_bytes.map_or(DEFAULT_SLOT_BYTES, |b| b / 2);
         let slot_bytes = (slot_bytes.max(64 << 10) / 256) * 256;
         // Messages up to this size take the low-latency one-shot (0 disables it).
-        let ll_max = env_usize("IPCREDUCE_LL_MAX")?
-            .unwrap_or(crate::plan::LL_DEFAULT_MAX_BYTES)
-            .min(LL_MAX_BYTES);
+        let ll_max = config.ll_max_bytes();
+        if ll_max > LL_MAX_BYTES {
+            return Err(Error::Config(format!(
+                "low-latency limit {ll_max} bytes (Config::ll_max_bytes or IPCREDUCE_LL_MAX): \
+                 at most {LL_MAX_BYTES}"
+            )));
+        }
         // Every rank must use the same grid and slot size: the protocol pairs block b with
         // block b and alternates slots by chunk count.
         let mine = [blocks as u64, slot_bytes as u64, ll_max as u64]
@@ -244,8 +256,8 @@ impl CudaComm {
         }
 
         // Also checks every pair (P2P query, mapping, cross-process read) for the transport.
-        let ws =
-            SharedWorkspaces::open(boot, device, SIG_BYTES + LL_BYTES + 2 * slot_bytes, &uuids)?;
+        let bytes = SIG_BYTES + LL_BYTES + 2 * slot_bytes;
+        let ws = SharedWorkspaces::open(boot, device, bytes, &uuids, config)?;
         if ws.size < SIG_BYTES + LL_BYTES + 2 * slot_bytes {
             return Err(Error::Cuda {
                 rank,
@@ -296,9 +308,10 @@ impl CudaComm {
             blocks,
             slot_bytes,
             ll_max,
-            timeout: opts.timeout,
+            timeout: config.timeout(),
             abort,
             nccl: Err("not requested".into()),
+            #[cfg(feature = "test-support")]
             bufs: Vec::new(),
             devices,
             seq: 0,
@@ -307,8 +320,8 @@ impl CudaComm {
         boot.barrier()?;
 
         let shared_gpu = (0..world).any(|i| (0..i).any(|j| uuids[i] == uuids[j]));
-        if opts.with_nccl {
-            comm.nccl = if shared_gpu && std::env::var_os("IPCREDUCE_NCCL_SHARED_GPU").is_none() {
+        if config.with_nccl {
+            comm.nccl = if shared_gpu && !config.nccl_shared_gpu() {
                 // Keep the exchange inside Nccl::init out of it: no rank calls it.
                 Err("NCCL refuses two ranks on one GPU (set IPCREDUCE_NCCL_SHARED_GPU=1 to run it over loopback sockets)".into())
             } else {
@@ -559,167 +572,10 @@ impl BackendOps for CudaComm {
         }
     }
 
-    fn alloc(&mut self, bytes: usize) -> Result<BufId> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| self.cuda_err("binding the context".into(), e))?;
-        let buf = DeviceAlloc::new(bytes, self.rank)?;
-        self.bufs.push(Some(buf));
-        Ok(self.bufs.len() - 1)
-    }
-
-    fn free(&mut self, id: BufId) {
-        if let Some(slot) = self.bufs.get_mut(id) {
-            *slot = None;
-        }
-    }
-
-    fn write(&mut self, id: BufId, data: &[u8]) -> Result<()> {
-        let buf = self.buf(id)?;
-        assert!(data.len() <= buf.bytes);
-        let ptr = buf.ptr;
-        // On our stream, then waited for: a plain cuMemcpyHtoD from pageable memory may return
-        // before its DMA lands, and our (non-blocking) stream would not wait for it.
-        // SAFETY: in bounds of our allocation; `data` outlives the synchronize below.
-        ck(
-            unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    ptr,
-                    data.as_ptr().cast(),
-                    data.len(),
-                    self.stream.cu_stream(),
-                )
-            },
-            self.rank,
-            || format!("copying {} bytes to the device", data.len()),
-        )?;
-        self.synchronize()
-    }
-
-    fn read(&mut self, id: BufId, out: &mut [u8]) -> Result<()> {
-        self.synchronize()?;
-        let buf = self.buf(id)?;
-        assert!(out.len() <= buf.bytes);
-        let ptr = buf.ptr;
-        // SAFETY: in bounds of our allocation; `out` outlives the synchronize below.
-        ck(
-            unsafe {
-                sys::cuMemcpyDtoHAsync_v2(
-                    out.as_mut_ptr().cast(),
-                    ptr,
-                    out.len(),
-                    self.stream.cu_stream(),
-                )
-            },
-            self.rank,
-            || format!("copying {} bytes from the device", out.len()),
-        )?;
-        self.synchronize()
-    }
-
-    fn run(&mut self, call: &Call) -> Result<()> {
-        let (s, r) = (self.buf(call.send)?, self.buf(call.recv)?);
-        let end = call.offset + call.count * call.dtype.size();
-        if end > s.bytes || end > r.bytes {
-            return Err(Error::invalid(self.rank, "run", "call exceeds its buffers"));
-        }
-        let (s, r) = (s.ptr + call.offset as u64, r.ptr + call.offset as u64);
-        let stream = self.stream.cu_stream();
-        self.launch(s, r, call.count, call.dtype, call.op, call.algo, stream)
-    }
-
     fn synchronize(&mut self) -> Result<()> {
         let res = self.stream.synchronize();
         self.check_health()?;
         res.map_err(|e| self.cuda_err("stream synchronize".into(), e))
-    }
-
-    fn time(
-        &mut self,
-        call: &Call,
-        warmup: usize,
-        iters: usize,
-        graph: Option<usize>,
-    ) -> Result<f64> {
-        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let start = self
-            .ctx
-            .new_event(flags)
-            .map_err(|e| self.cuda_err("cuEventCreate".into(), e))?;
-        let end = self
-            .ctx
-            .new_event(flags)
-            .map_err(|e| self.cuda_err("cuEventCreate".into(), e))?;
-        let iters = iters.max(1);
-        let calls = match graph {
-            None => {
-                for _ in 0..warmup {
-                    self.run(call)?;
-                }
-                self.synchronize()?;
-                start
-                    .record(&self.stream)
-                    .map_err(|e| self.cuda_err("cuEventRecord".into(), e))?;
-                for _ in 0..iters {
-                    self.run(call)?;
-                }
-                iters
-            }
-            Some(k) => {
-                let k = k.max(1);
-                self.synchronize()?;
-                self.stream
-                    .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                    .map_err(|e| self.cuda_err("cuStreamBeginCapture".into(), e))?;
-                let mut captured = Ok(());
-                for _ in 0..k {
-                    captured = self.run(call);
-                    if captured.is_err() {
-                        break;
-                    }
-                }
-                let g = self
-                    .stream
-                    .end_capture(sys::CUgraphInstantiate_flags(0))
-                    .map_err(|e| self.cuda_err("cuStreamEndCapture".into(), e))?;
-                captured?;
-                let g = g.ok_or_else(|| Error::Cuda {
-                    rank: self.rank,
-                    op: "graph capture".into(),
-                    detail: "captured an empty graph".into(),
-                })?;
-                let reps = iters.div_ceil(k);
-                for _ in 0..warmup.div_ceil(k).max(1) {
-                    g.launch()
-                        .map_err(|e| self.cuda_err("cuGraphLaunch".into(), e))?;
-                }
-                self.synchronize()?;
-                start
-                    .record(&self.stream)
-                    .map_err(|e| self.cuda_err("cuEventRecord".into(), e))?;
-                for _ in 0..reps {
-                    g.launch()
-                        .map_err(|e| self.cuda_err("cuGraphLaunch".into(), e))?;
-                }
-                reps * k
-            }
-        };
-        end.record(&self.stream)
-            .map_err(|e| self.cuda_err("cuEventRecord".into(), e))?;
-        self.synchronize()?;
-        let ms = start
-            .elapsed_ms(&end)
-            .map_err(|e| self.cuda_err("cuEventElapsedTime".into(), e))?;
-        Ok(ms as f64 * 1000.0 / calls as f64)
-    }
-}
-
-impl CudaComm {
-    fn buf(&self, id: BufId) -> Result<&DeviceAlloc> {
-        self.bufs
-            .get(id)
-            .and_then(|b| b.as_ref())
-            .ok_or_else(|| Error::invalid(self.rank, "buffer", format!("no buffer #{id}")))
     }
 }
 
@@ -732,70 +588,31 @@ impl Drop for CudaComm {
     }
 }
 
-fn device_uuid(device: sys::CUdevice, rank: usize) -> Result<Vec<u8>> {
-    // SAFETY: a plain C struct filled by the driver.
-    let mut uuid: sys::CUuuid = unsafe { std::mem::zeroed() };
-    ck(
-        unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, device) },
-        rank,
-        || "cuDeviceGetUuid".into(),
-    )?;
-    Ok(uuid.bytes.iter().map(|b| *b as u8).collect())
-}
-
-/// For every peer on another GPU: that GPU must be visible here and reachable by P2P.
-fn check_peer_access(rank: usize, device: sys::CUdevice, uuids: &[Vec<u8>]) -> Result<()> {
-    let mine = &uuids[rank];
+/// The device of the CUDA context current on this thread, if there is one: a caller that
+/// made its own context current (PyTorch does) gets its communicator on that GPU.
+fn current_device(rank: usize) -> Result<Option<usize>> {
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: writes one handle (null when no context is current).
+    ck(unsafe { sys::cuCtxGetCurrent(&mut ctx) }, rank, || {
+        "cuCtxGetCurrent".into()
+    })?;
+    if ctx.is_null() {
+        return Ok(None);
+    }
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: writes one device handle of the current context.
+    ck(unsafe { sys::cuCtxGetDevice(&mut dev) }, rank, || {
+        "cuCtxGetDevice".into()
+    })?;
     let count = cs::CudaContext::device_count().unwrap_or(0);
-    let mut visible = HashMap::new();
-    for ord in 0..count {
-        let mut dev = 0;
+    for ordinal in 0..count {
+        let mut d: sys::CUdevice = 0;
         // SAFETY: writes one device handle.
-        if unsafe { sys::cuDeviceGet(&mut dev, ord) } == sys::CUresult::CUDA_SUCCESS {
-            visible.insert(device_uuid(dev, rank)?, (ord, dev));
+        if unsafe { sys::cuDeviceGet(&mut d, ordinal) } == sys::CUresult::CUDA_SUCCESS && d == dev {
+            return Ok(Some(ordinal as usize));
         }
     }
-    for (peer, uuid) in uuids.iter().enumerate() {
-        if peer == rank || uuid == mine {
-            continue;
-        }
-        let Some(&(ord, peer_dev)) = visible.get(uuid) else {
-            return Err(Error::PeerAccess {
-                rank,
-                peer,
-                op: "P2P query",
-                detail:
-                    "the peer's GPU is not visible to this process (CUDA_VISIBLE_DEVICES differs?)"
-                        .into(),
-            });
-        };
-        let mut can = 0;
-        // SAFETY: writes one int.
-        ck(
-            unsafe { sys::cuDeviceCanAccessPeer(&mut can, device, peer_dev) },
-            rank,
-            || "cuDeviceCanAccessPeer".into(),
-        )?;
-        if can == 0 {
-            return Err(Error::PeerAccess {
-                rank,
-                peer,
-                op: "P2P query",
-                detail: format!("this GPU cannot access GPU {ord} directly (no P2P path)"),
-            });
-        }
-    }
-    Ok(())
-}
-
-fn env_usize(name: &str) -> Result<Option<usize>> {
-    match std::env::var(name) {
-        Ok(v) if !v.is_empty() => v
-            .parse()
-            .map(Some)
-            .map_err(|_| Error::Config(format!("{name}={v}: expected a positive integer"))),
-        _ => Ok(None),
-    }
+    Ok(None)
 }
 
 #[cfg(test)]

@@ -4,90 +4,39 @@
 //! - `host`: every workspace in host memory ([`super::host_staged`]); all traffic is staged
 //!   through host memory over PCIe, no peer access needed.
 //!
-//! `IPCREDUCE_TRANSPORT=auto|peer|host` (default `auto`). `auto` checks every pair in three steps
+//! `Config::transport` / `IPCREDUCE_TRANSPORT=auto|peer|host` (default `auto`). `auto` checks every pair in three steps
 //! (P2P query, mapping the peers' workspaces, a cross-process write/read) and takes `host` at
 //! the first step that fails anywhere, logging the pair; `peer` turns such a failure into an
 //! error; `host` skips the checks. After every step the ranks exchange what they saw and decide
 //! with the same pure function ([`decide`]) on the same reports, so they always agree.
 
+use super::driver::ck;
 use super::host_staged::HostWorkspaces;
-use super::workspace::{ShareMode, Workspaces};
-use super::{driver::ck, DATA_OFFSET};
+use super::peers::{check_peer_access, mapping_test};
+use super::workspace::Workspaces;
 use crate::bootstrap::Bootstrap;
+use crate::config::{Config, Transport};
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
 
-/// The variable that forces a transport.
-pub const ENV: &str = "IPCREDUCE_TRANSPORT";
+/// The knob that forces a transport, as errors name it.
+const KNOB: &str = "the transport (Config::transport or IPCREDUCE_TRANSPORT)";
 
-/// For tests of `auto`'s fallback on machines where every pair works: `RANK:PEER` makes rank
-/// RANK report that its P2P query for PEER failed.
-pub const DENY_ENV: &str = "IPCREDUCE_DENY_PEER";
-
-/// The peer this rank must pretend it cannot reach, from `value` of [`DENY_ENV`]. Strict.
-pub fn parse_denied(value: Option<&str>, rank: usize) -> Result<Option<usize>> {
-    let Some(v) = value.filter(|v| !v.is_empty()) else {
-        return Ok(None);
-    };
-    let bad = || Error::Config(format!("{DENY_ENV}={v}: expected RANK:PEER (two ranks)"));
-    let (r, p) = v.split_once(':').ok_or_else(bad)?;
-    let r: usize = r.parse().map_err(|_| bad())?;
-    let p: usize = p.parse().map_err(|_| bad())?;
-    if r == p {
-        return Err(bad());
+/// A rank's setting of the transport in one byte of its report (`None` = auto).
+fn code(forced: Option<Transport>) -> u8 {
+    match forced {
+        None => 0,
+        Some(Transport::Peer) => 1,
+        Some(Transport::Host) => 2,
     }
-    Ok((r == rank).then_some(p))
 }
 
-fn denied_peer(rank: usize) -> Result<Option<usize>> {
-    parse_denied(std::env::var(DENY_ENV).ok().as_deref(), rank)
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Transport {
-    Peer,
-    Host,
-}
-
-impl Transport {
-    pub fn name(self) -> &'static str {
-        match self {
-            Transport::Peer => "peer",
-            Transport::Host => "host",
-        }
-    }
-
-    /// Parses a value of [`ENV`]; `None` means `auto`. Strict: anything else is an error.
-    pub fn parse(value: Option<&str>) -> Result<Option<Transport>> {
-        match value {
-            None | Some("") | Some("auto") => Ok(None),
-            Some("peer") => Ok(Some(Transport::Peer)),
-            Some("host") => Ok(Some(Transport::Host)),
-            Some(other) => Err(Error::Config(format!(
-                "{ENV}={other}: expected auto, peer or host"
-            ))),
-        }
-    }
-
-    pub fn from_env() -> Result<Option<Transport>> {
-        Transport::parse(std::env::var(ENV).ok().as_deref())
-    }
-
-    fn code(forced: Option<Transport>) -> u8 {
-        match forced {
-            None => 0,
-            Some(Transport::Peer) => 1,
-            Some(Transport::Host) => 2,
-        }
-    }
-
-    fn from_code(code: u8) -> Option<Option<Transport>> {
-        match code {
-            0 => Some(None),
-            1 => Some(Some(Transport::Peer)),
-            2 => Some(Some(Transport::Host)),
-            _ => None,
-        }
+fn from_code(code: u8) -> Option<Option<Transport>> {
+    match code {
+        0 => Some(None),
+        1 => Some(Some(Transport::Peer)),
+        2 => Some(Some(Transport::Host)),
+        _ => None,
     }
 }
 
@@ -120,10 +69,10 @@ pub enum Step {
     Host(Option<PairFailure>),
 }
 
-/// One rank's report after a check: its setting of [`ENV`] and the first failure it saw
+/// One rank's report after a check: its setting of [`KNOB`] and the first failure it saw
 /// (`(peer, why)`). Sent to every rank.
 pub fn encode_report(forced: Option<Transport>, failure: Option<&(usize, String)>) -> Vec<u8> {
-    let mut out = vec![Transport::code(forced)];
+    let mut out = vec![code(forced)];
     if let Some((peer, why)) = failure {
         out.extend_from_slice(&(*peer as u32).to_le_bytes());
         out.extend_from_slice(why.as_bytes());
@@ -135,7 +84,7 @@ type Report = (Option<Transport>, Option<(usize, String)>);
 
 fn decode_report(bytes: &[u8]) -> Option<Report> {
     let (&code, rest) = bytes.split_first()?;
-    let forced = Transport::from_code(code)?;
+    let forced = from_code(code)?;
     if rest.is_empty() {
         return Some((forced, None));
     }
@@ -145,7 +94,7 @@ fn decode_report(bytes: &[u8]) -> Option<Report> {
 }
 
 /// Every rank's reports after check `check` (index = rank), decoded: the agreed setting of
-/// [`ENV`] and the first failed pair (lowest rank first). `me` only names this rank in errors.
+/// [`KNOB`] and the first failed pair (lowest rank first). `me` only names this rank in errors.
 fn gather(
     check: &'static str,
     reports: &[Vec<u8>],
@@ -163,7 +112,7 @@ fn gather(
     let forced = decoded.first().and_then(|r| r.0);
     if let Some(rank) = decoded.iter().position(|r| r.0 != forced) {
         return Err(Error::Config(format!(
-            "{ENV} differs between ranks: rank 0 has {}, rank {rank} {}",
+            "{KNOB} differs between ranks: rank 0 has {}, rank {rank} {}",
             forced.map_or("auto", Transport::name),
             decoded[rank].0.map_or("auto", Transport::name)
         )));
@@ -237,33 +186,28 @@ impl SharedWorkspaces {
     }
 
     /// Collective: creates and shares every rank's workspace of at least `bytes` over the
-    /// transport that [`ENV`] forces or `auto` finds working for every pair.
+    /// transport that [`KNOB`] forces or `auto` finds working for every pair.
     pub fn open(
         boot: &mut Bootstrap,
         device: sys::CUdevice,
         bytes: usize,
         uuids: &[Vec<u8>],
+        config: &Config,
     ) -> Result<SharedWorkspaces> {
         let rank = boot.rank();
-        // Every variable is read before the first exchange, so a bad one fails on every rank
-        // at once instead of leaving the others waiting.
-        let forced = Transport::from_env()?;
-        let share = ShareMode::from_env()?;
-        let denied = denied_peer(rank)?;
+        let forced = config.transport;
+        let denied = config.deny_peer.and_then(|(r, p)| (r == rank).then_some(p));
         let mut step = if forced == Some(Transport::Host) {
             agree(boot, forced, "P2P query", None)?
         } else {
             let p2p = match denied {
-                Some(peer) => Err((
-                    peer,
-                    format!("denied by {DENY_ENV} (a test of the fallback)"),
-                )),
-                None => super::check_peer_access(rank, device, uuids).map_err(|e| pair(rank, e)),
+                Some(peer) => Err((peer, "denied by IPCREDUCE_DENY_PEER (a test)".to_string())),
+                None => check_peer_access(rank, device, uuids).map_err(|e| pair(rank, e)),
             };
             agree(boot, forced, "P2P query", p2p.err())?
         };
         if step == Step::Peer {
-            match Workspaces::create(boot, device, bytes, share) {
+            match Workspaces::create(boot, device, bytes, config.sharing) {
                 Err(e) => step = agree(boot, forced, "workspace mapping", Some(pair(rank, e)))?,
                 Ok(ws) => {
                     step = agree(boot, forced, "workspace mapping", None)?;
@@ -328,103 +272,12 @@ fn pair(rank: usize, e: Error) -> (usize, String) {
     }
 }
 
-/// The cross-process test that P2P queries alone cannot give: every rank writes a pattern of
-/// its own into its workspace's data area, then reads every rank's through its mapping
-/// (`base(rank)`). Collective: every rank passes both barriers whatever it saw; returns the
-/// first failure `(peer, why)` this rank saw.
-fn mapping_test(
-    boot: &mut Bootstrap,
-    base: impl Fn(usize) -> sys::CUdeviceptr,
-    what: &str,
-) -> Result<Option<(usize, String)>> {
-    let rank = boot.rank();
-    let pattern = |r: usize| -> [u8; 16] {
-        let mut p = [0u8; 16];
-        for (i, b) in p.iter_mut().enumerate() {
-            *b = (0xA5 ^ (r as u8).wrapping_mul(31) ^ (i as u8).wrapping_mul(7)) | 1;
-        }
-        p
-    };
-    let mine = pattern(rank);
-    // SAFETY: 16 bytes inside our own data area. The copy may return before its DMA lands:
-    // synchronize before telling the peers.
-    let wrote = ck(
-        unsafe { sys::cuMemcpyHtoD_v2(base(rank) + DATA_OFFSET, mine.as_ptr().cast(), 16) },
-        rank,
-        || "writing the cross-process probe".into(),
-    )
-    .and_then(|_| {
-        ck(unsafe { sys::cuCtxSynchronize() }, rank, || {
-            "cuCtxSynchronize".into()
-        })
-    });
-    boot.barrier()?;
-    let mut seen = wrote.err().map(|e| (rank, e.to_string()));
-    for peer in 0..boot.world() {
-        if seen.is_some() {
-            break;
-        }
-        let mut got = [0u8; 16];
-        // SAFETY: 16 bytes inside the peer's mapped data area.
-        let res =
-            unsafe { sys::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), base(peer) + DATA_OFFSET, 16) };
-        if let Err(e) = ck(res, rank, || {
-            format!("reading rank {peer}'s probe through {what}")
-        }) {
-            seen = Some((peer, e.to_string()));
-        } else if got != pattern(peer) {
-            seen = Some((
-                peer,
-                format!("read back {got:02x?} instead of the peer's pattern through {what}"),
-            ));
-        }
-    }
-    // Nobody writes into a data area again before every rank has read the probes.
-    boot.barrier()?;
-    Ok(seen)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn report(forced: Option<Transport>, failure: Option<(usize, &str)>) -> Vec<u8> {
         encode_report(forced, failure.map(|(p, w)| (p, w.to_string())).as_ref())
-    }
-
-    #[test]
-    fn transport_variable_is_parsed_strictly() {
-        assert_eq!(Transport::parse(None).unwrap(), None);
-        assert_eq!(Transport::parse(Some("")).unwrap(), None);
-        assert_eq!(Transport::parse(Some("auto")).unwrap(), None);
-        assert_eq!(
-            Transport::parse(Some("peer")).unwrap(),
-            Some(Transport::Peer)
-        );
-        assert_eq!(
-            Transport::parse(Some("host")).unwrap(),
-            Some(Transport::Host)
-        );
-        for bad in ["HOST", " host", "host ", "nvlink", "shm", "1"] {
-            let err = Transport::parse(Some(bad)).unwrap_err().to_string();
-            assert!(err.contains(ENV) && err.contains(bad), "{bad}: {err}");
-        }
-    }
-
-    #[test]
-    fn denied_pair_is_parsed_strictly() {
-        assert_eq!(parse_denied(None, 0).unwrap(), None);
-        assert_eq!(parse_denied(Some(""), 0).unwrap(), None);
-        assert_eq!(parse_denied(Some("1:0"), 1).unwrap(), Some(0));
-        assert_eq!(
-            parse_denied(Some("1:0"), 0).unwrap(),
-            None,
-            "only rank 1 pretends"
-        );
-        for bad in ["1", "1:1", "a:0", "1:0:2", "-1:0", " 1:0"] {
-            let err = parse_denied(Some(bad), 1).unwrap_err().to_string();
-            assert!(err.contains(DENY_ENV), "{bad}: {err}");
-        }
     }
 
     #[test]
@@ -510,7 +363,7 @@ mod tests {
         let reports = vec![report(None, None), report(Some(Transport::Host), None)];
         for me in 0..2 {
             let err = decide("P2P query", &reports, me).unwrap_err().to_string();
-            assert!(err.contains(ENV) && err.contains("rank 1 host"), "{err}");
+            assert!(err.contains(KNOB) && err.contains("rank 1 host"), "{err}");
         }
     }
 

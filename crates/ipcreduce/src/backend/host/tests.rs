@@ -4,6 +4,7 @@
 
 use super::buffers::AlignedBuf;
 use super::*;
+use crate::backend::TestBuffers;
 use crate::reference;
 
 struct World {
