@@ -6,7 +6,7 @@
 # On GPU 0 under MPS (every rank's traffic crosses PCIe to host memory and back):
 #   check   `check` at world 2, 4, 8 with the host transport forced; `auto` with one pair
 #           denied (IPCREDUCE_DENY_PEER=1:0) must fall back to host staging, name the pair
-#           in its log and pass.
+#           in its log and pass; the peer transport at world 2 (the kernels are shared).
 #   bench   world 2, bf16: host transport (oneshot, twoshot, auto) and NCCL on the same
 #           buffers with NCCL_P2P_DISABLE=1 (two ranks on one GPU: NCCL runs over loopback
 #           sockets, a functional column only); then the peer transport for reference.
@@ -14,7 +14,7 @@
 #   two     world 2: check with the host transport forced, then bench host transport against
 #           NCCL over its shared-memory transport (NCCL_P2P_DISABLE=1): the anchors.
 # Knobs: PHASES="check bench two" (any subset), WORLDS="2 4 8", CASES=2000 (world 2; CASES_4,
-#   CASES_8 default to CASES), MAX_BYTES=256M (check), BENCH_MAX=256M, BLOCKS (IPCREDUCE_BLOCKS).
+#   CASES_8 default to CASES; CASES_PEER=500), MAX_BYTES=256M (check), BENCH_MAX=256M, BLOCKS (IPCREDUCE_BLOCKS).
 # Each step has its own timeout; one device call runs at most 10 minutes, so split long jobs
 # by PHASES / WORLDS (see the report that introduced this script).
 set -u
@@ -82,6 +82,9 @@ if has check || has bench; then
       CUDA_VISIBLE_DEVICES=0 IPCREDUCE_TRANSPORT=host check "check-host-w$w.log" 500 \
         --ranks "$w" --cases "$n" --seed "$w"
     done
+    echo "== check world 2, peer transport, one GPU under MPS (${CASES_PEER:-500} cases): the kernels are shared"
+    CUDA_VISIBLE_DEVICES=0 IPCREDUCE_TRANSPORT=peer check check-peer-w2.log 300 \
+      --ranks 2 --cases "${CASES_PEER:-500}" --seed 12
     echo "== auto with the pair 1:0 denied: must fall back to host staging and say why"
     CUDA_VISIBLE_DEVICES=0 IPCREDUCE_TRANSPORT=auto IPCREDUCE_DENY_PEER=1:0 IPCREDUCE_LOG=info \
       check check-fallback-w2.log 200 --ranks 2 --cases 100 --seed 11

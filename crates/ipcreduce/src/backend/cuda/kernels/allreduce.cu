@@ -274,19 +274,27 @@ __device__ __forceinline__ void copy_range(char *dst, const char *src, u64 begin
         store_pack<D>(dst, p, end, da, load_pack<D>(src, p, end, sa));
 }
 
-// out[i] = op over ranks 0..world-1 of the slot element i, for i in [begin, end) (chunk-relative
-// element indices); also written to `extra` (if non-null) at the same indices.
+// out[i] = op over ranks 0..world-1 of element i, for i in [begin, end) (chunk-relative
+// element indices): the peers' from their slots, ours from `own` (this chunk of our input; our
+// slot's copy is for the peers, and reading the input saves that traffic, which matters when
+// slots live in host memory). Also written to `extra` (if non-null) at the same indices.
+// `own` may equal `out` (in place): each pack is read by the thread that writes it, first.
 template <typename D, typename Op>
-__device__ __forceinline__ void reduce_range(const Args &a, u64 slot_off, char *out, char *extra,
-                                             u64 begin, u64 end) {
+__device__ __forceinline__ void reduce_range(const Args &a, u64 slot_off, const char *own,
+                                             char *out, char *extra, u64 begin, u64 end) {
     const int N = Pack<D>::N;
     if (begin >= end) return; // see copy_range
-    bool oa = aligned16(out);
+    bool oa = aligned16(out), ia = aligned16(own);
     for (u64 p = begin / N + threadIdx.x; p * N < end; p += blockDim.x) {
         Pack<D> acc, x;
-        unpack<D>(load_pack<D>(a.data[0] + slot_off, p, end, true), acc);
-        for (int r = 1; r < a.world; r++) {
-            unpack<D>(load_pack<D>(a.data[r] + slot_off, p, end, true), x);
+        for (int r = 0; r < a.world; r++) {
+            uint4 w = r == a.rank ? load_pack<D>(own, p, end, ia)
+                                  : load_pack<D>(a.data[r] + slot_off, p, end, true);
+            if (r == 0) {
+                unpack<D>(w, acc);
+                continue;
+            }
+            unpack<D>(w, x);
 #pragma unroll
             for (int k = 0; k < N; k++) acc.v[k] = Op::apply(acc.v[k], x.v[k]);
         }
@@ -321,7 +329,7 @@ template <typename D, typename Op> __device__ void one_shot(const Args &a) {
         piece<D>(0, n, gridDim.x, blockIdx.x, b, e);
         copy_range<D>(a.data[a.rank] + slot_off, a.send + c0 * D::SIZE, b, e);
         if (!barrier(a, F, c0 == 0)) return;
-        reduce_range<D, Op>(a, slot_off, a.recv + c0 * D::SIZE, nullptr, b, e);
+        reduce_range<D, Op>(a, slot_off, a.send + c0 * D::SIZE, a.recv + c0 * D::SIZE, nullptr, b, e);
     }
     if (threadIdx.x == 0) { ctr[0] = F; ctr[1] = L; }
 }
@@ -334,9 +342,10 @@ template <typename D, typename Op> __device__ void two_shot(const Args &a) {
         u64 n = min(chunk, a.count - c0);
         u64 slot_off = (u64)(L & 1u) * a.slot_bytes;
         L++;
-        // Copy in sub-range b of every shard, so block b of each peer can reduce its shard's
-        // sub-range b after one barrier with us.
+        // Copy in sub-range b of every peer's shard, so block b of each peer can reduce its
+        // shard's sub-range b after one barrier with us. Our own shard is reduced from our input.
         for (int s = 0; s < a.world; s++) {
+            if (s == a.rank) continue;
             u64 sb, se, b, e;
             piece<D>(0, n, a.world, s, sb, se);
             piece<D>(sb, se - sb, gridDim.x, blockIdx.x, b, e);
@@ -347,7 +356,8 @@ template <typename D, typename Op> __device__ void two_shot(const Args &a) {
         piece<D>(0, n, a.world, a.rank, sb, se);
         piece<D>(sb, se - sb, gridDim.x, blockIdx.x, b, e);
         // Reduce our shard: into our output and into our slot, where peers gather it from.
-        reduce_range<D, Op>(a, slot_off, a.recv + c0 * D::SIZE, a.data[a.rank] + slot_off, b, e);
+        reduce_range<D, Op>(a, slot_off, a.send + c0 * D::SIZE, a.recv + c0 * D::SIZE,
+                            a.data[a.rank] + slot_off, b, e);
         if (!barrier(a, F)) return;
         for (int k = 1; k < a.world; k++) {
             int s = (a.rank + k) % a.world; // rotated so peers' links are loaded evenly
