@@ -14,7 +14,9 @@
 #   two     world 2: check with the host transport forced, then bench host transport against
 #           NCCL over its shared-memory transport (NCCL_P2P_DISABLE=1): the anchors.
 # Knobs: PHASES="check bench two" (any subset), WORLDS="2 4 8", CASES=2000 (world 2; CASES_4,
-#   CASES_8 default to CASES; CASES_PEER=500), MAX_BYTES=256M (check), BENCH_MAX=256M, BLOCKS (IPCREDUCE_BLOCKS).
+#   CASES_8 default to CASES; CASES_PEER=500), MAX_BYTES=256M (check), BENCH_MAX=256M, BLOCKS
+#   (IPCREDUCE_BLOCKS for every run), BLOCKS_SWEEP="16 64" (two-GPU phase: extra two-shot
+#   benches with these block counts).
 # Each step has its own timeout; one device call runs at most 10 minutes, so split long jobs
 # by PHASES / WORLDS (see the report that introduced this script).
 set -u
@@ -114,6 +116,11 @@ if has two; then
     echo "== bench world 2 over GPUs 0 and 1: host transport vs NCCL over shared memory"
     CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host NCCL_P2P_DISABLE=1 \
       bench bench-2gpu-host 500 -a oneshot,twoshot,auto,nccl
+    for b in ${BLOCKS_SWEEP:-}; do
+      echo "== bench world 2 over GPUs 0 and 1, host transport, $b blocks, two-shot from 1 MiB"
+      CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host IPCREDUCE_BLOCKS=$b \
+        bench "bench-2gpu-host-blocks$b" 300 -a twoshot -b 1M
+    done
   else
     echo "== two-GPU phase skipped: nvidia-smi lists $GPUS GPU(s)"
   fi

@@ -41,6 +41,11 @@ struct Registered {
     device: sys::CUdeviceptr,
 }
 
+// SAFETY: `host` is the address of a process-wide shared mapping, valid on every thread; it is
+// handed to the driver and written from Rust only by `HostWorkspaces::clear` (&self, before any
+// kernel runs).
+unsafe impl Send for Registered {}
+
 impl Drop for Registered {
     fn drop(&mut self) {
         // SAFETY: `host` was registered by us, once, and is still mapped (the Mapping drops after).
@@ -56,10 +61,6 @@ pub struct HostWorkspaces {
     regions: Vec<Region>,
     pub size: usize,
 }
-
-// SAFETY: the raw pointers are the addresses of shared mappings owned by the regions; they are
-// only handed to the driver (register/unregister), never dereferenced from Rust.
-unsafe impl Send for HostWorkspaces {}
 
 impl HostWorkspaces {
     /// Device address of `rank`'s workspace in this process.
