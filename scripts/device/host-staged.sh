@@ -10,13 +10,16 @@
 #   bench   world 2, bf16: host transport (oneshot, twoshot, auto) and NCCL on the same
 #           buffers with NCCL_P2P_DISABLE=1 (two ranks on one GPU: NCCL runs over loopback
 #           sockets, a functional column only); then the peer transport for reference.
+#   faults  scripts/device/mps-faults.sh with the host transport forced: mismatched calls,
+#           timeout, a rank killed mid-call, create/destroy cycles, a soak (not in the default
+#           PHASES: run it as PHASES=faults).
 # When `nvidia-smi -L` lists two GPUs or more, on GPUs 0 and 1 without MPS:
 #   two     world 2: check with the host transport forced, then bench host transport against
 #           NCCL over its shared-memory transport (NCCL_P2P_DISABLE=1): the issue's anchors.
-# Knobs: PHASES="check bench two" (any subset), WORLDS="2 4 8", CASES=2000 (world 2; CASES_4,
-#   CASES_8 default to CASES; CASES_PEER=500), MAX_BYTES=256M (check), BENCH_MAX=256M, BLOCKS
+# Knobs: PHASES="check bench two" (any subset, and faults), WORLDS="2 4 8", CASES=2000
+#   (CASES_4, CASES_8 default to CASES; CASES_PEER=500), MAX_BYTES=256M (check), BENCH_MAX=256M, BLOCKS
 #   (IPCREDUCE_BLOCKS for every run), BLOCKS_SWEEP="16 64" (two-GPU phase: extra two-shot
-#   benches with these block counts).
+#   benches with these block counts), SOAK_CASES=20000 CYCLES=200 (faults phase).
 # Each step has its own timeout; one device call runs at most 10 minutes, so split long jobs
 # by PHASES / WORLDS (see the report that introduced this script).
 set -u
@@ -106,6 +109,12 @@ if has check || has bench; then
   fi
   echo quit | nvidia-cuda-mps-control
   trap - EXIT
+fi
+
+if has faults; then
+  echo "== fault tests and soak on the host transport (scripts/device/mps-faults.sh)"
+  CUDA_VISIBLE_DEVICES=0 IPCREDUCE_TRANSPORT=host SOAK_CASES=${SOAK_CASES:-20000} \
+    CYCLES=${CYCLES:-200} bash "$(dirname "$0")/mps-faults.sh" "$OUT/faults" || status=1
 fi
 
 if has two; then
