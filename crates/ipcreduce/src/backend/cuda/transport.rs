@@ -227,14 +227,7 @@ impl SharedWorkspaces {
             }
         }
         match &step {
-            Step::Host(Some(f)) if rank == 0 => tracing::warn!(
-                "cuda transport: staging through host memory, because rank {} cannot use rank \
-                 {} ({}: {})",
-                f.rank,
-                f.peer,
-                f.check,
-                f.detail
-            ),
+            Step::Host(Some(f)) if rank == 0 => tracing::warn!("{}", fallback_message(f)),
             _ => tracing::info!(rank, "cuda transport: staging through host memory"),
         }
         // No fallback beyond this one: every failure from here on is an error on every rank.
@@ -251,6 +244,19 @@ impl SharedWorkspaces {
             inner: Inner::Host(host),
         })
     }
+}
+
+/// The log line of `auto`'s fallback: the pair (or the rank) and what failed.
+fn fallback_message(f: &PairFailure) -> String {
+    let who = if f.peer == f.rank {
+        format!("rank {} could not set up peer memory", f.rank)
+    } else {
+        format!("rank {} cannot use rank {}", f.rank, f.peer)
+    };
+    format!(
+        "cuda transport: staging through host memory, because {who} ({}: {})",
+        f.check, f.detail
+    )
 }
 
 /// Exchanges this rank's outcome of `check` and decides with every rank's.
@@ -356,6 +362,22 @@ mod tests {
         );
         let clean = vec![report(None, None); 3];
         require_all("host-staged workspace mapping", &clean, 0).unwrap();
+    }
+
+    #[test]
+    fn the_fallback_log_names_the_pair_or_the_rank() {
+        let mut f = PairFailure {
+            rank: 1,
+            peer: 0,
+            check: "P2P query",
+            detail: "no P2P path".into(),
+        };
+        let line = fallback_message(&f);
+        // scripts/device/host-staged.sh looks for this line.
+        assert!(line.contains("staging through host memory, because rank 1 cannot use rank 0"));
+        assert!(line.contains("P2P query: no P2P path"), "{line}");
+        f.peer = 1;
+        assert!(fallback_message(&f).contains("rank 1 could not set up peer memory"));
     }
 
     #[test]
