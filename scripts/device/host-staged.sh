@@ -4,9 +4,10 @@
 # Usage: scripts/device/host-staged.sh OUT_DIR
 #
 # On GPU 0 under MPS (every rank's traffic crosses PCIe to host memory and back):
-#   check   `check` at world 2, 4, 8 with the host transport forced; `auto` with one pair
-#           denied (IPCREDUCE_DENY_PEER=1:0) must fall back to host staging, name the pair
-#           in its log and pass; the peer transport at world 2 (the kernels are shared).
+#   check   `check` at world 2, 4, 8 with the host transport forced.
+#   peer    `check` at world 2 on the peer transport (the kernels are shared with it).
+#   fallback  `auto` with one pair denied (IPCREDUCE_DENY_PEER=1:0) must fall back to host
+#           staging, name the pair in its log and pass `check`.
 #   bench   world 2, bf16: host transport (oneshot, twoshot, auto) and NCCL on the same
 #           buffers with NCCL_P2P_DISABLE=1 (two ranks on one GPU: NCCL runs over loopback
 #           sockets, a functional column only); then the peer transport for reference.
@@ -16,7 +17,7 @@
 # When `nvidia-smi -L` lists two GPUs or more, on GPUs 0 and 1 without MPS:
 #   two     world 2: check with the host transport forced, then bench host transport against
 #           NCCL over its shared-memory transport (NCCL_P2P_DISABLE=1): the anchors.
-# Knobs: PHASES="check bench two" (any subset, and faults), WORLDS="2 4 8", CASES=2000
+# Knobs: PHASES="check peer fallback bench two" (any subset, and faults), WORLDS="2 4 8", CASES=2000
 #   (CASES_4, CASES_8 default to CASES; CASES_PEER=500), MAX_BYTES=256M (check), BENCH_MAX=256M, BLOCKS
 #   (IPCREDUCE_BLOCKS for every run), BLOCKS_SWEEP="16 64" (two-GPU phase: extra two-shot
 #   benches with these block counts), SOAK_CASES=20000 CYCLES=200 (faults phase).
@@ -25,7 +26,7 @@
 set -u
 OUT=${1:?usage: host-staged.sh OUT_DIR}
 BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
-PHASES=${PHASES:-check bench two}
+PHASES=${PHASES:-check peer fallback bench two}
 CASES=${CASES:-2000}
 MAX_BYTES=${MAX_BYTES:-256M}
 BENCH_MAX=${BENCH_MAX:-256M}
@@ -60,11 +61,12 @@ check() {
   fi
 }
 
-# bench NAME TIMEOUT ARGS...: world-2 bf16 benchmark, table in NAME.log, results in NAME.json.
+# bench NAME TIMEOUT MIN_BYTES ARGS...: world-2 bf16 benchmark from MIN_BYTES to BENCH_MAX,
+# table in NAME.log, results in NAME.json.
 bench() {
-  local name=$1 limit=$2
-  shift 2
-  timeout "$limit" "$BIN" bench --backend cuda --ranks 2 -d bfloat16 -b 8 -e "$BENCH_MAX" -f 4 \
+  local name=$1 limit=$2 min=$3
+  shift 3
+  timeout "$limit" "$BIN" bench --backend cuda --ranks 2 -d bfloat16 -b "$min" -e "$BENCH_MAX" -f 4 \
     -n 20 -w 5 -G 10 --json "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1 || {
     echo "$name: FAILED"
     status=1
@@ -73,7 +75,7 @@ bench() {
   tail -n 2 "$OUT/$name.log"
 }
 
-if has check || has bench; then
+if has check || has peer || has fallback || has bench; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
   nvidia-cuda-mps-control -d
@@ -87,9 +89,13 @@ if has check || has bench; then
       CUDA_VISIBLE_DEVICES=0 IPCREDUCE_TRANSPORT=host check "check-host-w$w.log" 500 \
         --ranks "$w" --cases "$n" --seed "$w"
     done
+  fi
+  if has peer; then
     echo "== check world 2, peer transport, one GPU under MPS (${CASES_PEER:-500} cases): the kernels are shared"
     CUDA_VISIBLE_DEVICES=0 IPCREDUCE_TRANSPORT=peer check check-peer-w2.log 300 \
       --ranks 2 --cases "${CASES_PEER:-500}" --seed 12
+  fi
+  if has fallback; then
     echo "== auto with the pair 1:0 denied: must fall back to host staging and say why"
     CUDA_VISIBLE_DEVICES=0 IPCREDUCE_TRANSPORT=auto IPCREDUCE_DENY_PEER=1:0 IPCREDUCE_LOG=info \
       check check-fallback-w2.log 200 --ranks 2 --cases 100 --seed 11
@@ -103,9 +109,9 @@ if has check || has bench; then
   if has bench; then
     echo "== bench world 2, one GPU under MPS: host transport vs NCCL (P2P off, loopback sockets)"
     CUDA_VISIBLE_DEVICES=0 IPCREDUCE_TRANSPORT=host NCCL_P2P_DISABLE=1 IPCREDUCE_NCCL_SHARED_GPU=1 \
-      bench bench-mps-host-w2 500 -a oneshot,twoshot,auto,nccl
+      bench bench-mps-host-w2 500 8 -a oneshot,twoshot,auto,nccl
     echo "== bench world 2, one GPU under MPS: peer transport, for reference"
-    CUDA_VISIBLE_DEVICES=0 IPCREDUCE_TRANSPORT=peer bench bench-mps-peer-w2 300 -a auto
+    CUDA_VISIBLE_DEVICES=0 IPCREDUCE_TRANSPORT=peer bench bench-mps-peer-w2 300 8 -a auto
   fi
   echo quit | nvidia-cuda-mps-control
   trap - EXIT
@@ -124,11 +130,11 @@ if has two; then
       --ranks 2 --cases "$CASES" --seed 21
     echo "== bench world 2 over GPUs 0 and 1: host transport vs NCCL over shared memory"
     CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host NCCL_P2P_DISABLE=1 \
-      bench bench-2gpu-host 500 -a oneshot,twoshot,auto,nccl
+      bench bench-2gpu-host 500 8 -a oneshot,twoshot,auto,nccl
     for b in ${BLOCKS_SWEEP:-}; do
       echo "== bench world 2 over GPUs 0 and 1, host transport, $b blocks, two-shot from 1 MiB"
       CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host IPCREDUCE_BLOCKS=$b \
-        bench "bench-2gpu-host-blocks$b" 300 -a twoshot -b 1M
+        bench "bench-2gpu-host-blocks$b" 300 1M -a twoshot
     done
   else
     echo "== two-GPU phase skipped: nvidia-smi lists $GPUS GPU(s)"
