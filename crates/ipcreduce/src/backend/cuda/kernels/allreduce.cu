@@ -334,10 +334,28 @@ template <typename D, typename Op> __device__ void one_shot(const Args &a) {
     if (threadIdx.x == 0) { ctr[0] = F; ctr[1] = L; }
 }
 
+// Two-shot's last step for one chunk: block b copies sub-range b of every peer's reduced shard
+// from the peer's slot into our output.
+template <typename D>
+__device__ __forceinline__ void gather(const Args &a, u64 c0, u64 n, u64 slot_off) {
+    for (int k = 1; k < a.world; k++) {
+        int s = (a.rank + k) % a.world; // rotated so peers' links are loaded evenly
+        u64 psb, pse, pb, pe;
+        piece<D>(0, n, a.world, s, psb, pse);
+        piece<D>(psb, pse - psb, gridDim.x, blockIdx.x, pb, pe);
+        copy_range<D>(a.recv + c0 * D::SIZE, a.data[s] + slot_off, pb, pe);
+    }
+}
+
 template <typename D, typename Op> __device__ void two_shot(const Args &a) {
     u32 *ctr = a.counters + 2 * blockIdx.x;
     u32 F = ctr[0], L = ctr[1];
     const u64 chunk = a.slot_bytes / D::SIZE;
+    // The chunk whose gather is still due (pend_n == 0: none). A chunk's gather waits until the
+    // next chunk's copy-in has been issued, so its reads of the peers' slots overlap those
+    // writes (both directions of a link busy at once; with host-staged workspaces, of PCIe).
+    // Still before the next chunk's first barrier, so the invariants above hold as stated.
+    u64 pend_c0 = 0, pend_n = 0, pend_off = 0;
     for (u64 c0 = 0; c0 < a.count; c0 += chunk) {
         u64 n = min(chunk, a.count - c0);
         u64 slot_off = (u64)(L & 1u) * a.slot_bytes;
@@ -351,6 +369,7 @@ template <typename D, typename Op> __device__ void two_shot(const Args &a) {
             piece<D>(sb, se - sb, gridDim.x, blockIdx.x, b, e);
             copy_range<D>(a.data[a.rank] + slot_off, a.send + c0 * D::SIZE, b, e);
         }
+        if (pend_n != 0) gather<D>(a, pend_c0, pend_n, pend_off);
         if (!barrier(a, F, c0 == 0)) return;
         u64 sb, se, b, e;
         piece<D>(0, n, a.world, a.rank, sb, se);
@@ -359,14 +378,11 @@ template <typename D, typename Op> __device__ void two_shot(const Args &a) {
         reduce_range<D, Op>(a, slot_off, a.send + c0 * D::SIZE, a.recv + c0 * D::SIZE,
                             a.data[a.rank] + slot_off, b, e);
         if (!barrier(a, F)) return;
-        for (int k = 1; k < a.world; k++) {
-            int s = (a.rank + k) % a.world; // rotated so peers' links are loaded evenly
-            u64 psb, pse, pb, pe;
-            piece<D>(0, n, a.world, s, psb, pse);
-            piece<D>(psb, pse - psb, gridDim.x, blockIdx.x, pb, pe);
-            copy_range<D>(a.recv + c0 * D::SIZE, a.data[s] + slot_off, pb, pe);
-        }
+        pend_c0 = c0;
+        pend_n = n;
+        pend_off = slot_off;
     }
+    if (pend_n != 0) gather<D>(a, pend_c0, pend_n, pend_off);
     if (threadIdx.x == 0) { ctr[0] = F; ctr[1] = L; }
 }
 
