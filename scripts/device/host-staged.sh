@@ -20,7 +20,8 @@
 # Knobs: PHASES="check peer fallback bench two" (any subset, and faults), WORLDS="2 4 8", CASES=2000
 #   (CASES_4, CASES_8 default to CASES; CASES_PEER=500), MAX_BYTES=256M (check), BENCH_MAX=256M, BLOCKS
 #   (IPCREDUCE_BLOCKS for every run), BLOCKS_SWEEP="16 64" (two-GPU phase: extra two-shot
-#   benches with these block counts), SOAK_CASES=20000 CYCLES=200 (faults phase).
+#   benches with these block counts), SLOT_SWEEP="2097152 4194304" (the same with these slot
+#   sizes in bytes), CASES_SLOT=500 (check phase, 1 MiB slots), SOAK_CASES=20000 CYCLES=200 (faults phase).
 # Each step has its own timeout; one device call runs at most 10 minutes, so split long jobs
 # by PHASES / WORLDS (see the report that introduced this script).
 set -u
@@ -89,6 +90,9 @@ if has check || has peer || has fallback || has bench; then
       CUDA_VISIBLE_DEVICES=0 IPCREDUCE_TRANSPORT=host check "check-host-w$w.log" 500 \
         --ranks "$w" --cases "$n" --seed "$w"
     done
+    echo "== check world 2, host transport, 1 MiB slots: many chunks per call (${CASES_SLOT:-500} cases)"
+    CUDA_VISIBLE_DEVICES=0 IPCREDUCE_TRANSPORT=host IPCREDUCE_SLOT_BYTES=1048576 \
+      check check-host-w2-slot1M.log 300 --ranks 2 --cases "${CASES_SLOT:-500}" --seed 13
   fi
   if has peer; then
     echo "== check world 2, peer transport, one GPU under MPS (${CASES_PEER:-500} cases): the kernels are shared"
@@ -131,6 +135,11 @@ if has two; then
     echo "== bench world 2 over GPUs 0 and 1: host transport vs NCCL over shared memory"
     CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host NCCL_P2P_DISABLE=1 \
       bench bench-2gpu-host 500 8 -a oneshot,twoshot,auto,nccl
+    for sl in ${SLOT_SWEEP:-}; do
+      echo "== bench world 2 over GPUs 0 and 1, host transport, slots of $sl bytes, two-shot from 1 MiB"
+      CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host IPCREDUCE_SLOT_BYTES=$sl \
+        bench "bench-2gpu-host-slot$sl" 300 1M -a twoshot
+    done
     for b in ${BLOCKS_SWEEP:-}; do
       echo "== bench world 2 over GPUs 0 and 1, host transport, $b blocks, two-shot from 1 MiB"
       CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host IPCREDUCE_BLOCKS=$b \
