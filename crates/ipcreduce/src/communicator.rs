@@ -48,6 +48,28 @@ impl Communicator {
         self.boot.rank()
     }
 
+    /// Makes the communicator unusable at once: calls in flight stop (kernels poll the flag),
+    /// later calls fail with [`Error::Aborted`], and peers learn it when this rank leaves. May
+    /// be called from another thread through [`Communicator::abort_handle`].
+    pub fn abort(&self, reason: impl Into<String>) {
+        self.boot.abort_state().abort(reason);
+    }
+
+    /// The error that made the communicator unusable, or one a kernel recorded, if any; does
+    /// not wait (as `ncclCommGetAsyncError`). A watchdog polls it.
+    pub fn async_error(&self) -> Option<Error> {
+        self.backend.async_error()
+    }
+
+    /// A handle another thread (a watchdog) can keep to abort this communicator and see
+    /// whether it is aborted.
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle {
+            rank: self.rank(),
+            state: self.boot.abort_state(),
+        }
+    }
+
     pub fn world(&self) -> usize {
         self.boot.world()
     }
@@ -277,6 +299,36 @@ impl Communicator {
         let mut c = *call;
         c.algo = self.resolve(c.algo, c.count * c.dtype.size());
         self.test_buffers().time(&c, warmup, iters, graph)
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        // Collective and bounded (see the backends' `leave`); then the backend's memory goes,
+        // then the connections (field order).
+        self.backend.leave(&mut self.boot);
+    }
+}
+
+/// Aborts a communicator from any thread; see [`Communicator::abort_handle`].
+#[derive(Clone)]
+pub struct AbortHandle {
+    rank: usize,
+    state: std::sync::Arc<crate::abort::AbortState>,
+}
+
+impl AbortHandle {
+    /// As [`Communicator::abort`].
+    pub fn abort(&self, reason: impl Into<String>) {
+        self.state.abort(reason)
+    }
+
+    /// Why the communicator was aborted, if it was.
+    pub fn error(&self) -> Option<Error> {
+        self.state.reason().map(|reason| Error::Aborted {
+            rank: self.rank,
+            reason,
+        })
     }
 }
 

@@ -26,7 +26,7 @@ pub mod plan;
 pub mod reference;
 pub mod types;
 
-pub use communicator::Communicator;
+pub use communicator::{AbortHandle, Communicator};
 pub use config::{Config, Options, Sharing, Transport};
 
 /// Cores online on this machine. Not `available_parallelism`: `launch` binds each rank to one

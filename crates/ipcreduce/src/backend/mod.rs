@@ -4,7 +4,8 @@
 pub mod cuda;
 pub mod host;
 
-use crate::error::Result;
+use crate::bootstrap::Bootstrap;
+use crate::error::{Error, Result};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use std::ffi::c_void;
 
@@ -66,6 +67,14 @@ pub trait BackendOps: Send {
 
     /// Waits until all enqueued work is finished.
     fn synchronize(&mut self) -> Result<()>;
+
+    /// The error that made the communicator unusable, or one a kernel recorded, if any,
+    /// without waiting (as `ncclCommGetAsyncError`).
+    fn async_error(&self) -> Option<Error>;
+
+    /// Collective part of leaving the job, run before the backend is dropped (with the
+    /// bootstrap still connected). Bounded; never fails (problems are logged).
+    fn leave(&mut self, _boot: &mut Bootstrap) {}
 }
 
 /// Backend-owned buffers and timing, for the benchmark and the correctness sweeps: not part

@@ -11,6 +11,8 @@ pub mod kernels;
 pub mod memory;
 mod nccl;
 mod peers;
+mod streams;
+mod teardown;
 #[cfg(feature = "test-support")]
 mod testbufs;
 mod workspace;
@@ -33,6 +35,7 @@ use memory::{DeviceAlloc, MappedHostWords};
 use peers::device_uuid;
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::mem::ManuallyDrop;
 use std::sync::{Arc, Weak};
 use transport::SharedWorkspaces;
 
@@ -72,11 +75,7 @@ struct KernelArgs {
 
 /// Whether this process can use the cuda backend (driver, a GPU, NVRTC).
 pub fn usable() -> Result<()> {
-    if !driver::driver_present() {
-        return Err(Error::CudaUnavailable(
-            "libcuda.so not found (no NVIDIA driver)".into(),
-        ));
-    }
+    require_driver(driver::driver_present())?;
     cudarc::driver::result::init()
         .map_err(|e| Error::CudaUnavailable(format!("cuInit failed: {e}")))?;
     let n = cs::CudaContext::device_count()
@@ -87,6 +86,16 @@ pub fn usable() -> Result<()> {
     kernels::require_nvrtc()
 }
 
+/// The first check of [`usable`]: cudarc panics on use when libcuda is missing.
+fn require_driver(present: bool) -> Result<()> {
+    if present {
+        return Ok(());
+    }
+    Err(Error::CudaUnavailable(
+        "libcuda.so not found (no NVIDIA driver)".into(),
+    ))
+}
+
 pub struct CudaComm {
     // Declaration order is drop order: everything that needs the context goes before it.
     rank: usize,
@@ -95,10 +104,18 @@ pub struct CudaComm {
     #[cfg(feature = "test-support")]
     bufs: Vec<Option<DeviceAlloc>>,
     nccl: std::result::Result<nccl::Nccl, String>,
-    words: Arc<MappedHostWords>,
+    /// Stream order and what teardown waits for (see streams.rs).
+    streams: streams::Tracker,
+    events: streams::CudaEvents,
+    // Memory kernels use: freed in Drop unless work may still run on it (see teardown.rs).
+    words: ManuallyDrop<Arc<MappedHostWords>>,
     /// Private device state: counters[MAX_BLOCKS][2], then the error word.
-    state: DeviceAlloc,
-    ws: SharedWorkspaces,
+    state: ManuallyDrop<DeviceAlloc>,
+    ws: ManuallyDrop<SharedWorkspaces>,
+    /// Set by teardown: what must not be freed.
+    leak: teardown::Leak,
+    /// Whether teardown ran (else Drop waits for our work itself).
+    left: bool,
     blocks: usize,
     slot_bytes: usize,
     ll_max: usize,
@@ -134,17 +151,21 @@ impl Loaded {
         if let Some(l) = cache.get(&ordinal) {
             return Ok(l.clone());
         }
-        let cuda = |op: &str, e: cudarc::driver::DriverError| Error::Cuda {
-            rank,
-            op: op.into(),
-            detail: e.to_string(),
-        };
+        let cuda = |op: &str, e: cudarc::driver::DriverError| driver::from_cudarc(rank, op, e);
         let ctx = cs::CudaContext::new(ordinal).map_err(|e| cuda("context creation", e))?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| cuda("compute capability query", e))?;
         let ptx = kernels::compile(&format!("sm_{major}{minor}")).map_err(|e| match e {
             Error::Cuda { op, detail, .. } => Error::Cuda { rank, op, detail },
+            Error::CudaDriver {
+                op, code, detail, ..
+            } => Error::CudaDriver {
+                rank,
+                op,
+                code,
+                detail,
+            },
             other => other,
         })?;
         let module = ctx
@@ -195,11 +216,7 @@ impl CudaComm {
                 format!("world size {world} exceeds the cuda backend's maximum of {MAX_RANKS}"),
             ));
         }
-        let cuda = |op: &str, e: cudarc::driver::DriverError| Error::Cuda {
-            rank,
-            op: op.into(),
-            detail: e.to_string(),
-        };
+        let cuda = |op: &str, e: cudarc::driver::DriverError| driver::from_cudarc(rank, op, e);
         let count = cs::CudaContext::device_count().map_err(|e| cuda("cuDeviceGetCount", e))?;
         let ordinal = config.pick_device(
             current_device(rank)?,
@@ -295,6 +312,7 @@ impl CudaComm {
                 .collect()
         };
 
+        let own = stream.cu_stream() as streams::Key;
         let mut comm = CudaComm {
             rank,
             world,
@@ -302,9 +320,13 @@ impl CudaComm {
             ctx,
             stream,
             gpu,
-            ws,
-            state,
-            words,
+            streams: streams::Tracker::new(own),
+            events: streams::CudaEvents::new(rank),
+            ws: ManuallyDrop::new(ws),
+            state: ManuallyDrop::new(state),
+            words: ManuallyDrop::new(words),
+            leak: teardown::Leak::Nothing,
+            left: false,
             blocks,
             slot_bytes,
             ll_max,
@@ -332,11 +354,7 @@ impl CudaComm {
     }
 
     fn cuda_err(&self, op: String, e: cudarc::driver::DriverError) -> Error {
-        Error::Cuda {
-            rank: self.rank,
-            op,
-            detail: e.to_string(),
-        }
+        driver::from_cudarc(self.rank, op, e)
     }
 
     /// Fails if the communicator was aborted or a kernel recorded a failure.
@@ -414,14 +432,6 @@ impl CudaComm {
         }
     }
 
-    fn stream_or_own(&self, stream: *mut c_void) -> sys::CUstream {
-        if stream.is_null() {
-            self.stream.cu_stream()
-        } else {
-            stream as sys::CUstream
-        }
-    }
-
     /// Rejects device pointers that belong to another GPU.
     fn check_pointer(&self, ptr: u64, what: &str) -> Result<()> {
         let mut ordinal: i32 = -1;
@@ -454,6 +464,48 @@ impl CudaComm {
             ));
         }
         Ok(())
+    }
+
+    /// One call on `stream`, in order with the communicator's calls on other streams.
+    #[allow(clippy::too_many_arguments)]
+    fn enqueue(
+        &mut self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        algo: Algorithm,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        let capturing = streams::capturing(stream, self.rank)?;
+        let key = stream as streams::Key;
+        self.streams.before(&mut self.events, key, capturing)?;
+        self.launch(send, recv, count, dtype, op, algo, stream)?;
+        self.streams.after(&mut self.events, key, capturing)
+    }
+
+    /// Waits (bounded) for all work this communicator enqueued on any stream.
+    fn wait_all(&mut self, op: &str) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| self.cuda_err("binding the context".into(), e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| self.cuda_err(format!("{op}: stream synchronize"), e))?;
+        // Kernels give up by themselves after the timeout; allow them that and a margin.
+        let deadline = std::time::Instant::now() + self.timeout + std::time::Duration::from_secs(2);
+        if self.streams.drain(&mut self.events, deadline)? {
+            return Ok(());
+        }
+        Err(Error::Cuda {
+            rank: self.rank,
+            op: op.into(),
+            detail: format!(
+                "work enqueued by this communicator still runs after {:?}",
+                self.timeout
+            ),
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -553,8 +605,9 @@ impl BackendOps for CudaComm {
         if recv as u64 != send as u64 {
             self.check_pointer(recv as u64, "recv")?;
         }
-        let stream = self.stream_or_own(stream);
-        self.launch(send as u64, recv as u64, count, dtype, op, algo, stream)
+        // CUDA's meaning: 0 is the legacy default stream.
+        let stream = stream as sys::CUstream;
+        self.enqueue(send as u64, recv as u64, count, dtype, op, algo, stream)
     }
 
     fn unavailable(&self, algo: Algorithm) -> Option<String> {
@@ -573,18 +626,16 @@ impl BackendOps for CudaComm {
     }
 
     fn synchronize(&mut self) -> Result<()> {
-        let res = self.stream.synchronize();
-        self.check_health()?;
-        res.map_err(|e| self.cuda_err("stream synchronize".into(), e))
+        self.wait_all("synchronize")?;
+        self.check_health()
     }
-}
 
-impl Drop for CudaComm {
-    fn drop(&mut self) {
-        // Finish our work before unmapping anything a kernel may still touch.
-        if let Err(e) = self.stream.synchronize() {
-            tracing::warn!(rank = self.rank, "synchronize at teardown failed: {e}");
-        }
+    fn async_error(&self) -> Option<Error> {
+        self.check_health().err()
+    }
+
+    fn leave(&mut self, boot: &mut Bootstrap) {
+        self.teardown(boot)
     }
 }
 
@@ -633,10 +684,14 @@ mod tests {
 
     #[test]
     fn unusable_without_a_driver_is_an_error_not_a_panic() {
-        if driver::driver_present() {
-            return;
-        }
-        let err = usable().unwrap_err();
+        let err = require_driver(false).unwrap_err();
         assert!(err.to_string().contains("libcuda"), "{err}");
+        require_driver(true).unwrap();
+        // On this machine, whatever it has: an answer, never a panic.
+        match (driver::driver_present(), usable()) {
+            (false, Err(e)) => assert!(e.to_string().contains("libcuda"), "{e}"),
+            (false, Ok(())) => panic!("usable without a driver"),
+            (true, _) => {}
+        }
     }
 }

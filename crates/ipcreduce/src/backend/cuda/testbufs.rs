@@ -73,8 +73,9 @@ impl TestBuffers for CudaComm {
             return Err(Error::invalid(self.rank, "run", "call exceeds its buffers"));
         }
         let (s, r) = (s.ptr + call.offset as u64, r.ptr + call.offset as u64);
+        // The path of a caller's call (stream order included), on our own stream.
         let stream = self.stream.cu_stream();
-        self.launch(s, r, call.count, call.dtype, call.op, call.algo, stream)
+        self.enqueue(s, r, call.count, call.dtype, call.op, call.algo, stream)
     }
 
     fn time(

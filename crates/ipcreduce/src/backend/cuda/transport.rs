@@ -15,7 +15,7 @@ use super::host_staged::HostWorkspaces;
 use super::peers::{check_peer_access, mapping_test};
 use super::workspace::Workspaces;
 use crate::bootstrap::Bootstrap;
-use crate::config::{Config, Transport};
+use crate::config::{Config, Sharing, Transport};
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
 
@@ -166,6 +166,15 @@ impl SharedWorkspaces {
         match &self.inner {
             Inner::Peer(w) => w.base(rank),
             Inner::Host(w) => w.base(rank),
+        }
+    }
+
+    /// How peer memory is shared; `None` on the host transport, where every rank's mapping of
+    /// a memfd keeps its pages alive whoever unmaps first (as with `vmm`, unlike `ipc`).
+    pub fn sharing(&self) -> Option<Sharing> {
+        match &self.inner {
+            Inner::Peer(w) => Some(w.mode),
+            Inner::Host(_) => None,
         }
     }
 

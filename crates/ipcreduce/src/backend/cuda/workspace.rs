@@ -296,8 +296,7 @@ fn import_all(
         }
         Local::Ipc((own, handle, bytes)) => {
             size = bytes;
-            // SAFETY: CUipcMemHandle is 64 plain bytes.
-            let raw: [u8; 64] = unsafe { std::mem::transmute(handle) };
+            let raw: [u8; 64] = handle.reserved.map(|c| c as u8);
             let all = boot.all_gather(&raw)?;
             maps[rank] = Some(own);
             for (peer, h) in all.iter().enumerate() {
@@ -310,8 +309,9 @@ fn import_all(
                     op: "IPC handle exchange",
                     detail: format!("expected 64 bytes, got {}", h.len()),
                 })?;
-                // SAFETY: 64 plain bytes back into the handle struct.
-                let handle: sys::CUipcMemHandle = unsafe { std::mem::transmute(arr) };
+                let handle = sys::CUipcMemHandle {
+                    reserved: arr.map(|b| b as std::ffi::c_char),
+                };
                 let mut ptr = 0;
                 // SAFETY: opens the peer's allocation; closed by Mapping's Drop.
                 let res = unsafe {

@@ -399,6 +399,13 @@ impl BackendOps for HostComm {
         // Host calls are synchronous.
         Ok(())
     }
+
+    fn async_error(&self) -> Option<Error> {
+        self.abort.reason().map(|reason| Error::Aborted {
+            rank: self.rank,
+            reason,
+        })
+    }
 }
 
 #[cfg(feature = "test-support")]
