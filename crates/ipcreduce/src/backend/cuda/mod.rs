@@ -305,7 +305,8 @@ impl CudaComm {
         }));
 
         let devices: Vec<String> = {
-            let names = boot.all_gather(format!("{name} (GPU {ordinal})").as_bytes())?;
+            let via = ws.note(); // the transport, so results say how they were made
+            let names = boot.all_gather(format!("{name} (GPU {ordinal}{via})").as_bytes())?;
             names
                 .iter()
                 .map(|n| String::from_utf8_lossy(n).into_owned())

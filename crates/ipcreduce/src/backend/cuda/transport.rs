@@ -169,6 +169,14 @@ impl SharedWorkspaces {
         }
     }
 
+    /// What device descriptions add: nothing for peer memory, ", host-staged" otherwise.
+    pub fn note(&self) -> &'static str {
+        match &self.inner {
+            Inner::Peer(_) => "",
+            Inner::Host(_) => ", host-staged",
+        }
+    }
+
     /// How peer memory is shared; `None` on the host transport, where every rank's mapping of
     /// a memfd keeps its pages alive whoever unmaps first (as with `vmm`, unlike `ipc`).
     pub fn sharing(&self) -> Option<Sharing> {
