@@ -5,6 +5,7 @@
 #
 # On GPU 0 under MPS (every rank's traffic crosses PCIe to host memory and back):
 #   check   `check` at world 2, 4, 8 with the host transport forced.
+#   slots   `check` at world 2, host transport, 1 MiB slots (many chunks per call).
 #   peer    `check` at world 2 on the peer transport (the kernels are shared with it).
 #   fallback  `auto` with one pair denied (IPCREDUCE_DENY_PEER=1:0) must fall back to host
 #           staging, name the pair in its log and pass `check`.
@@ -17,17 +18,17 @@
 # When `nvidia-smi -L` lists two GPUs or more, on GPUs 0 and 1 without MPS:
 #   two     world 2: check with the host transport forced, then bench host transport against
 #           NCCL over its shared-memory transport (NCCL_P2P_DISABLE=1): the anchors.
-# Knobs: PHASES="check peer fallback bench two" (any subset, and faults), WORLDS="2 4 8", CASES=2000
+# Knobs: PHASES="check slots peer fallback bench two" (any subset, and faults), WORLDS="2 4 8", CASES=2000
 #   (CASES_4, CASES_8 default to CASES; CASES_PEER=500), MAX_BYTES=256M (check), BENCH_MAX=256M, BLOCKS
 #   (IPCREDUCE_BLOCKS for every run), BLOCKS_SWEEP="16 64" (two-GPU phase: extra two-shot
 #   benches with these block counts), SLOT_SWEEP="2097152 4194304" (the same with these slot
-#   sizes in bytes), CASES_SLOT=500 (check phase, 1 MiB slots), SOAK_CASES=20000 CYCLES=200 (faults phase).
+#   sizes in bytes), CASES_SLOT=500 (slots phase), SOAK_CASES=20000 CYCLES=200 (faults phase).
 # Each step has its own timeout; one device call runs at most 10 minutes, so split long jobs
 # by PHASES / WORLDS (see the report that introduced this script).
 set -u
 OUT=${1:?usage: host-staged.sh OUT_DIR}
 BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
-PHASES=${PHASES:-check peer fallback bench two}
+PHASES=${PHASES:-check slots peer fallback bench two}
 CASES=${CASES:-2000}
 MAX_BYTES=${MAX_BYTES:-256M}
 BENCH_MAX=${BENCH_MAX:-256M}
@@ -76,7 +77,7 @@ bench() {
   tail -n 2 "$OUT/$name.log"
 }
 
-if has check || has peer || has fallback || has bench; then
+if has check || has slots || has peer || has fallback || has bench; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
   nvidia-cuda-mps-control -d
@@ -90,6 +91,8 @@ if has check || has peer || has fallback || has bench; then
       CUDA_VISIBLE_DEVICES=0 IPCREDUCE_TRANSPORT=host check "check-host-w$w.log" 500 \
         --ranks "$w" --cases "$n" --seed "$w"
     done
+  fi
+  if has slots; then
     echo "== check world 2, host transport, 1 MiB slots: many chunks per call (${CASES_SLOT:-500} cases)"
     CUDA_VISIBLE_DEVICES=0 IPCREDUCE_TRANSPORT=host IPCREDUCE_SLOT_BYTES=1048576 \
       check check-host-w2-slot1M.log 300 --ranks 2 --cases "${CASES_SLOT:-500}" --seed 13
