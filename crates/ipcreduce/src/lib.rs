@@ -27,7 +27,7 @@ pub mod reference;
 pub mod types;
 
 pub use communicator::{AbortHandle, Communicator};
-pub use config::{Config, Options, Sharing};
+pub use config::{Config, Options, Sharing, Transport};
 
 /// Cores online on this machine. Not `available_parallelism`: `launch` binds each rank to one
 /// core, and a rank must still know how many its peers can use.

@@ -16,6 +16,9 @@ mod teardown;
 #[cfg(feature = "test-support")]
 mod testbufs;
 mod workspace;
+// Workspaces over peer memory or staged through host memory (IPCREDUCE_TRANSPORT).
+mod host_staged;
+mod transport;
 
 use crate::abort::AbortState;
 use crate::backend::{BackendMeta, BackendOps};
@@ -29,12 +32,12 @@ use kernels::{
     ERR_MISMATCH, ERR_TIMEOUT, LL_BYTES, LL_MAX_BYTES, MAX_BLOCKS, MAX_RANKS, SIG_BYTES,
 };
 use memory::{DeviceAlloc, MappedHostWords};
-use peers::{check_peer_access, device_uuid};
+use peers::device_uuid;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Weak};
-use workspace::Workspaces;
+use transport::SharedWorkspaces;
 
 /// Default bytes of one data slot (the workspace holds two). Larger messages are chunked.
 const DEFAULT_SLOT_BYTES: usize = 16 << 20;
@@ -108,7 +111,7 @@ pub struct CudaComm {
     words: ManuallyDrop<Arc<MappedHostWords>>,
     /// Private device state: counters[MAX_BLOCKS][2], then the error word.
     state: ManuallyDrop<DeviceAlloc>,
-    ws: ManuallyDrop<Workspaces>,
+    ws: ManuallyDrop<SharedWorkspaces>,
     /// Set by teardown: what must not be freed.
     leak: teardown::Leak,
     /// Whether teardown ran (else Drop waits for our work itself).
@@ -269,12 +272,9 @@ impl CudaComm {
             });
         }
 
-        let ws = Workspaces::create(
-            boot,
-            device,
-            SIG_BYTES + LL_BYTES + 2 * slot_bytes,
-            config.sharing,
-        )?;
+        // Also checks every pair (P2P query, mapping, cross-process read) for the transport.
+        let bytes = SIG_BYTES + LL_BYTES + 2 * slot_bytes;
+        let ws = SharedWorkspaces::open(boot, device, bytes, &uuids, config)?;
         if ws.size < SIG_BYTES + LL_BYTES + 2 * slot_bytes {
             return Err(Error::Cuda {
                 rank,
@@ -290,11 +290,7 @@ impl CudaComm {
         let words = Arc::new(MappedHostWords::new(16, rank)?);
         // SAFETY: zeroing memory we own (signal area of our workspace, private state).
         unsafe {
-            ck(
-                sys::cuMemsetD8_v2(ws.base(rank), 0, SIG_BYTES + LL_BYTES),
-                rank,
-                || "clearing the signal and LL areas".into(),
-            )?;
+            ws.clear(rank, SIG_BYTES + LL_BYTES)?;
             ck(sys::cuMemsetD8_v2(state.ptr, 0, state.bytes), rank, || {
                 "clearing the protocol state".into()
             })?;
@@ -309,13 +305,13 @@ impl CudaComm {
         }));
 
         let devices: Vec<String> = {
-            let names = boot.all_gather(format!("{name} (GPU {ordinal})").as_bytes())?;
+            let via = ws.note(); // the transport, so results say how they were made
+            let names = boot.all_gather(format!("{name} (GPU {ordinal}{via})").as_bytes())?;
             names
                 .iter()
                 .map(|n| String::from_utf8_lossy(n).into_owned())
                 .collect()
         };
-        check_peer_access(rank, device, &uuids)?;
 
         let own = stream.cu_stream() as streams::Key;
         let mut comm = CudaComm {
@@ -343,7 +339,8 @@ impl CudaComm {
             devices,
             seq: 0,
         };
-        comm.cross_process_check(boot)?;
+        // Every rank's signal area is cleared before any kernel writes into it.
+        boot.barrier()?;
 
         let shared_gpu = (0..world).any(|i| (0..i).any(|j| uuids[i] == uuids[j]));
         if config.with_nccl {
