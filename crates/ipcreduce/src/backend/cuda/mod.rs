@@ -10,13 +10,15 @@ pub mod driver;
 pub mod kernels;
 pub mod memory;
 mod nccl;
+mod registry;
 mod workspace;
 
 use crate::abort::AbortState;
-use crate::backend::{BackendMeta, BackendOps, BufId, Call};
+use crate::backend::{BackendMeta, BackendOps, BufId, Call, RegisteredBuffer};
 use crate::bootstrap::Bootstrap;
 use crate::communicator::Options;
 use crate::error::{Error, Result};
+use crate::plan::{CudaPath, GridLimits, PathInfo};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use cudarc::driver::{safe as cs, sys};
 use driver::ck;
@@ -24,6 +26,7 @@ use kernels::{
     ERR_MISMATCH, ERR_TIMEOUT, LL_BYTES, LL_MAX_BYTES, MAX_BLOCKS, MAX_RANKS, SIG_BYTES,
 };
 use memory::{DeviceAlloc, MappedHostWords};
+use registry::Registry;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Weak};
@@ -35,12 +38,15 @@ const DEFAULT_SLOT_BYTES: usize = 16 << 20;
 const DATA_OFFSET: u64 = (SIG_BYTES + LL_BYTES) as u64;
 /// Threads per block of the all-reduce kernels (their `__launch_bounds__`).
 const THREADS: u32 = 512;
-/// Default blocks per kernel: fixed per communicator (the protocol relies on it).
-const DEFAULT_BLOCKS: usize = 32;
+/// Most CTAs a kernel uses by default on a GPU of its own; ranks sharing a GPU share this
+/// (every CTA of every rank must be resident at once: two 512-thread CTAs fit per SM).
+const DEFAULT_CTA_CAP: usize = 64;
+const SHARED_GPU_CTAS: usize = 192;
 
 // Words of the host-mapped area shared with the kernels.
 const W_ABORT: usize = 0;
-const W_ERR: usize = 1; // {code, peer, block, barrier, their stamp (2 words), ours (2 words)}
+// {code, peer, block, barrier, their stamp (2 words), ours (2 words), call number (2 words)}
+const W_ERR: usize = 1;
 
 /// Kernel arguments; must match `struct Args` in kernels/allreduce.cu field by field.
 #[repr(C)]
@@ -52,6 +58,8 @@ struct KernelArgs {
     data: [u64; MAX_RANKS],
     ll: [u64; MAX_RANKS],
     sig: [u64; MAX_RANKS],
+    rsend: [u64; MAX_RANKS],
+    rrecv: [u64; MAX_RANKS],
     counters: u64,
     abort_flag: u64,
     err: u64,
@@ -59,8 +67,10 @@ struct KernelArgs {
     slot_bytes: u64,
     timeout_ns: u64,
     stamp: u64,
+    seq: u64,
     rank: i32,
     world: i32,
+    aligned: i32,
 }
 
 /// Whether this process can use the cuda backend (driver, a GPU, NVRTC).
@@ -85,15 +95,18 @@ pub struct CudaComm {
     rank: usize,
     world: usize,
     ordinal: usize,
-    bufs: Vec<Option<DeviceAlloc>>,
+    device: sys::CUdevice,
+    bufs: Vec<Option<TestBuf>>,
+    registry: Registry,
+    next_region: u64,
+    last_path: Option<PathInfo>,
     nccl: std::result::Result<nccl::Nccl, String>,
     words: Arc<MappedHostWords>,
     /// Private device state: counters[MAX_BLOCKS][2], then the error word.
     state: DeviceAlloc,
     ws: Workspaces,
-    blocks: usize,
+    limits: GridLimits,
     slot_bytes: usize,
-    ll_max: usize,
     timeout: std::time::Duration,
     abort: Arc<AbortState>,
     devices: Vec<String>,
@@ -110,20 +123,34 @@ pub struct CudaComm {
 struct Loaded {
     ctx: Arc<cs::CudaContext>,
     _module: Arc<cs::CudaModule>,
-    funcs: HashMap<(Algorithm, DType, ReduceOp), cs::CudaFunction>,
-    /// Low-latency one-shot kernels.
-    ll_funcs: HashMap<(DType, ReduceOp), cs::CudaFunction>,
+    funcs: HashMap<(CudaPath, DType, ReduceOp), cs::CudaFunction>,
+}
+
+/// A test/benchmark buffer: plain device memory, or registered (zero-copy) memory.
+enum TestBuf {
+    Plain(DeviceAlloc),
+    Registered(RegisteredBuffer),
+}
+
+impl TestBuf {
+    fn ptr_bytes(&self) -> (u64, usize) {
+        match self {
+            TestBuf::Plain(a) => (a.ptr, a.bytes),
+            TestBuf::Registered(b) => (b.ptr(), b.bytes()),
+        }
+    }
 }
 
 impl Loaded {
-    fn get(ordinal: usize, rank: usize) -> Result<Arc<Loaded>> {
-        static CACHE: std::sync::OnceLock<std::sync::Mutex<HashMap<usize, Arc<Loaded>>>> =
-            std::sync::OnceLock::new();
+    /// The module for GPU `ordinal` and world-size class `w` ([`kernels::world_class`]).
+    fn get(ordinal: usize, w: usize, rank: usize) -> Result<Arc<Loaded>> {
+        type Cache = HashMap<(usize, usize), Arc<Loaded>>;
+        static CACHE: std::sync::OnceLock<std::sync::Mutex<Cache>> = std::sync::OnceLock::new();
         let mut cache = CACHE
             .get_or_init(Default::default)
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        if let Some(l) = cache.get(&ordinal) {
+        if let Some(l) = cache.get(&(ordinal, w)) {
             return Ok(l.clone());
         }
         let cuda = |op: &str, e: cudarc::driver::DriverError| Error::Cuda {
@@ -135,7 +162,7 @@ impl Loaded {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| cuda("compute capability query", e))?;
-        let ptx = kernels::compile(&format!("sm_{major}{minor}")).map_err(|e| match e {
+        let ptx = kernels::compile(&format!("sm_{major}{minor}"), w).map_err(|e| match e {
             Error::Cuda { op, detail, .. } => Error::Cuda { rank, op, detail },
             other => other,
         })?;
@@ -143,34 +170,33 @@ impl Loaded {
             .load_module(ptx)
             .map_err(|e| cuda("loading the NVRTC module", e))?;
         let mut funcs = HashMap::new();
-        for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
+        let mut regs = Vec::new();
+        for path in CudaPath::ALL {
             for dtype in DType::ALL {
                 for op in ReduceOp::ALL {
-                    let kname = kernels::kernel_name(algo, dtype, op);
+                    let kname = kernels::kernel_name(path, w, dtype, op);
                     let f = module
                         .load_function(&kname)
                         .map_err(|e| cuda(&format!("loading kernel {kname}"), e))?;
-                    funcs.insert((algo, dtype, op), f);
+                    if dtype == DType::Bf16 && op == ReduceOp::Sum {
+                        regs.push(format!("{} {}", path.name(), kernel_resources(&f)));
+                    }
+                    funcs.insert((path, dtype, op), f);
                 }
             }
         }
-        let mut ll_funcs = HashMap::new();
-        for dtype in DType::ALL {
-            for op in ReduceOp::ALL {
-                let kname = kernels::ll_kernel_name(dtype, op);
-                let f = module
-                    .load_function(&kname)
-                    .map_err(|e| cuda(&format!("loading kernel {kname}"), e))?;
-                ll_funcs.insert((dtype, op), f);
-            }
-        }
+        // What the compiler made of the kernels (the budget: 64 registers, no local memory).
+        tracing::info!(
+            rank,
+            "kernels for world class {w}, bf16 sum: {}",
+            regs.join(", ")
+        );
         let l = Arc::new(Loaded {
             ctx,
             _module: module,
             funcs,
-            ll_funcs,
         });
-        cache.insert(ordinal, l.clone());
+        cache.insert((ordinal, w), l.clone());
         Ok(l)
     }
 }
@@ -194,7 +220,7 @@ impl CudaComm {
         };
         let count = cs::CudaContext::device_count().map_err(|e| cuda("cuDeviceGetCount", e))?;
         let ordinal = boot.info().local_rank % count as usize;
-        let gpu = Loaded::get(ordinal, rank)?;
+        let gpu = Loaded::get(ordinal, kernels::world_class(world), rank)?;
         let ctx = gpu.ctx.clone();
         ctx.bind_to_thread()
             .map_err(|e| cuda("binding the context", e))?;
@@ -210,9 +236,11 @@ impl CudaComm {
             .map(|a| uuids.iter().filter(|b| *b == a).count())
             .max()
             .unwrap_or(1);
-        let blocks = env_usize("IPCREDUCE_BLOCKS")?
-            .unwrap_or(DEFAULT_BLOCKS.min(96 / sharing))
-            .clamp(1, MAX_BLOCKS);
+        let fixed = env_usize("IPCREDUCE_BLOCKS")?.map(|b| b.clamp(1, MAX_BLOCKS));
+        let cap = match fixed {
+            Some(_) => MAX_BLOCKS,
+            None => DEFAULT_CTA_CAP.min(SHARED_GPU_CTAS / sharing),
+        };
         let slot_bytes = opts
             .workspace_bytes
             .map(|b| b / 2)
@@ -223,11 +251,17 @@ impl CudaComm {
         let ll_max = env_usize("IPCREDUCE_LL_MAX")?
             .unwrap_or(crate::plan::LL_DEFAULT_MAX_BYTES)
             .min(LL_MAX_BYTES);
-        // Every rank must use the same grid and slot size: the protocol pairs block b with
-        // block b and alternates slots by chunk count.
-        let mine = [blocks as u64, slot_bytes as u64, ll_max as u64]
-            .map(u64::to_le_bytes)
-            .concat();
+        let limits = GridLimits { ll_max, cap, fixed };
+        // Every rank must compute the same grid for every call and use the same slot size: the
+        // protocol pairs block b with block b and alternates slots by chunk count.
+        let mine = [
+            cap as u64,
+            fixed.unwrap_or(0) as u64,
+            slot_bytes as u64,
+            ll_max as u64,
+        ]
+        .map(u64::to_le_bytes)
+        .concat();
         let all = boot.all_gather(&mine)?;
         if let Some(peer) = all.iter().position(|v| v != &mine) {
             return Err(Error::Mismatch {
@@ -235,7 +269,7 @@ impl CudaComm {
                 peer,
                 op: "init".into(),
                 seq: 0,
-                detail: "IPCREDUCE_BLOCKS / IPCREDUCE_SLOT_BYTES / IPCREDUCE_LL_MAX differ between ranks"
+                detail: "IPCREDUCE_BLOCKS / IPCREDUCE_SLOT_BYTES / IPCREDUCE_LL_MAX (or the GPU sharing) differ between ranks"
                     .into(),
             });
         }
@@ -292,15 +326,18 @@ impl CudaComm {
             rank,
             world,
             ordinal,
+            device,
+            registry: Registry::default(),
+            next_region: 0,
+            last_path: None,
             ctx,
             stream,
             gpu,
             ws,
             state,
             words,
-            blocks,
+            limits,
             slot_bytes,
-            ll_max,
             timeout: opts.timeout,
             abort,
             nccl: Err("not requested".into()),
@@ -388,12 +425,14 @@ impl CudaComm {
         let code = self.words.get(W_ERR);
         if code != 0 {
             let peer = self.words.get(W_ERR + 1) as usize;
+            // The call that failed, as the kernel recorded it (not the latest one issued).
+            let seq = self.words.get(W_ERR + 8) as u64 | (self.words.get(W_ERR + 9) as u64) << 32;
             let err = match code {
                 ERR_TIMEOUT => Error::Timeout {
                     rank: self.rank,
                     peer,
                     op: "all_reduce (kernel barrier)".into(),
-                    seq: self.seq,
+                    seq,
                     waited: self.timeout,
                 },
                 ERR_MISMATCH => {
@@ -406,7 +445,7 @@ impl CudaComm {
                         rank: self.rank,
                         peer,
                         op: "all_reduce".into(),
-                        seq: self.seq,
+                        seq,
                         detail: kernels::describe_stamp_difference(mine, theirs),
                     }
                 }
@@ -430,7 +469,15 @@ impl CudaComm {
         Ok(())
     }
 
-    fn kernel_args(&self, send: u64, recv: u64, count: usize, stamp: u64) -> KernelArgs {
+    /// `zero_copy`: every rank's send and recv as mapped here (registered buffers).
+    fn kernel_args(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        stamp: u64,
+        zero_copy: Option<([u64; MAX_RANKS], [u64; MAX_RANKS])>,
+    ) -> KernelArgs {
         let mut data = [0u64; MAX_RANKS];
         let mut ll = [0u64; MAX_RANKS];
         let mut sig = [0u64; MAX_RANKS];
@@ -439,6 +486,8 @@ impl CudaComm {
             ll[r] = self.ws.base(r) + SIG_BYTES as u64;
             data[r] = self.ws.base(r) + DATA_OFFSET;
         }
+        let (rsend, rrecv) = zero_copy.unwrap_or(([0; MAX_RANKS], [0; MAX_RANKS]));
+        let all16 = |v: &[u64; MAX_RANKS]| v[..self.world].iter().all(|p| p % 16 == 0);
         KernelArgs {
             send,
             recv,
@@ -446,6 +495,8 @@ impl CudaComm {
             data,
             ll,
             sig,
+            rsend,
+            rrecv,
             counters: self.state.ptr,
             abort_flag: self.words.device + 4 * W_ABORT as u64,
             err: self.state.ptr + (MAX_BLOCKS * 2 * 4) as u64,
@@ -453,9 +504,28 @@ impl CudaComm {
             slot_bytes: self.slot_bytes as u64,
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
             stamp,
+            seq: self.seq,
             rank: self.rank as i32,
             world: self.world as i32,
+            aligned: all16(&rsend) as i32 | (all16(&rrecv) as i32) << 1,
         }
+    }
+
+    /// Every rank's send and recv as mapped here, when both lie in registered buffers.
+    fn zero_copy(
+        &self,
+        send: u64,
+        recv: u64,
+        bytes: usize,
+    ) -> Option<([u64; MAX_RANKS], [u64; MAX_RANKS])> {
+        let (rs, so) = self.registry.lookup(send, bytes)?;
+        let (rr, ro) = self.registry.lookup(recv, bytes)?;
+        let (mut s, mut r) = ([0u64; MAX_RANKS], [0u64; MAX_RANKS]);
+        for p in 0..self.world {
+            s[p] = rs.peers[p] + so;
+            r[p] = rr.peers[p] + ro;
+        }
+        Some((s, r))
     }
 
     fn stream_or_own(&self, stream: *mut c_void) -> sys::CUstream {
@@ -514,6 +584,11 @@ impl CudaComm {
         self.check_health()?;
         self.seq += 1;
         if algo == Algorithm::Nccl {
+            self.last_path = Some(PathInfo {
+                name: "nccl",
+                ctas: 0,
+                registered: false,
+            });
             let rank = self.rank;
             let nccl = self.nccl.as_mut().map_err(|why| {
                 Error::invalid(rank, "all_reduce", format!("NCCL unavailable: {why}"))
@@ -531,20 +606,18 @@ impl CudaComm {
             };
         }
         let bytes = count * dtype.size();
-        let (f, grid) = if algo == Algorithm::OneShot && bytes <= self.ll_max {
-            // One thread per 8-byte unit; the grid may be smaller than the fixed one (the LL
-            // protocol does not pair blocks).
-            let units = bytes.div_ceil(8);
-            let grid = units.div_ceil(THREADS as usize).clamp(1, self.blocks);
-            (self.gpu.ll_funcs[&(dtype, op)].cu_function(), grid)
-        } else {
-            (
-                self.gpu.funcs[&(algo, dtype, op)].cu_function(),
-                self.blocks,
-            )
-        };
-        let stamp = kernels::stamp(count, dtype, op, algo);
-        let mut args = self.kernel_args(send, recv, count, stamp);
+        let zero_copy = self.zero_copy(send, recv, bytes);
+        let (path, grid) =
+            crate::plan::cuda_path(algo, bytes, zero_copy.is_some(), send == recv, &self.limits);
+        let f = self.gpu.funcs[&(path, dtype, op)].cu_function();
+        self.last_path = Some(PathInfo {
+            name: path.name(),
+            ctas: grid,
+            registered: path.registered(),
+        });
+        let stamp = kernels::stamp(count, dtype, op, path.code());
+        let zero_copy = zero_copy.filter(|_| path.registered());
+        let mut args = self.kernel_args(send, recv, count, stamp, zero_copy);
         let mut params = [(&mut args as *mut KernelArgs).cast::<c_void>()];
         let rank = self.rank;
         // SAFETY: the kernel reads `args` (copied at launch) and only touches the buffers in it,
@@ -553,7 +626,7 @@ impl CudaComm {
             unsafe {
                 sys::cuLaunchKernel(
                     f,
-                    grid as u32,
+                    grid,
                     1,
                     1,
                     THREADS,
@@ -566,7 +639,12 @@ impl CudaComm {
                 )
             },
             rank,
-            || format!("launching the {algo} kernel ({count} x {dtype} {op})"),
+            || {
+                format!(
+                    "launching the {} kernel ({count} x {dtype} {op})",
+                    path.name()
+                )
+            },
         )
     }
 }
@@ -593,12 +671,74 @@ impl BackendOps for CudaComm {
         self.ctx
             .bind_to_thread()
             .map_err(|e| self.cuda_err("binding the context".into(), e))?;
-        self.check_pointer(send as u64, "send")?;
-        if recv as u64 != send as u64 {
+        let bytes = count * dtype.size();
+        // Registered buffers are known to be ours; anything else is asked of the driver.
+        if self.registry.lookup(send as u64, bytes).is_none() {
+            self.check_pointer(send as u64, "send")?;
+        }
+        if recv as u64 != send as u64 && self.registry.lookup(recv as u64, bytes).is_none() {
             self.check_pointer(recv as u64, "recv")?;
         }
         let stream = self.stream_or_own(stream);
         self.launch(send as u64, recv as u64, count, dtype, op, algo, stream)
+    }
+
+    fn alloc_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<RegisteredBuffer> {
+        self.bind()?;
+        if bytes == 0 {
+            return Err(Error::invalid(self.rank, "alloc", "zero bytes"));
+        }
+        let id = self.next_region;
+        let region = registry::alloc(boot, self.device, bytes, id)?;
+        self.next_region += 1;
+        let buf = RegisteredBuffer::new(region.base, region.bytes, id);
+        self.registry.insert(region, self.rank)?;
+        Ok(buf)
+    }
+
+    unsafe fn register(
+        &mut self,
+        boot: &mut Bootstrap,
+        ptr: u64,
+        bytes: usize,
+    ) -> Result<RegisteredBuffer> {
+        self.bind()?;
+        if bytes == 0 {
+            return Err(Error::invalid(self.rank, "register", "zero bytes"));
+        }
+        let id = self.next_region;
+        let region = registry::register(boot, self.device, ptr, bytes, id)?;
+        self.next_region += 1;
+        let buf = RegisteredBuffer::new(region.base, region.bytes, id);
+        self.registry.insert(region, self.rank)?;
+        Ok(buf)
+    }
+
+    fn free_registered(&mut self, boot: &mut Bootstrap, buf: RegisteredBuffer) -> Result<()> {
+        self.bind()?;
+        // Every kernel of ours (on any stream) that may touch it is done, then every peer's.
+        // SAFETY: no arguments.
+        ck(unsafe { sys::cuCtxSynchronize() }, self.rank, || {
+            "cuCtxSynchronize before freeing a registered buffer".into()
+        })?;
+        boot.barrier()?;
+        self.registry.remove(buf.id()).map(drop).ok_or_else(|| {
+            Error::invalid(
+                self.rank,
+                "free",
+                format!("buffer {:#x} is not registered here", buf.ptr()),
+            )
+        })
+    }
+
+    fn alloc_test_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<BufId> {
+        let buf = self.alloc_registered(boot, bytes)?;
+        self.bufs.push(Some(TestBuf::Registered(buf)));
+        Ok(self.bufs.len() - 1)
+    }
+
+    fn last_path(&self) -> Option<PathInfo> {
+        self.last_path
     }
 
     fn unavailable(&self, algo: Algorithm) -> Option<String> {
@@ -621,20 +761,25 @@ impl BackendOps for CudaComm {
             .bind_to_thread()
             .map_err(|e| self.cuda_err("binding the context".into(), e))?;
         let buf = DeviceAlloc::new(bytes, self.rank)?;
-        self.bufs.push(Some(buf));
+        self.bufs.push(Some(TestBuf::Plain(buf)));
         Ok(self.bufs.len() - 1)
     }
 
     fn free(&mut self, id: BufId) {
         if let Some(slot) = self.bufs.get_mut(id) {
-            *slot = None;
+            if let Some(TestBuf::Registered(buf)) = slot.take() {
+                // Not collective: peers' mappings keep the memory alive until they drop them.
+                if let Err(e) = self.stream.synchronize() {
+                    tracing::warn!(rank = self.rank, "synchronize before freeing failed: {e}");
+                }
+                self.registry.remove(buf.id());
+            }
         }
     }
 
     fn write(&mut self, id: BufId, data: &[u8]) -> Result<()> {
-        let buf = self.buf(id)?;
-        assert!(data.len() <= buf.bytes);
-        let ptr = buf.ptr;
+        let (ptr, bytes) = self.buf(id)?;
+        assert!(data.len() <= bytes);
         // On our stream, then waited for: a plain cuMemcpyHtoD from pageable memory may return
         // before its DMA lands, and our (non-blocking) stream would not wait for it.
         // SAFETY: in bounds of our allocation; `data` outlives the synchronize below.
@@ -655,9 +800,8 @@ impl BackendOps for CudaComm {
 
     fn read(&mut self, id: BufId, out: &mut [u8]) -> Result<()> {
         self.synchronize()?;
-        let buf = self.buf(id)?;
-        assert!(out.len() <= buf.bytes);
-        let ptr = buf.ptr;
+        let (ptr, bytes) = self.buf(id)?;
+        assert!(out.len() <= bytes);
         // SAFETY: in bounds of our allocation; `out` outlives the synchronize below.
         ck(
             unsafe {
@@ -677,10 +821,10 @@ impl BackendOps for CudaComm {
     fn run(&mut self, call: &Call) -> Result<()> {
         let (s, r) = (self.buf(call.send)?, self.buf(call.recv)?);
         let end = call.offset + call.count * call.dtype.size();
-        if end > s.bytes || end > r.bytes {
+        if end > s.1 || end > r.1 {
             return Err(Error::invalid(self.rank, "run", "call exceeds its buffers"));
         }
-        let (s, r) = (s.ptr + call.offset as u64, r.ptr + call.offset as u64);
+        let (s, r) = (s.0 + call.offset as u64, r.0 + call.offset as u64);
         let stream = self.stream.cu_stream();
         self.launch(s, r, call.count, call.dtype, call.op, call.algo, stream)
     }
@@ -772,19 +916,37 @@ impl BackendOps for CudaComm {
 }
 
 impl CudaComm {
-    fn buf(&self, id: BufId) -> Result<&DeviceAlloc> {
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| self.cuda_err("binding the context".into(), e))
+    }
+
+    fn buf(&self, id: BufId) -> Result<(u64, usize)> {
         self.bufs
             .get(id)
             .and_then(|b| b.as_ref())
+            .map(TestBuf::ptr_bytes)
             .ok_or_else(|| Error::invalid(self.rank, "buffer", format!("no buffer #{id}")))
     }
 }
 
 impl Drop for CudaComm {
     fn drop(&mut self) {
-        // Finish our work before unmapping anything a kernel may still touch.
+        // Finish our work (registered buffers may be in use on the caller's streams too) before
+        // unmapping anything a kernel may still touch.
         if let Err(e) = self.stream.synchronize() {
             tracing::warn!(rank = self.rank, "synchronize at teardown failed: {e}");
+        }
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: no arguments.
+            let res = unsafe { sys::cuCtxSynchronize() };
+            if res != sys::CUresult::CUDA_SUCCESS {
+                tracing::warn!(
+                    rank = self.rank,
+                    "cuCtxSynchronize at teardown failed: {res:?}"
+                );
+            }
         }
     }
 }
@@ -845,6 +1007,24 @@ fn check_peer_access(rank: usize, device: sys::CUdevice, uuids: &[Vec<u8>]) -> R
     Ok(())
 }
 
+/// "N regs, M B local" of a loaded kernel, for the log.
+fn kernel_resources(f: &cs::CudaFunction) -> String {
+    use sys::CUfunction_attribute::{
+        CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES as LOCAL, CU_FUNC_ATTRIBUTE_NUM_REGS as REGS,
+    };
+    let get = |attr| {
+        let mut v = 0;
+        // SAFETY: writes one int for a loaded function.
+        let res = unsafe { sys::cuFuncGetAttribute(&mut v, attr, f.cu_function()) };
+        if res == sys::CUresult::CUDA_SUCCESS {
+            v.to_string()
+        } else {
+            "?".into()
+        }
+    };
+    format!("{} regs, {} B local", get(REGS), get(LOCAL))
+}
+
 fn env_usize(name: &str) -> Result<Option<usize>> {
     match std::env::var(name) {
         Ok(v) if !v.is_empty() => v
@@ -866,7 +1046,7 @@ mod tests {
         if !kernels::nvrtc_for_tests() {
             return;
         }
-        let ptx = kernels::compile("sm_90").unwrap().to_src();
+        let ptx = kernels::compile("sm_90", 2).unwrap().to_src();
         let want = format!("_param_0[{}]", std::mem::size_of::<KernelArgs>());
         assert!(ptx.contains(&want), "PTX parameter is not {want}");
     }
