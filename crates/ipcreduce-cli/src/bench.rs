@@ -270,6 +270,8 @@ fn short(a: Algorithm) -> &'static str {
         Algorithm::TwoShot => "2s",
         Algorithm::Nccl => "nccl",
         Algorithm::Auto => "auto",
+        // Algorithm is non-exhaustive: a future one prints its own name.
+        _ => a.name(),
     }
 }
 

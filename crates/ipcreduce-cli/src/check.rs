@@ -136,7 +136,7 @@ fn check(args: &CheckArgs) -> Result<(usize, usize)> {
     let rank = comm.rank();
     let max_bytes = args.max_bytes.unwrap_or(match comm.backend() {
         BackendKind::Cuda => 256 << 20,
-        BackendKind::Host => 8 << 20,
+        _ => 8 << 20,
     });
     if rank == 0 {
         println!(

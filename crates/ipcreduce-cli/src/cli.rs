@@ -1,11 +1,11 @@
-//! Options shared by `bench` and `check`, and how they start their ranks.
+//! Config shared by `bench` and `check`, and how they start their ranks.
 
 use crate::launch;
 use ipcreduce::backend;
 use ipcreduce::types::{BackendChoice, BackendKind};
-use ipcreduce::{Communicator, Options};
+use ipcreduce::{Communicator, Config};
 
-/// Options common to the commands that run collectives.
+/// Config common to the commands that run collectives.
 #[derive(clap::Args, Debug, Clone)]
 pub struct RankArgs {
     /// Data plane: cuda (GPUs through CUDA IPC), host (processes through shared memory), or
@@ -33,7 +33,7 @@ pub fn default_ranks(choice: BackendChoice) -> usize {
     match choice {
         BackendChoice::Host => 4,
         BackendChoice::Cuda => gpus().unwrap_or(1),
-        BackendChoice::Auto => gpus().unwrap_or(4),
+        _ => gpus().unwrap_or(4),
     }
 }
 
@@ -63,10 +63,10 @@ pub fn relaunch_unless_rank(args: &RankArgs) -> Option<i32> {
 
 /// Joins the job as a rank; rank 0 says which backend was picked and why.
 pub fn join(args: &RankArgs, with_nccl: bool) -> ipcreduce::Result<Communicator> {
-    let opts = Options {
+    let opts = Config {
         backend: args.backend,
         with_nccl,
-        ..Options::default()
+        ..Config::default()
     };
     let comm = Communicator::init(&opts)?;
     if comm.rank() == 0 {

@@ -19,7 +19,7 @@ use ipcreduce::backend::Call;
 use ipcreduce::bootstrap::RankInfo;
 use ipcreduce::error::Error;
 use ipcreduce::types::{Algorithm, BackendKind, DType, ReduceOp};
-use ipcreduce::{Communicator, Options};
+use ipcreduce::{Communicator, Config};
 use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -88,11 +88,11 @@ fn role(rank: usize, culprit: usize) -> &'static str {
     }
 }
 
-fn options(args: &FaultArgs, timeout: Duration) -> Options {
-    Options {
+fn options(args: &FaultArgs, timeout: Duration) -> Config {
+    Config {
         backend: args.ranks.backend,
-        timeout,
-        ..Options::default()
+        timeout: Some(timeout),
+        ..Config::default()
     }
 }
 

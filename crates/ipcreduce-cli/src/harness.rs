@@ -143,28 +143,13 @@ pub fn gather_f64(comm: &mut Communicator, v: f64) -> Result<Vec<f64>> {
         .collect())
 }
 
-/// Current UTC time as ISO 8601, without a date crate.
+/// Current UTC time as ISO 8601 / RFC 3339, whole seconds (e.g. 2026-11-30T20:03:00Z).
 pub fn utc_now() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let (days, rem) = (secs / 86400, secs % 86400);
-    // Civil-from-days (Howard Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        (rem % 3600) / 60,
-        rem % 60
-    )
+    let now = time::OffsetDateTime::now_utc();
+    now.replace_nanosecond(0)
+        .unwrap_or(now)
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|e| format!("(no date: {e})"))
 }
 
 #[cfg(test)]
@@ -172,9 +157,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn date_is_iso() {
+    fn date_is_iso_utc_and_now() {
         let d = utc_now();
-        assert_eq!(d.len(), 20);
-        assert!(d.starts_with("20"));
+        assert_eq!(d.len(), 20, "{d}");
+        assert!(d.ends_with('Z'), "{d}");
+        let parsed =
+            time::OffsetDateTime::parse(&d, &time::format_description::well_known::Rfc3339)
+                .unwrap();
+        let age = time::OffsetDateTime::now_utc() - parsed;
+        assert!(age.whole_seconds().abs() < 5, "{d} is {age} away from now");
     }
 }

@@ -67,6 +67,9 @@ pub fn spawn_ranks_with(
     let job_id = format!("launch-{}", random_hex(8));
     let secret = random_hex(16);
 
+    // NCCL with ranks sharing a GPU needs each rank to look like its own host: the launcher
+    // says so in each child's environment (the library never sets variables in a process).
+    let nccl_shared_gpu = ipcreduce::Config::default().resolve()?.nccl_shared_gpu();
     let _signals = SignalGuard::install();
     let cores = core_binding(n);
     let mut ranks: Vec<Rank> = Vec::with_capacity(n);
@@ -84,6 +87,14 @@ pub fn spawn_ranks_with(
             .env("WORLD_SIZE", n.to_string())
             .env("LOCAL_RANK", r.to_string())
             .env("LOCAL_WORLD_SIZE", n.to_string());
+        if nccl_shared_gpu {
+            cmd.env("NCCL_HOSTID", format!("{job_id}-rank-{r}"));
+            for (k, v) in [("NCCL_SOCKET_IFNAME", "lo"), ("NCCL_IB_DISABLE", "1")] {
+                if std::env::var_os(k).is_none() {
+                    cmd.env(k, v);
+                }
+            }
+        }
         for (k, v) in extra_env {
             cmd.env(k, v);
         }

@@ -91,13 +91,18 @@ fn bench_prints_a_checked_table_and_json() {
 }
 
 #[test]
-fn auto_says_why_it_picked_the_host_backend() {
-    if ipcreduce::backend::cuda::usable().is_ok() {
-        return; // a GPU machine picks cuda
-    }
+fn auto_says_why_it_picked_its_backend() {
+    let gpu = ipcreduce::backend::cuda::usable().is_ok();
     let out = ipcreduce(&["bench", "--ranks", "2", "-e", "64", "-n", "2", "-w", "1"]);
     let all = text(&out);
     assert!(out.status.success(), "{all}");
+    if gpu {
+        assert!(
+            all.contains("backend: cuda (auto: every rank has a GPU)"),
+            "{all}"
+        );
+        return;
+    }
     assert!(
         all.contains("backend: host (auto: CUDA backend unavailable"),
         "{all}"

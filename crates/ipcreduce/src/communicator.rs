@@ -1,45 +1,15 @@
 //! The public entry point: a communicator over the ranks of one job.
 
-use crate::backend::{self, BackendMeta, BackendOps, BufId, Call};
+use crate::backend::{self, BackendMeta, BackendOps};
+#[cfg(feature = "test-support")]
+use crate::backend::{BufId, Call};
 use crate::bootstrap::{Bootstrap, RankInfo};
+use crate::config::Config;
 use crate::element::{as_bytes, as_bytes_mut, Element};
 use crate::error::{Error, Result};
 use crate::plan;
 use crate::types::{Algorithm, BackendChoice, BackendKind, DType, ReduceOp};
 use std::ffi::c_void;
-use std::time::Duration;
-
-/// How a communicator is built.
-#[derive(Debug, Clone)]
-pub struct Options {
-    pub backend: BackendChoice,
-    /// Bound on every wait (bootstrap and collectives). `IPCREDUCE_TIMEOUT_MS` overrides.
-    pub timeout: Duration,
-    /// Bytes of shared workspace per rank (data area); messages above it are chunked.
-    /// None = the backend's default.
-    pub workspace_bytes: Option<usize>,
-    /// Build an NCCL communicator beside ours (cuda backend), for `Algorithm::Nccl`.
-    pub with_nccl: bool,
-}
-
-impl Default for Options {
-    fn default() -> Self {
-        Options {
-            backend: BackendChoice::Auto,
-            timeout: timeout_from_env().unwrap_or(Duration::from_secs(30)),
-            workspace_bytes: None,
-            with_nccl: false,
-        }
-    }
-}
-
-/// Reads `IPCREDUCE_TIMEOUT_MS`.
-pub fn timeout_from_env() -> Option<Duration> {
-    std::env::var("IPCREDUCE_TIMEOUT_MS")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .map(Duration::from_millis)
-}
 
 /// A group of ranks that all-reduce together.
 pub struct Communicator {
@@ -51,19 +21,21 @@ pub struct Communicator {
 }
 
 impl Communicator {
-    /// Joins the job described by the environment (see [`RankInfo::from_env`]).
-    pub fn init(opts: &Options) -> Result<Communicator> {
-        Self::with_rank_info(RankInfo::from_env()?, opts)
+    /// Joins the job described by the environment (see [`RankInfo::from_env`]); `config`'s
+    /// unset knobs come from the environment (see [`Config::resolve`]).
+    pub fn init(config: &Config) -> Result<Communicator> {
+        Self::with_rank_info(RankInfo::from_env()?, config)
     }
 
     /// Joins the job described by `info`.
-    pub fn with_rank_info(info: RankInfo, opts: &Options) -> Result<Communicator> {
-        let algo_env = Algorithm::from_env().map_err(Error::Config)?;
-        let mut boot = Bootstrap::connect(info, opts.timeout)?;
-        let kind = agree_on_backend(&mut boot, opts.backend)?;
+    pub fn with_rank_info(info: RankInfo, config: &Config) -> Result<Communicator> {
+        let config = config.resolve()?;
+        let algo_env = config.algo;
+        let mut boot = Bootstrap::connect(info, config.timeout())?;
+        let kind = agree_on_backend(&mut boot, config.backend)?;
         let backend: Box<dyn BackendOps> = match kind {
-            BackendKind::Host => Box::new(backend::host::HostComm::new(&mut boot, opts)?),
-            BackendKind::Cuda => Box::new(backend::cuda::CudaComm::new(&mut boot, opts)?),
+            BackendKind::Host => Box::new(backend::host::HostComm::new(&mut boot, &config)?),
+            BackendKind::Cuda => Box::new(backend::cuda::CudaComm::new(&mut boot, &config)?),
         };
         Ok(Communicator {
             backend,
@@ -74,6 +46,28 @@ impl Communicator {
 
     pub fn rank(&self) -> usize {
         self.boot.rank()
+    }
+
+    /// Makes the communicator unusable at once: calls in flight stop (kernels poll the flag),
+    /// later calls fail with [`Error::Aborted`], and peers learn it when this rank leaves. May
+    /// be called from another thread through [`Communicator::abort_handle`].
+    pub fn abort(&self, reason: impl Into<String>) {
+        self.boot.abort_state().abort(reason);
+    }
+
+    /// The error that made the communicator unusable, or one a kernel recorded, if any; does
+    /// not wait (as `ncclCommGetAsyncError`). A watchdog polls it.
+    pub fn async_error(&self) -> Option<Error> {
+        self.backend.async_error()
+    }
+
+    /// A handle another thread (a watchdog) can keep to abort this communicator and see
+    /// whether it is aborted.
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle {
+            rank: self.rank(),
+            state: self.boot.abort_state(),
+        }
     }
 
     pub fn world(&self) -> usize {
@@ -250,33 +244,51 @@ impl Communicator {
         Ok(())
     }
 
-    // --- buffers owned by the backend, for the benchmark and the checks ---------------
-
+    /// Why `algo` cannot run on this communicator, if it cannot.
     pub fn unavailable(&self, algo: Algorithm) -> Option<String> {
         self.backend.unavailable(algo)
     }
+
+    /// Waits until the work this communicator enqueued is finished (cuda), and reports an
+    /// error a kernel recorded.
+    pub fn synchronize(&mut self) -> Result<()> {
+        self.backend.synchronize()
+    }
+}
+
+/// Buffers owned by the backend, for the benchmark and the checks (`test-support` feature).
+#[cfg(feature = "test-support")]
+impl Communicator {
+    fn test_buffers(&mut self) -> &mut dyn backend::TestBuffers {
+        let any = self.backend.as_any_mut();
+        if any.is::<backend::host::HostComm>() {
+            any.downcast_mut::<backend::host::HostComm>()
+                .expect("checked above")
+        } else {
+            any.downcast_mut::<backend::cuda::CudaComm>()
+                .expect("the backend is host or cuda")
+        }
+    }
+
     pub fn test_alloc(&mut self, bytes: usize) -> Result<BufId> {
-        self.backend.alloc(bytes)
+        self.test_buffers().alloc(bytes)
     }
     pub fn test_free(&mut self, id: BufId) {
-        self.backend.free(id)
+        self.test_buffers().free(id)
     }
     pub fn test_write(&mut self, id: BufId, data: &[u8]) -> Result<()> {
-        self.backend.write(id, data)
+        self.test_buffers().write(id, data)
     }
     pub fn test_read(&mut self, id: BufId, out: &mut [u8]) -> Result<()> {
-        self.backend.read(id, out)
+        self.test_buffers().read(id, out)
     }
     /// Runs one call on backend-owned buffers (algorithm resolved here).
     pub fn test_run(&mut self, call: &Call) -> Result<()> {
         let mut c = *call;
         c.algo = self.resolve(c.algo, c.count * c.dtype.size());
-        self.backend.run(&c)
+        self.test_buffers().run(&c)
     }
-    pub fn synchronize(&mut self) -> Result<()> {
-        self.backend.synchronize()
-    }
-    /// Mean microseconds per call; see [`BackendOps::time`].
+    /// Mean microseconds per call; see [`backend::TestBuffers::time`].
     pub fn test_time(
         &mut self,
         call: &Call,
@@ -286,7 +298,37 @@ impl Communicator {
     ) -> Result<f64> {
         let mut c = *call;
         c.algo = self.resolve(c.algo, c.count * c.dtype.size());
-        self.backend.time(&c, warmup, iters, graph)
+        self.test_buffers().time(&c, warmup, iters, graph)
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        // Collective and bounded (see the backends' `leave`); then the backend's memory goes,
+        // then the connections (field order).
+        self.backend.leave(&mut self.boot);
+    }
+}
+
+/// Aborts a communicator from any thread; see [`Communicator::abort_handle`].
+#[derive(Clone)]
+pub struct AbortHandle {
+    rank: usize,
+    state: std::sync::Arc<crate::abort::AbortState>,
+}
+
+impl AbortHandle {
+    /// As [`Communicator::abort`].
+    pub fn abort(&self, reason: impl Into<String>) {
+        self.state.abort(reason)
+    }
+
+    /// Why the communicator was aborted, if it was.
+    pub fn error(&self) -> Option<Error> {
+        self.state.reason().map(|reason| Error::Aborted {
+            rank: self.rank,
+            reason,
+        })
     }
 }
 
@@ -324,9 +366,18 @@ impl Communicator {
     }
 
     /// Collective: a registered backend-owned buffer for the benchmark and the checks (used
-    /// like [`Self::test_alloc`]'s).
+    /// like [`Self::test_alloc`]'s; cuda backend).
+    #[cfg(feature = "test-support")]
     pub fn test_alloc_registered(&mut self, bytes: usize) -> Result<BufId> {
-        self.backend.alloc_test_registered(&mut self.boot, bytes)
+        let rank = self.rank();
+        match self
+            .backend
+            .as_any_mut()
+            .downcast_mut::<backend::cuda::CudaComm>()
+        {
+            Some(cuda) => cuda.alloc_test_registered(&mut self.boot, bytes),
+            None => Err(backend::needs_cuda(rank, "alloc")),
+        }
     }
 }
 

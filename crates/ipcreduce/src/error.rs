@@ -7,6 +7,7 @@ use std::time::Duration;
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// Missing or contradictory configuration (environment variables, CLI flags).
     #[error("configuration error: {0}")]
@@ -66,11 +67,21 @@ pub enum Error {
     #[error("CUDA backend unavailable: {0}")]
     CudaUnavailable(String),
 
-    /// A CUDA driver, NVRTC or NCCL call failed.
+    /// An NVRTC or NCCL call, or a CUDA step without a driver result code, failed.
     #[error("rank {rank}: {op} failed: {detail}")]
     Cuda {
         rank: usize,
         op: String,
+        detail: String,
+    },
+
+    /// A CUDA driver call failed with `code` (see [`Error::is_out_of_memory`]).
+    #[error("rank {rank}: {op} failed: {detail}")]
+    CudaDriver {
+        rank: usize,
+        op: String,
+        code: cudarc::driver::sys::CUresult,
+        /// The driver's name and description of `code`.
         detail: String,
     },
 
@@ -106,11 +117,78 @@ impl Error {
         }
     }
 
+    /// The CUDA driver's result code, when a driver call failed.
+    pub fn cuda_code(&self) -> Option<cudarc::driver::sys::CUresult> {
+        match self {
+            Error::CudaDriver { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+
+    /// Whether the device ran out of memory: the caller may free memory and retry.
+    pub fn is_out_of_memory(&self) -> bool {
+        self.cuda_code() == Some(cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)
+    }
+
+    /// Whether the communicator is dead after this error (timeout, peer lost, mismatch,
+    /// abort): only a new communicator can go on. Argument errors leave it usable.
+    pub fn is_fatal(&self) -> bool {
+        matches!(
+            self,
+            Error::Timeout { .. }
+                | Error::PeerLost { .. }
+                | Error::Mismatch { .. }
+                | Error::Aborted { .. }
+        )
+    }
+
     pub fn invalid(rank: usize, op: &'static str, detail: impl Into<String>) -> Self {
         Error::InvalidArgument {
             rank,
             op,
             detail: detail.into(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cudarc::driver::sys::CUresult;
+
+    fn driver(code: CUresult) -> Error {
+        Error::CudaDriver {
+            rank: 1,
+            op: "cuMemAlloc(4096 bytes)".into(),
+            code,
+            detail: format!("{code:?}"),
+        }
+    }
+
+    #[test]
+    fn out_of_memory_is_told_apart() {
+        let oom = driver(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        assert!(oom.is_out_of_memory());
+        assert_eq!(oom.cuda_code(), Some(CUresult::CUDA_ERROR_OUT_OF_MEMORY));
+        assert!(oom.to_string().contains("rank 1") && oom.to_string().contains("cuMemAlloc"));
+        assert!(!driver(CUresult::CUDA_ERROR_INVALID_VALUE).is_out_of_memory());
+        let text_only = Error::Cuda {
+            rank: 0,
+            op: "NCCL init".into(),
+            detail: "out of memory".into(),
+        };
+        assert!(!text_only.is_out_of_memory());
+        assert_eq!(text_only.cuda_code(), None);
+    }
+
+    #[test]
+    fn fatal_errors_are_the_ones_that_kill_the_communicator() {
+        let aborted = Error::Aborted {
+            rank: 0,
+            reason: "rank 2 died".into(),
+        };
+        assert!(aborted.is_fatal());
+        assert!(!Error::invalid(0, "all_reduce", "null buffer pointer").is_fatal());
+        assert!(!driver(CUresult::CUDA_ERROR_OUT_OF_MEMORY).is_fatal());
     }
 }

@@ -6,6 +6,7 @@
 //! | module | what is there |
 //! |---|---|
 //! | [`Communicator`] | the public API: init, all-reduce (raw pointers, host slices) |
+//! | [`Config`] | every knob, and the `IPCREDUCE_*` environment variables |
 //! | [`bootstrap`] | control plane: Unix-socket rendezvous, all-gather, fd passing, liveness |
 //! | [`plan`] | pure decisions: algorithm choice, chunks, shards |
 //! | [`backend::host`] | shared-memory data plane, reduction loops in Rust |
@@ -18,6 +19,7 @@ pub mod abort;
 pub mod backend;
 pub mod bootstrap;
 mod communicator;
+pub mod config;
 pub mod element;
 pub mod error;
 pub mod plan;
@@ -25,7 +27,8 @@ pub mod reference;
 pub mod types;
 
 pub use backend::RegisteredBuffer;
-pub use communicator::{Communicator, Options};
+pub use communicator::{AbortHandle, Communicator};
+pub use config::{Config, Options, Sharing};
 pub use plan::PathInfo;
 
 /// Cores online on this machine. Not `available_parallelism`: `launch` binds each rank to one

@@ -6,6 +6,7 @@ use std::str::FromStr;
 /// Element type of the buffers being reduced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum DType {
     F32,
     F16,
@@ -65,6 +66,7 @@ impl FromStr for DType {
 /// Reduction operator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum ReduceOp {
     Sum,
     Max,
@@ -123,6 +125,7 @@ impl FromStr for ReduceOp {
 /// All-reduce algorithm. `Auto` picks by message size (see [`crate::plan`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum Algorithm {
     Auto,
     /// Every rank reads every peer's whole buffer and reduces all of it.
@@ -151,14 +154,6 @@ impl Algorithm {
             Algorithm::Nccl => 3,
         }
     }
-
-    /// Reads `IPCREDUCE_ALGO`, which overrides the algorithm of every call when set.
-    pub fn from_env() -> Result<Option<Algorithm>, String> {
-        match std::env::var("IPCREDUCE_ALGO") {
-            Ok(v) if !v.is_empty() => v.parse().map(Some),
-            _ => Ok(None),
-        }
-    }
 }
 
 impl fmt::Display for Algorithm {
@@ -185,6 +180,7 @@ impl FromStr for Algorithm {
 /// Which data plane a communicator uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum BackendKind {
     /// GPUs of one machine, peer memory through CUDA IPC.
     Cuda,
@@ -208,8 +204,10 @@ impl fmt::Display for BackendKind {
 }
 
 /// Backend requested by the user: a concrete one or `Auto` (cuda when usable, else host).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum BackendChoice {
+    #[default]
     Auto,
     Cuda,
     Host,

@@ -2,15 +2,15 @@
 //! bad calls get clear errors and write nothing.
 
 use ipcreduce::bootstrap::RankInfo;
-use ipcreduce::{Algorithm, BackendChoice, Communicator, DType, Error, Options, ReduceOp};
+use ipcreduce::{Algorithm, BackendChoice, Communicator, Config, DType, Error, ReduceOp};
 use std::ffi::c_void;
 
 fn single_rank() -> Communicator {
     let dir = std::env::temp_dir().join(format!("ipcreduce-api-{}", std::process::id()));
     let info = RankInfo::new(0, 1, dir.join("s.sock"), "api-test", None).unwrap();
-    let opts = Options {
+    let opts = Config {
         backend: BackendChoice::Host,
-        ..Options::default()
+        ..Config::default()
     };
     Communicator::with_rank_info(info, &opts).unwrap()
 }
@@ -100,5 +100,74 @@ fn out_of_range_world_sizes_are_configuration_errors() {
             matches!(err, Error::Config(_)),
             "rank {rank} world {world}: {err}"
         );
+    }
+}
+
+#[test]
+fn abort_makes_the_communicator_unusable_and_is_reported_asynchronously() {
+    let mut comm = single_rank();
+    assert!(comm.async_error().is_none());
+    let mut buf = vec![1.0f32; 8];
+    comm.all_reduce_host_in_place(&mut buf, ReduceOp::Sum, Algorithm::Auto)
+        .unwrap();
+    // A watchdog on another thread aborts it.
+    let handle = comm.abort_handle();
+    assert!(handle.error().is_none());
+    std::thread::spawn(move || handle.abort("watchdog: step took too long"))
+        .join()
+        .unwrap();
+    match comm.async_error() {
+        Some(e @ Error::Aborted { .. }) => {
+            assert!(e.is_fatal());
+            assert!(e.to_string().contains("watchdog"), "{e}");
+        }
+        other => panic!("expected an abort, got {other:?}"),
+    }
+    let res = comm.all_reduce_host_in_place(&mut buf, ReduceOp::Sum, Algorithm::Auto);
+    assert!(matches!(res, Err(Error::Aborted { .. })), "{res:?}");
+    // Dropping an aborted communicator is quick and quiet.
+    let t0 = std::time::Instant::now();
+    drop(comm);
+    assert!(t0.elapsed() < std::time::Duration::from_secs(2));
+}
+
+#[test]
+fn bad_variable_values_are_configuration_errors_naming_the_variable() {
+    // Through a Config: the process environment is shared by the tests of this binary.
+    let cfg = Config {
+        backend: BackendChoice::Host,
+        ..Config::default()
+    };
+    let err = cfg
+        .resolve_with(|k| (k == "IPCREDUCE_TIMEOUT_MS").then(|| "30s".to_string()))
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)) && err.to_string().contains("IPCREDUCE_TIMEOUT_MS"));
+}
+
+/// Setting a variable while other threads run is a data race in a user's process: the
+/// library never does (NCCL is configured through ncclConfig_t, see backend/cuda/nccl.rs).
+#[test]
+fn library_sources_never_set_environment_variables() {
+    fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    walk(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+        &mut files,
+    );
+    assert!(files.len() > 20, "found only {} sources", files.len());
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        for needle in ["set_var(", "remove_var("] {
+            assert!(!text.contains(needle), "{} calls {needle}", f.display());
+        }
     }
 }

@@ -42,10 +42,10 @@ fn play_rank_if_child() {
 }
 
 fn rank_timeout() -> Duration {
-    let ms = std::env::var(TIMEOUT_VAR)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(10_000);
+    let ms = std::env::var(TIMEOUT_VAR).map_or(10_000, |v| {
+        v.parse()
+            .unwrap_or_else(|_| panic!("{TIMEOUT_VAR}={v} is not a number of ms"))
+    });
     Duration::from_millis(ms)
 }
 

@@ -7,11 +7,12 @@
 
 mod common;
 
+use common::chain::{self, Expect};
 use common::{say, Job, Rank, Spawn, SECRET};
 use ipcreduce::backend::{BufId, Call};
 use ipcreduce::bootstrap::RankInfo;
 use ipcreduce::{
-    reference, Algorithm, BackendChoice, Communicator, DType, Error, Options, ReduceOp,
+    reference, Algorithm, BackendChoice, Communicator, Config, DType, Error, ReduceOp,
 };
 use std::ffi::c_void;
 use std::io::{Read, Write};
@@ -29,6 +30,8 @@ fn play_rank_if_child() {
     let code = match role.as_str() {
         "correct" => rank_correct(),
         "zerocopy" => rank_zero_copy(),
+        "chain" => rank_chain(),
+        "badenv" => rank_bad_env(),
         "mismatch" => rank_mismatch(),
         "timeout" => rank_timeout(),
         "death" => rank_death(),
@@ -50,21 +53,35 @@ fn hold(c: Communicator) {
     drop(c);
 }
 
+/// A comma-separated list from the parent. Anything unparsable, or an empty list, fails the
+/// rank: a typo must never run zero cases and pass.
 fn env_list<T: std::str::FromStr>(var: &str) -> Vec<T> {
-    std::env::var(var)
-        .unwrap_or_default()
+    let text = std::env::var(var).unwrap_or_else(|_| panic!("{var} is not set"));
+    let list: Vec<T> = text
         .split(',')
-        .filter_map(|s| s.trim().parse().ok())
-        .collect()
+        .map(|s| {
+            s.trim()
+                .parse()
+                .unwrap_or_else(|_| panic!("{var}: cannot parse '{s}' in '{text}'"))
+        })
+        .collect();
+    assert!(!list.is_empty(), "{var} is empty");
+    list
 }
 
-fn options() -> Options {
-    Options {
+/// An optional number from the parent; set but unparsable fails the rank.
+fn env_number(var: &str) -> Option<usize> {
+    std::env::var(var).ok().map(|v| {
+        v.parse()
+            .unwrap_or_else(|_| panic!("{var}={v} is not a number"))
+    })
+}
+
+fn options() -> Config {
+    Config {
         backend: BackendChoice::Host,
-        workspace_bytes: std::env::var("HOST_TEST_WORKSPACE")
-            .ok()
-            .and_then(|v| v.parse().ok()),
-        ..Options::default()
+        workspace_bytes: env_number("HOST_TEST_WORKSPACE"),
+        ..Config::default()
     }
 }
 
@@ -80,22 +97,12 @@ impl Buf {
         Buf(vec![0u32; bytes.div_ceil(4)], bytes)
     }
     fn bytes(&self) -> &[u8] {
-        &bytemuck(&self.0)[..self.1]
+        &bytemuck::cast_slice(&self.0)[..self.1]
     }
     fn bytes_mut(&mut self) -> &mut [u8] {
         let n = self.1;
-        &mut bytemuck_mut(&mut self.0)[..n]
+        &mut bytemuck::cast_slice_mut(&mut self.0)[..n]
     }
-}
-
-fn bytemuck(v: &[u32]) -> &[u8] {
-    // SAFETY: u32 has no padding; any byte view of it is initialised.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 4) }
-}
-
-fn bytemuck_mut(v: &mut [u32]) -> &mut [u8] {
-    // SAFETY: as above; every byte pattern is a valid u32.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 4) }
 }
 
 /// All-reduce of `input` (rank's bytes) out of place or in place; returns the output.
@@ -149,6 +156,7 @@ fn rank_correct() -> i32 {
     let dtypes: Vec<DType> = env_list("HOST_TEST_DTYPES");
     let mut c = join();
     let (rank, world) = (c.rank(), c.world());
+    let mut checked = 0usize;
     for &dtype in &dtypes {
         for &count in &sizes {
             let ops: &[ReduceOp] = if count == 1000 {
@@ -172,6 +180,7 @@ fn rank_correct() -> i32 {
                     let what = format!("{dtype} {op} n={count} {algo} in_place={in_place}");
                     let out = run(&mut c, &input, dtype, op, algo, in_place)
                         .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    checked += 1;
                     match &first {
                         None => {
                             if rank == 0 {
@@ -192,7 +201,62 @@ fn rank_correct() -> i32 {
             }
         }
     }
-    say("DONE");
+    say(format!("DONE {checked}"));
+    0
+}
+
+/// Stale-data chains (see tests/common/chain.rs) in every dtype, each algorithm leading once;
+/// every element of every step checked on every rank.
+fn rank_chain() -> i32 {
+    let mut c = join();
+    let (rank, world) = (c.rank(), c.world());
+    let len = env_number("HOST_TEST_LEN").expect("HOST_TEST_LEN is set");
+    let algos = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Auto];
+    let mut checked = 0usize;
+    for dtype in DType::ALL {
+        for lead in 0..algos.len() {
+            let order: Vec<Algorithm> = (0..algos.len())
+                .map(|k| algos[(lead + k) % algos.len()])
+                .collect();
+            let steps = chain::steps(len, chain::max_steps(dtype), &order);
+            let mut buf = Buf::new(len * dtype.size());
+            buf.bytes_mut()
+                .copy_from_slice(&chain::input(dtype, rank, len));
+            let mut want = Expect::new(dtype, world, rank, len);
+            for (k, step) in steps.iter().enumerate() {
+                let p = buf.bytes_mut().as_mut_ptr().cast::<c_void>();
+                let what = format!("{dtype} chain led by {} step {k} {step:?}", order[0]);
+                // SAFETY: one live buffer of len >= step.count elements.
+                unsafe {
+                    c.all_reduce_raw(
+                        p,
+                        p,
+                        step.count,
+                        dtype,
+                        ReduceOp::Sum,
+                        step.algo,
+                        std::ptr::null_mut(),
+                    )
+                }
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+                want.apply(step);
+                want.check(buf.bytes(), &what)
+                    .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                checked += 1;
+            }
+        }
+    }
+    say(format!("DONE {checked}"));
+    0
+}
+
+/// Init with a bad IPCREDUCE_* value from the parent must fail, naming the variable.
+fn rank_bad_env() -> i32 {
+    match Communicator::init(&options()) {
+        Err(e @ Error::Config(_)) => say(format!("CONFIG {e}")),
+        Err(e) => say(format!("UNEXPECTED {e}")),
+        Ok(_) => say("UNEXPECTED init succeeded"),
+    }
     0
 }
 
@@ -325,7 +389,7 @@ fn count_shm() -> usize {
 
 /// Creates and destroys communicators; nothing may be left behind.
 fn rank_cycles() -> i32 {
-    let cycles: usize = std::env::var("HOST_TEST_CYCLES").unwrap().parse().unwrap();
+    let cycles = env_number("HOST_TEST_CYCLES").expect("HOST_TEST_CYCLES is set");
     let base = RankInfo::from_env().unwrap();
     let dir = base.socket.parent().unwrap().to_path_buf();
     let mut opts = options();
@@ -444,8 +508,14 @@ fn run_correct(test: &str, world: usize, sizes: &str, dtypes: &str, workspace: O
         extra.push(("HOST_TEST_WORKSPACE", w.to_string()));
     }
     let mut ranks = spawn_world(test, "correct", &job, world, &extra);
+    // Five runs per (dtype, size, op); every op at 1000 elements.
+    let ops: usize = sizes
+        .split(',')
+        .map(|s| if s.trim() == "1000" { 3 } else { 1 })
+        .sum();
+    let want = format!("DONE {}", 5 * ops * dtypes.split(',').count());
     for r in &mut ranks {
-        assert_eq!(r.next(T), "DONE", "{}", r.diag());
+        assert_eq!(r.next(T), want, "{}", r.diag());
     }
     for r in &mut ranks {
         r.wait_ok(T);
@@ -489,6 +559,61 @@ fn multi_mib_messages_cross_default_chunks() {
         "bf16",
         None,
     );
+}
+
+#[test]
+fn stale_data_chains_in_place_every_algorithm_and_dtype() {
+    play_rank_if_child();
+    let steps: usize = DType::ALL.iter().map(|d| chain::max_steps(*d)).sum();
+    for world in [2, 3, 4] {
+        let job = Job::new("ht", &format!("chain{world}"));
+        // 16 KiB slots: the whole buffer crosses several chunks, its small prefixes do not.
+        let extra = [
+            ("HOST_TEST_LEN", "20011".to_string()),
+            ("HOST_TEST_WORKSPACE", (32 << 10).to_string()),
+        ];
+        let mut ranks = spawn_world(
+            "stale_data_chains_in_place_every_algorithm_and_dtype",
+            "chain",
+            &job,
+            world,
+            &extra,
+        );
+        for r in &mut ranks {
+            assert_eq!(r.next(T), format!("DONE {}", 3 * steps), "{}", r.diag());
+        }
+        for r in &mut ranks {
+            r.wait_ok(T);
+        }
+    }
+}
+
+#[test]
+fn a_bad_variable_fails_init_and_is_named() {
+    play_rank_if_child();
+    for (var, value) in [
+        ("IPCREDUCE_TIMEOUT_MS", "30s"),
+        ("IPCREDUCE_HOST_HEAP_MB", "lots"),
+    ] {
+        let job = Job::new("ht", "badenv");
+        let extra = [(var, value.to_string())];
+        let mut ranks = spawn_world(
+            "a_bad_variable_fails_init_and_is_named",
+            "badenv",
+            &job,
+            2,
+            &extra,
+        );
+        for r in &mut ranks {
+            let m = r.next(T);
+            assert!(
+                m.starts_with("CONFIG") && m.contains(var),
+                "{m}: {}",
+                r.diag()
+            );
+            r.wait_ok(T);
+        }
+    }
 }
 
 #[test]
@@ -624,10 +749,7 @@ fn create_destroy_cycles_leave_nothing_behind() {
 #[ignore]
 fn bench() {
     play_rank_if_child();
-    let world = std::env::var("HOST_BENCH_WORLD")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(2);
+    let world = env_number("HOST_BENCH_WORLD").unwrap_or(2);
     let job = Job::new("ht", "bench");
     let sizes = "8,4096,65536,524288,2097152,8388608".to_string();
     let mut ranks = spawn_world("bench", "bench", &job, world, &[("HOST_TEST_SIZES", sizes)]);

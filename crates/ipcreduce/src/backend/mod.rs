@@ -54,7 +54,8 @@ impl RegisteredBuffer {
     }
 }
 
-fn needs_cuda(rank: usize, op: &'static str) -> Error {
+/// The error of the registered-buffer calls on a backend without them.
+pub(crate) fn needs_cuda(rank: usize, op: &'static str) -> Error {
     Error::invalid(
         rank,
         op,
@@ -101,15 +102,17 @@ pub trait BackendOps: Send {
 
     fn meta(&self) -> BackendMeta;
 
-    // --- buffers for tests and benchmarks ---------------------------------------------
-    fn alloc(&mut self, bytes: usize) -> Result<BufId>;
-    fn free(&mut self, id: BufId);
-    fn write(&mut self, id: BufId, data: &[u8]) -> Result<()>;
-    fn read(&mut self, id: BufId, out: &mut [u8]) -> Result<()>;
-    /// Runs `call` on the backend's own buffers.
-    fn run(&mut self, call: &Call) -> Result<()>;
     /// Waits until all enqueued work is finished.
     fn synchronize(&mut self) -> Result<()>;
+
+    /// The error that made the communicator unusable, or one a kernel recorded, if any,
+    /// without waiting (as `ncclCommGetAsyncError`).
+    fn async_error(&self) -> Option<Error>;
+
+    /// Collective part of leaving the job, run before the backend is dropped (with the
+    /// bootstrap still connected). Bounded; never fails (problems are logged).
+    fn leave(&mut self, _boot: &mut Bootstrap) {}
+
     // --- registered (zero-copy) buffers: collective, `boot` reaches every rank -----------
     fn alloc_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<RegisteredBuffer> {
         let _ = bytes;
@@ -130,17 +133,23 @@ pub trait BackendOps: Send {
         let _ = buf;
         Err(needs_cuda(boot.rank(), "free"))
     }
-    /// A registered test buffer (collective), used like [`BackendOps::alloc`]'s.
-    fn alloc_test_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<BufId> {
-        let _ = bytes;
-        Err(needs_cuda(boot.rank(), "alloc"))
-    }
     /// The path of the last call issued, where the backend has several.
     fn last_path(&self) -> Option<PathInfo> {
         None
     }
+}
 
-    /// Median-free mean time of one call in microseconds over `iters` calls after `warmup`.
+/// Backend-owned buffers and timing, for the benchmark and the correctness sweeps: not part
+/// of the data plane, compiled only with the `test-support` feature.
+#[cfg(feature = "test-support")]
+pub trait TestBuffers {
+    fn alloc(&mut self, bytes: usize) -> Result<BufId>;
+    fn free(&mut self, id: BufId);
+    fn write(&mut self, id: BufId, data: &[u8]) -> Result<()>;
+    fn read(&mut self, id: BufId, out: &mut [u8]) -> Result<()>;
+    /// Runs `call` on the backend's own buffers.
+    fn run(&mut self, call: &Call) -> Result<()>;
+    /// Mean time of one call in microseconds over `iters` calls after `warmup`.
     /// `graph = Some(k)`: capture k calls in a CUDA graph and time its replays instead.
     fn time(
         &mut self,

@@ -1,5 +1,6 @@
-//! Checked driver calls: every failure becomes an [`Error::Cuda`] that names the rank and what
-//! was being done. The raw `cudarc::driver::sys` calls of the backend go through [`ck`].
+//! Checked driver calls: every failure becomes an [`Error::CudaDriver`] that names the rank and
+//! what was being done, and keeps the driver's result code. The raw `cudarc::driver::sys` calls of the backend go
+//! through [`ck`].
 
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
@@ -10,11 +11,22 @@ pub fn ck(res: sys::CUresult, rank: usize, op: impl FnOnce() -> String) -> Resul
     if res == sys::CUresult::CUDA_SUCCESS {
         return Ok(());
     }
-    Err(Error::Cuda {
+    Err(driver_error(rank, op(), res))
+}
+
+/// The error for a failed driver call `op` with result `res`.
+pub fn driver_error(rank: usize, op: String, res: sys::CUresult) -> Error {
+    Error::CudaDriver {
         rank,
-        op: op(),
+        op,
+        code: res,
         detail: describe(res),
-    })
+    }
+}
+
+/// Our error for one of cudarc's (which keeps the result code too).
+pub fn from_cudarc(rank: usize, op: impl Into<String>, e: cudarc::driver::DriverError) -> Error {
+    driver_error(rank, op.into(), e.0)
 }
 
 /// The driver's name and description of an error code.

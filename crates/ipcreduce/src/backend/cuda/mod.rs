@@ -1,6 +1,6 @@
 //! CUDA backend: one process per GPU (or several under MPS), peer memory through CUDA IPC.
 //!
-//! Start-up (once per communicator): pick the GPU (`local_rank % device count`), compile the
+//! Start-up (once per communicator): pick the GPU (see [`Config::pick_device`]), compile the
 //! kernels with NVRTC, create and share the workspaces ([`workspace`]), check every pair of
 //! ranks for real (P2P query + a cross-process write/read), optionally build NCCL beside us.
 //! A call: validate, stamp nothing on the host, launch one kernel on the caller's stream. All
@@ -10,13 +10,18 @@ pub mod driver;
 pub mod kernels;
 pub mod memory;
 mod nccl;
+mod peers;
 mod registry;
+mod streams;
+mod teardown;
+#[cfg(feature = "test-support")]
+mod testbufs;
 mod workspace;
 
 use crate::abort::AbortState;
-use crate::backend::{BackendMeta, BackendOps, BufId, Call, RegisteredBuffer};
+use crate::backend::{BackendMeta, BackendOps, RegisteredBuffer};
 use crate::bootstrap::Bootstrap;
-use crate::communicator::Options;
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::plan::{CudaPath, GridLimits, PathInfo};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
@@ -26,11 +31,13 @@ use kernels::{
     ERR_MISMATCH, ERR_TIMEOUT, LL_BYTES, LL_MAX_BYTES, MAX_BLOCKS, MAX_RANKS, SIG_BYTES,
 };
 use memory::{DeviceAlloc, MappedHostWords};
+use peers::{check_peer_access, device_uuid};
 use registry::Registry;
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::mem::ManuallyDrop;
 use std::sync::{Arc, Weak};
-use workspace::{ShareMode, Workspaces};
+use workspace::Workspaces;
 
 /// Default bytes of one data slot (the workspace holds two). Larger messages are chunked.
 const DEFAULT_SLOT_BYTES: usize = 16 << 20;
@@ -75,11 +82,7 @@ struct KernelArgs {
 
 /// Whether this process can use the cuda backend (driver, a GPU, NVRTC).
 pub fn usable() -> Result<()> {
-    if !driver::driver_present() {
-        return Err(Error::CudaUnavailable(
-            "libcuda.so not found (no NVIDIA driver)".into(),
-        ));
-    }
+    require_driver(driver::driver_present())?;
     cudarc::driver::result::init()
         .map_err(|e| Error::CudaUnavailable(format!("cuInit failed: {e}")))?;
     let n = cs::CudaContext::device_count()
@@ -90,21 +93,41 @@ pub fn usable() -> Result<()> {
     kernels::require_nvrtc()
 }
 
+/// The first check of [`usable`]: cudarc panics on use when libcuda is missing.
+fn require_driver(present: bool) -> Result<()> {
+    if present {
+        return Ok(());
+    }
+    Err(Error::CudaUnavailable(
+        "libcuda.so not found (no NVIDIA driver)".into(),
+    ))
+}
+
 pub struct CudaComm {
     // Declaration order is drop order: everything that needs the context goes before it.
     rank: usize,
     world: usize,
     ordinal: usize,
     device: sys::CUdevice,
-    bufs: Vec<Option<TestBuf>>,
-    registry: Registry,
+    #[cfg(feature = "test-support")]
+    bufs: Vec<Option<testbufs::TestBuf>>,
+    /// Registered (zero-copy) buffers; freed in Drop unless work may still run on them.
+    registry: ManuallyDrop<Registry>,
     next_region: u64,
     last_path: Option<PathInfo>,
     nccl: std::result::Result<nccl::Nccl, String>,
-    words: Arc<MappedHostWords>,
+    /// Stream order and what teardown waits for (see streams.rs).
+    streams: streams::Tracker,
+    events: streams::CudaEvents,
+    // Memory kernels use: freed in Drop unless work may still run on it (see teardown.rs).
+    words: ManuallyDrop<Arc<MappedHostWords>>,
     /// Private device state: counters[MAX_BLOCKS][2], then the error word.
-    state: DeviceAlloc,
-    ws: Workspaces,
+    state: ManuallyDrop<DeviceAlloc>,
+    ws: ManuallyDrop<Workspaces>,
+    /// Set by teardown: what must not be freed.
+    leak: teardown::Leak,
+    /// Whether teardown ran (else Drop waits for our work itself).
+    left: bool,
     limits: GridLimits,
     slot_bytes: usize,
     timeout: std::time::Duration,
@@ -126,21 +149,6 @@ struct Loaded {
     funcs: HashMap<(CudaPath, DType, ReduceOp), cs::CudaFunction>,
 }
 
-/// A test/benchmark buffer: plain device memory, or registered (zero-copy) memory.
-enum TestBuf {
-    Plain(DeviceAlloc),
-    Registered(RegisteredBuffer),
-}
-
-impl TestBuf {
-    fn ptr_bytes(&self) -> (u64, usize) {
-        match self {
-            TestBuf::Plain(a) => (a.ptr, a.bytes),
-            TestBuf::Registered(b) => (b.ptr(), b.bytes()),
-        }
-    }
-}
-
 impl Loaded {
     /// The module for GPU `ordinal` and world-size class `w` ([`kernels::world_class`]).
     fn get(ordinal: usize, w: usize, rank: usize) -> Result<Arc<Loaded>> {
@@ -153,17 +161,21 @@ impl Loaded {
         if let Some(l) = cache.get(&(ordinal, w)) {
             return Ok(l.clone());
         }
-        let cuda = |op: &str, e: cudarc::driver::DriverError| Error::Cuda {
-            rank,
-            op: op.into(),
-            detail: e.to_string(),
-        };
+        let cuda = |op: &str, e: cudarc::driver::DriverError| driver::from_cudarc(rank, op, e);
         let ctx = cs::CudaContext::new(ordinal).map_err(|e| cuda("context creation", e))?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| cuda("compute capability query", e))?;
         let ptx = kernels::compile(&format!("sm_{major}{minor}"), w).map_err(|e| match e {
             Error::Cuda { op, detail, .. } => Error::Cuda { rank, op, detail },
+            Error::CudaDriver {
+                op, code, detail, ..
+            } => Error::CudaDriver {
+                rank,
+                op,
+                code,
+                detail,
+            },
             other => other,
         })?;
         let module = ctx
@@ -202,7 +214,7 @@ impl Loaded {
 }
 
 impl CudaComm {
-    pub fn new(boot: &mut Bootstrap, opts: &Options) -> Result<CudaComm> {
+    pub fn new(boot: &mut Bootstrap, config: &Config) -> Result<CudaComm> {
         usable()?;
         let rank = boot.rank();
         let world = boot.world();
@@ -213,13 +225,13 @@ impl CudaComm {
                 format!("world size {world} exceeds the cuda backend's maximum of {MAX_RANKS}"),
             ));
         }
-        let cuda = |op: &str, e: cudarc::driver::DriverError| Error::Cuda {
-            rank,
-            op: op.into(),
-            detail: e.to_string(),
-        };
+        let cuda = |op: &str, e: cudarc::driver::DriverError| driver::from_cudarc(rank, op, e);
         let count = cs::CudaContext::device_count().map_err(|e| cuda("cuDeviceGetCount", e))?;
-        let ordinal = boot.info().local_rank % count as usize;
+        let ordinal = config.pick_device(
+            current_device(rank)?,
+            boot.info().local_rank,
+            count as usize,
+        )?;
         let gpu = Loaded::get(ordinal, kernels::world_class(world), rank)?;
         let ctx = gpu.ctx.clone();
         ctx.bind_to_thread()
@@ -236,21 +248,29 @@ impl CudaComm {
             .map(|a| uuids.iter().filter(|b| *b == a).count())
             .max()
             .unwrap_or(1);
-        let fixed = env_usize("IPCREDUCE_BLOCKS")?.map(|b| b.clamp(1, MAX_BLOCKS));
+        // Config::blocks / IPCREDUCE_BLOCKS: one CTA count for every SM path (tuning); else
+        // the count follows the message size (plan::cuda_path), up to the cap.
+        let fixed = config.blocks;
+        if fixed.is_some_and(|b| b == 0 || b > MAX_BLOCKS) {
+            return Err(Error::Config(format!(
+                "blocks {} (Config::blocks or IPCREDUCE_BLOCKS): 1 to {MAX_BLOCKS}",
+                fixed.unwrap_or(0)
+            )));
+        }
         let cap = match fixed {
             Some(_) => MAX_BLOCKS,
             None => DEFAULT_CTA_CAP.min(SHARED_GPU_CTAS / sharing),
         };
-        let slot_bytes = opts
-            .workspace_bytes
-            .map(|b| b / 2)
-            .or(env_usize("IPCREDUCE_SLOT_BYTES")?)
-            .unwrap_or(DEFAULT_SLOT_BYTES);
+        let slot_bytes = config.workspace_bytes.map_or(DEFAULT_SLOT_BYTES, |b| b / 2);
         let slot_bytes = (slot_bytes.max(64 << 10) / 256) * 256;
         // Messages up to this size take the low-latency one-shot (0 disables it).
-        let ll_max = env_usize("IPCREDUCE_LL_MAX")?
-            .unwrap_or(crate::plan::LL_DEFAULT_MAX_BYTES)
-            .min(LL_MAX_BYTES);
+        let ll_max = config.ll_max_bytes();
+        if ll_max > LL_MAX_BYTES {
+            return Err(Error::Config(format!(
+                "low-latency limit {ll_max} bytes (Config::ll_max_bytes or IPCREDUCE_LL_MAX): \
+                 at most {LL_MAX_BYTES}"
+            )));
+        }
         let limits = GridLimits { ll_max, cap, fixed };
         // Every rank must compute the same grid for every call and use the same slot size: the
         // protocol pairs block b with block b and alternates slots by chunk count.
@@ -278,7 +298,7 @@ impl CudaComm {
             boot,
             device,
             SIG_BYTES + LL_BYTES + 2 * slot_bytes,
-            ShareMode::from_env()?,
+            config.sharing,
         )?;
         if ws.size < SIG_BYTES + LL_BYTES + 2 * slot_bytes {
             return Err(Error::Cuda {
@@ -322,25 +342,31 @@ impl CudaComm {
         };
         check_peer_access(rank, device, &uuids)?;
 
+        let own = stream.cu_stream() as streams::Key;
         let mut comm = CudaComm {
             rank,
             world,
             ordinal,
             device,
-            registry: Registry::default(),
+            registry: ManuallyDrop::new(Registry::default()),
             next_region: 0,
             last_path: None,
             ctx,
             stream,
             gpu,
-            ws,
-            state,
-            words,
+            streams: streams::Tracker::new(own),
+            events: streams::CudaEvents::new(rank),
+            ws: ManuallyDrop::new(ws),
+            state: ManuallyDrop::new(state),
+            words: ManuallyDrop::new(words),
+            leak: teardown::Leak::Nothing,
+            left: false,
             limits,
             slot_bytes,
-            timeout: opts.timeout,
+            timeout: config.timeout(),
             abort,
             nccl: Err("not requested".into()),
+            #[cfg(feature = "test-support")]
             bufs: Vec::new(),
             devices,
             seq: 0,
@@ -348,8 +374,8 @@ impl CudaComm {
         comm.cross_process_check(boot)?;
 
         let shared_gpu = (0..world).any(|i| (0..i).any(|j| uuids[i] == uuids[j]));
-        if opts.with_nccl {
-            comm.nccl = if shared_gpu && std::env::var_os("IPCREDUCE_NCCL_SHARED_GPU").is_none() {
+        if config.with_nccl {
+            comm.nccl = if shared_gpu && !config.nccl_shared_gpu() {
                 // Keep the exchange inside Nccl::init out of it: no rank calls it.
                 Err("NCCL refuses two ranks on one GPU (set IPCREDUCE_NCCL_SHARED_GPU=1 to run it over loopback sockets)".into())
             } else {
@@ -359,65 +385,8 @@ impl CudaComm {
         Ok(comm)
     }
 
-    /// Writes a rank-specific pattern into our workspace, then reads every peer's through its
-    /// mapping: the real cross-process test that P2P queries alone cannot give.
-    fn cross_process_check(&mut self, boot: &mut Bootstrap) -> Result<()> {
-        let rank = self.rank;
-        let pattern = |r: usize| -> [u8; 16] {
-            let mut p = [0u8; 16];
-            for (i, b) in p.iter_mut().enumerate() {
-                *b = (0xA5 ^ (r as u8).wrapping_mul(31) ^ (i as u8).wrapping_mul(7)) | 1;
-            }
-            p
-        };
-        let probe = self.ws.base(rank) + DATA_OFFSET;
-        let mine = pattern(rank);
-        // SAFETY: 16 bytes inside our own data area.
-        ck(
-            unsafe { sys::cuMemcpyHtoD_v2(probe, mine.as_ptr().cast(), 16) },
-            rank,
-            || "writing the cross-process probe".into(),
-        )?;
-        // The copy may return before its DMA lands: wait before telling the peers.
-        // SAFETY: no arguments.
-        ck(unsafe { sys::cuCtxSynchronize() }, rank, || {
-            "cuCtxSynchronize".into()
-        })?;
-        boot.barrier()?;
-        for peer in 0..self.world {
-            let mut got = [0u8; 16];
-            let addr = self.ws.base(peer) + DATA_OFFSET;
-            // SAFETY: 16 bytes inside the peer's mapped data area.
-            let res = unsafe { sys::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), addr, 16) };
-            ck(res, rank, || format!("reading rank {peer}'s probe")).map_err(|e| {
-                Error::PeerAccess {
-                    rank,
-                    peer,
-                    op: "cross-process read",
-                    detail: e.to_string(),
-                }
-            })?;
-            if got != pattern(peer) {
-                return Err(Error::PeerAccess {
-                    rank,
-                    peer,
-                    op: "cross-process read",
-                    detail: format!(
-                        "read back {got:02x?} instead of the peer's pattern through the {} mapping",
-                        self.ws.mode.name()
-                    ),
-                });
-            }
-        }
-        boot.barrier()
-    }
-
     fn cuda_err(&self, op: String, e: cudarc::driver::DriverError) -> Error {
-        Error::Cuda {
-            rank: self.rank,
-            op,
-            detail: e.to_string(),
-        }
+        driver::from_cudarc(self.rank, op, e)
     }
 
     /// Fails if the communicator was aborted or a kernel recorded a failure.
@@ -528,14 +497,6 @@ impl CudaComm {
         Some((s, r))
     }
 
-    fn stream_or_own(&self, stream: *mut c_void) -> sys::CUstream {
-        if stream.is_null() {
-            self.stream.cu_stream()
-        } else {
-            stream as sys::CUstream
-        }
-    }
-
     /// Rejects device pointers that belong to another GPU.
     fn check_pointer(&self, ptr: u64, what: &str) -> Result<()> {
         let mut ordinal: i32 = -1;
@@ -568,6 +529,48 @@ impl CudaComm {
             ));
         }
         Ok(())
+    }
+
+    /// One call on `stream`, in order with the communicator's calls on other streams.
+    #[allow(clippy::too_many_arguments)]
+    fn enqueue(
+        &mut self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        algo: Algorithm,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        let capturing = streams::capturing(stream, self.rank)?;
+        let key = stream as streams::Key;
+        self.streams.before(&mut self.events, key, capturing)?;
+        self.launch(send, recv, count, dtype, op, algo, stream)?;
+        self.streams.after(&mut self.events, key, capturing)
+    }
+
+    /// Waits (bounded) for all work this communicator enqueued on any stream.
+    fn wait_all(&mut self, op: &str) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| self.cuda_err("binding the context".into(), e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| self.cuda_err(format!("{op}: stream synchronize"), e))?;
+        // Kernels give up by themselves after the timeout; allow them that and a margin.
+        let deadline = std::time::Instant::now() + self.timeout + std::time::Duration::from_secs(2);
+        if self.streams.drain(&mut self.events, deadline)? {
+            return Ok(());
+        }
+        Err(Error::Cuda {
+            rank: self.rank,
+            op: op.into(),
+            detail: format!(
+                "work enqueued by this communicator still runs after {:?}",
+                self.timeout
+            ),
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -679,8 +682,37 @@ impl BackendOps for CudaComm {
         if recv as u64 != send as u64 && self.registry.lookup(recv as u64, bytes).is_none() {
             self.check_pointer(recv as u64, "recv")?;
         }
-        let stream = self.stream_or_own(stream);
-        self.launch(send as u64, recv as u64, count, dtype, op, algo, stream)
+        // CUDA's meaning: 0 is the legacy default stream.
+        let stream = stream as sys::CUstream;
+        self.enqueue(send as u64, recv as u64, count, dtype, op, algo, stream)
+    }
+
+    fn unavailable(&self, algo: Algorithm) -> Option<String> {
+        match (algo, &self.nccl) {
+            (Algorithm::Nccl, Err(why)) => Some(why.clone()),
+            _ => None,
+        }
+    }
+
+    fn meta(&self) -> BackendMeta {
+        BackendMeta {
+            devices: self.devices.clone(),
+            driver: driver::driver_version(),
+            nccl_version: nccl::version(),
+        }
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        self.wait_all("synchronize")?;
+        self.check_health()
+    }
+
+    fn async_error(&self) -> Option<Error> {
+        self.check_health().err()
+    }
+
+    fn leave(&mut self, boot: &mut Bootstrap) {
+        self.teardown(boot)
     }
 
     fn alloc_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<RegisteredBuffer> {
@@ -715,12 +747,8 @@ impl BackendOps for CudaComm {
     }
 
     fn free_registered(&mut self, boot: &mut Bootstrap, buf: RegisteredBuffer) -> Result<()> {
-        self.bind()?;
-        // Every kernel of ours (on any stream) that may touch it is done, then every peer's.
-        // SAFETY: no arguments.
-        ck(unsafe { sys::cuCtxSynchronize() }, self.rank, || {
-            "cuCtxSynchronize before freeing a registered buffer".into()
-        })?;
+        // Our work on every stream that may touch it is done (bounded), then every peer's.
+        self.wait_all("free")?;
         boot.barrier()?;
         self.registry.remove(buf.id()).map(drop).ok_or_else(|| {
             Error::invalid(
@@ -731,187 +759,8 @@ impl BackendOps for CudaComm {
         })
     }
 
-    fn alloc_test_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<BufId> {
-        let buf = self.alloc_registered(boot, bytes)?;
-        self.bufs.push(Some(TestBuf::Registered(buf)));
-        Ok(self.bufs.len() - 1)
-    }
-
     fn last_path(&self) -> Option<PathInfo> {
         self.last_path
-    }
-
-    fn unavailable(&self, algo: Algorithm) -> Option<String> {
-        match (algo, &self.nccl) {
-            (Algorithm::Nccl, Err(why)) => Some(why.clone()),
-            _ => None,
-        }
-    }
-
-    fn meta(&self) -> BackendMeta {
-        BackendMeta {
-            devices: self.devices.clone(),
-            driver: driver::driver_version(),
-            nccl_version: nccl::version(),
-        }
-    }
-
-    fn alloc(&mut self, bytes: usize) -> Result<BufId> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| self.cuda_err("binding the context".into(), e))?;
-        let buf = DeviceAlloc::new(bytes, self.rank)?;
-        self.bufs.push(Some(TestBuf::Plain(buf)));
-        Ok(self.bufs.len() - 1)
-    }
-
-    fn free(&mut self, id: BufId) {
-        if let Some(slot) = self.bufs.get_mut(id) {
-            if let Some(TestBuf::Registered(buf)) = slot.take() {
-                // Not collective: peers' mappings keep the memory alive until they drop them.
-                if let Err(e) = self.stream.synchronize() {
-                    tracing::warn!(rank = self.rank, "synchronize before freeing failed: {e}");
-                }
-                self.registry.remove(buf.id());
-            }
-        }
-    }
-
-    fn write(&mut self, id: BufId, data: &[u8]) -> Result<()> {
-        let (ptr, bytes) = self.buf(id)?;
-        assert!(data.len() <= bytes);
-        // On our stream, then waited for: a plain cuMemcpyHtoD from pageable memory may return
-        // before its DMA lands, and our (non-blocking) stream would not wait for it.
-        // SAFETY: in bounds of our allocation; `data` outlives the synchronize below.
-        ck(
-            unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    ptr,
-                    data.as_ptr().cast(),
-                    data.len(),
-                    self.stream.cu_stream(),
-                )
-            },
-            self.rank,
-            || format!("copying {} bytes to the device", data.len()),
-        )?;
-        self.synchronize()
-    }
-
-    fn read(&mut self, id: BufId, out: &mut [u8]) -> Result<()> {
-        self.synchronize()?;
-        let (ptr, bytes) = self.buf(id)?;
-        assert!(out.len() <= bytes);
-        // SAFETY: in bounds of our allocation; `out` outlives the synchronize below.
-        ck(
-            unsafe {
-                sys::cuMemcpyDtoHAsync_v2(
-                    out.as_mut_ptr().cast(),
-                    ptr,
-                    out.len(),
-                    self.stream.cu_stream(),
-                )
-            },
-            self.rank,
-            || format!("copying {} bytes from the device", out.len()),
-        )?;
-        self.synchronize()
-    }
-
-    fn run(&mut self, call: &Call) -> Result<()> {
-        let (s, r) = (self.buf(call.send)?, self.buf(call.recv)?);
-        let end = call.offset + call.count * call.dtype.size();
-        if end > s.1 || end > r.1 {
-            return Err(Error::invalid(self.rank, "run", "call exceeds its buffers"));
-        }
-        let (s, r) = (s.0 + call.offset as u64, r.0 + call.offset as u64);
-        let stream = self.stream.cu_stream();
-        self.launch(s, r, call.count, call.dtype, call.op, call.algo, stream)
-    }
-
-    fn synchronize(&mut self) -> Result<()> {
-        let res = self.stream.synchronize();
-        self.check_health()?;
-        res.map_err(|e| self.cuda_err("stream synchronize".into(), e))
-    }
-
-    fn time(
-        &mut self,
-        call: &Call,
-        warmup: usize,
-        iters: usize,
-        graph: Option<usize>,
-    ) -> Result<f64> {
-        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let start = self
-            .ctx
-            .new_event(flags)
-            .map_err(|e| self.cuda_err("cuEventCreate".into(), e))?;
-        let end = self
-            .ctx
-            .new_event(flags)
-            .map_err(|e| self.cuda_err("cuEventCreate".into(), e))?;
-        let iters = iters.max(1);
-        let calls = match graph {
-            None => {
-                for _ in 0..warmup {
-                    self.run(call)?;
-                }
-                self.synchronize()?;
-                start
-                    .record(&self.stream)
-                    .map_err(|e| self.cuda_err("cuEventRecord".into(), e))?;
-                for _ in 0..iters {
-                    self.run(call)?;
-                }
-                iters
-            }
-            Some(k) => {
-                let k = k.max(1);
-                self.synchronize()?;
-                self.stream
-                    .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                    .map_err(|e| self.cuda_err("cuStreamBeginCapture".into(), e))?;
-                let mut captured = Ok(());
-                for _ in 0..k {
-                    captured = self.run(call);
-                    if captured.is_err() {
-                        break;
-                    }
-                }
-                let g = self
-                    .stream
-                    .end_capture(sys::CUgraphInstantiate_flags(0))
-                    .map_err(|e| self.cuda_err("cuStreamEndCapture".into(), e))?;
-                captured?;
-                let g = g.ok_or_else(|| Error::Cuda {
-                    rank: self.rank,
-                    op: "graph capture".into(),
-                    detail: "captured an empty graph".into(),
-                })?;
-                let reps = iters.div_ceil(k);
-                for _ in 0..warmup.div_ceil(k).max(1) {
-                    g.launch()
-                        .map_err(|e| self.cuda_err("cuGraphLaunch".into(), e))?;
-                }
-                self.synchronize()?;
-                start
-                    .record(&self.stream)
-                    .map_err(|e| self.cuda_err("cuEventRecord".into(), e))?;
-                for _ in 0..reps {
-                    g.launch()
-                        .map_err(|e| self.cuda_err("cuGraphLaunch".into(), e))?;
-                }
-                reps * k
-            }
-        };
-        end.record(&self.stream)
-            .map_err(|e| self.cuda_err("cuEventRecord".into(), e))?;
-        self.synchronize()?;
-        let ms = start
-            .elapsed_ms(&end)
-            .map_err(|e| self.cuda_err("cuEventElapsedTime".into(), e))?;
-        Ok(ms as f64 * 1000.0 / calls as f64)
     }
 }
 
@@ -921,90 +770,6 @@ impl CudaComm {
             .bind_to_thread()
             .map_err(|e| self.cuda_err("binding the context".into(), e))
     }
-
-    fn buf(&self, id: BufId) -> Result<(u64, usize)> {
-        self.bufs
-            .get(id)
-            .and_then(|b| b.as_ref())
-            .map(TestBuf::ptr_bytes)
-            .ok_or_else(|| Error::invalid(self.rank, "buffer", format!("no buffer #{id}")))
-    }
-}
-
-impl Drop for CudaComm {
-    fn drop(&mut self) {
-        // Finish our work (registered buffers may be in use on the caller's streams too) before
-        // unmapping anything a kernel may still touch.
-        if let Err(e) = self.stream.synchronize() {
-            tracing::warn!(rank = self.rank, "synchronize at teardown failed: {e}");
-        }
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: no arguments.
-            let res = unsafe { sys::cuCtxSynchronize() };
-            if res != sys::CUresult::CUDA_SUCCESS {
-                tracing::warn!(
-                    rank = self.rank,
-                    "cuCtxSynchronize at teardown failed: {res:?}"
-                );
-            }
-        }
-    }
-}
-
-fn device_uuid(device: sys::CUdevice, rank: usize) -> Result<Vec<u8>> {
-    // SAFETY: a plain C struct filled by the driver.
-    let mut uuid: sys::CUuuid = unsafe { std::mem::zeroed() };
-    ck(
-        unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, device) },
-        rank,
-        || "cuDeviceGetUuid".into(),
-    )?;
-    Ok(uuid.bytes.iter().map(|b| *b as u8).collect())
-}
-
-/// For every peer on another GPU: that GPU must be visible here and reachable by P2P.
-fn check_peer_access(rank: usize, device: sys::CUdevice, uuids: &[Vec<u8>]) -> Result<()> {
-    let mine = &uuids[rank];
-    let count = cs::CudaContext::device_count().unwrap_or(0);
-    let mut visible = HashMap::new();
-    for ord in 0..count {
-        let mut dev = 0;
-        // SAFETY: writes one device handle.
-        if unsafe { sys::cuDeviceGet(&mut dev, ord) } == sys::CUresult::CUDA_SUCCESS {
-            visible.insert(device_uuid(dev, rank)?, (ord, dev));
-        }
-    }
-    for (peer, uuid) in uuids.iter().enumerate() {
-        if peer == rank || uuid == mine {
-            continue;
-        }
-        let Some(&(ord, peer_dev)) = visible.get(uuid) else {
-            return Err(Error::PeerAccess {
-                rank,
-                peer,
-                op: "P2P query",
-                detail:
-                    "the peer's GPU is not visible to this process (CUDA_VISIBLE_DEVICES differs?)"
-                        .into(),
-            });
-        };
-        let mut can = 0;
-        // SAFETY: writes one int.
-        ck(
-            unsafe { sys::cuDeviceCanAccessPeer(&mut can, device, peer_dev) },
-            rank,
-            || "cuDeviceCanAccessPeer".into(),
-        )?;
-        if can == 0 {
-            return Err(Error::PeerAccess {
-                rank,
-                peer,
-                op: "P2P query",
-                detail: format!("this GPU cannot access GPU {ord} directly (no P2P path)"),
-            });
-        }
-    }
-    Ok(())
 }
 
 /// "N regs, M B local" of a loaded kernel, for the log.
@@ -1025,14 +790,31 @@ fn kernel_resources(f: &cs::CudaFunction) -> String {
     format!("{} regs, {} B local", get(REGS), get(LOCAL))
 }
 
-fn env_usize(name: &str) -> Result<Option<usize>> {
-    match std::env::var(name) {
-        Ok(v) if !v.is_empty() => v
-            .parse()
-            .map(Some)
-            .map_err(|_| Error::Config(format!("{name}={v}: expected a positive integer"))),
-        _ => Ok(None),
+/// The device of the CUDA context current on this thread, if there is one: a caller that
+/// made its own context current (PyTorch does) gets its communicator on that GPU.
+fn current_device(rank: usize) -> Result<Option<usize>> {
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: writes one handle (null when no context is current).
+    ck(unsafe { sys::cuCtxGetCurrent(&mut ctx) }, rank, || {
+        "cuCtxGetCurrent".into()
+    })?;
+    if ctx.is_null() {
+        return Ok(None);
     }
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: writes one device handle of the current context.
+    ck(unsafe { sys::cuCtxGetDevice(&mut dev) }, rank, || {
+        "cuCtxGetDevice".into()
+    })?;
+    let count = cs::CudaContext::device_count().unwrap_or(0);
+    for ordinal in 0..count {
+        let mut d: sys::CUdevice = 0;
+        // SAFETY: writes one device handle.
+        if unsafe { sys::cuDeviceGet(&mut d, ordinal) } == sys::CUresult::CUDA_SUCCESS && d == dev {
+            return Ok(Some(ordinal as usize));
+        }
+    }
+    Ok(None)
 }
 
 #[cfg(test)]
@@ -1053,10 +835,14 @@ mod tests {
 
     #[test]
     fn unusable_without_a_driver_is_an_error_not_a_panic() {
-        if driver::driver_present() {
-            return;
-        }
-        let err = usable().unwrap_err();
+        let err = require_driver(false).unwrap_err();
         assert!(err.to_string().contains("libcuda"), "{err}");
+        require_driver(true).unwrap();
+        // On this machine, whatever it has: an answer, never a panic.
+        match (driver::driver_present(), usable()) {
+            (false, Err(e)) => assert!(e.to_string().contains("libcuda"), "{e}"),
+            (false, Ok(())) => panic!("usable without a driver"),
+            (true, _) => {}
+        }
     }
 }

@@ -1,15 +1,27 @@
 //! NCCL beside ipcreduce: the baseline the benchmark compares against, on the same buffers, in
 //! the same processes, with the unique id passed over our bootstrap.
+//!
+//! NCCL runs inside the user's process, so it is configured only through `ncclConfig_t`
+//! (`ncclCommInitRankConfig`): the library sets no environment variable (that would race with
+//! other threads and change the application's own NCCL). The communicator is non-blocking so
+//! that every wait on it has a deadline; an aborted one is ended with `ncclCommAbort`.
 
+use crate::abort::AbortState;
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use crate::types::{DType, ReduceOp};
 use cudarc::nccl::{result as nr, sys as ns};
-use std::ffi::c_void;
+use std::ffi::{c_void, CStr, CString};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 pub struct Nccl {
     comm: ns::ncclComm_t,
     rank: usize,
+    timeout: Duration,
+    abort: Arc<AbortState>,
+    /// Drop ends the communicator with ncclCommAbort (never waits for peers).
+    abort_on_drop: bool,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one at a time (we hold &mut).
@@ -32,9 +44,56 @@ pub fn version() -> Option<String> {
     })
 }
 
+/// `NCCL_CONFIG_UNDEF_INT`: "NCCL decides".
+const UNDEF_INT: i32 = i32::MIN;
+/// `NCCL_VERSION(2, 28, 0)`: the layout of cudarc's `ncclConfig_t`.
+const CONFIG_VERSION: u32 = 22800;
+
+/// `NCCL_CONFIG_INITIALIZER`, then our choices: non-blocking (bounded waits), a name for
+/// NCCL's logs, and the socket transport when ranks share a GPU (NCCL then treats each rank
+/// as its own host and talks over loopback).
+fn config(name: &CStr, net: Option<&CStr>) -> ns::ncclConfig_t {
+    // SAFETY: a plain C struct; all fields are set below or are integers/pointers for which
+    // zero is then replaced by NCCL's "undefined" marker.
+    let mut c: ns::ncclConfig_t = unsafe { std::mem::zeroed() };
+    c.size = std::mem::size_of::<ns::ncclConfig_t>();
+    c.magic = 0xcafe_beef;
+    c.version = CONFIG_VERSION;
+    c.blocking = 0;
+    c.cgaClusterSize = UNDEF_INT;
+    c.minCTAs = UNDEF_INT;
+    c.maxCTAs = UNDEF_INT;
+    c.netName = net.map_or(std::ptr::null(), CStr::as_ptr);
+    c.splitShare = UNDEF_INT;
+    c.trafficClass = UNDEF_INT;
+    c.commName = name.as_ptr();
+    c.collnetEnable = UNDEF_INT;
+    c.CTAPolicy = UNDEF_INT;
+    c.shrinkShare = UNDEF_INT;
+    c.nvlsCTAs = UNDEF_INT;
+    c.nChannelsPerNetPeer = UNDEF_INT;
+    c.nvlinkCentricSched = UNDEF_INT;
+    c.graphUsageMode = UNDEF_INT;
+    c.numRmaCtx = UNDEF_INT;
+    c.maxP2pPeers = UNDEF_INT;
+    c
+}
+
+fn describe(r: ns::ncclResult_t) -> String {
+    // SAFETY: NCCL returns a static string.
+    let p = unsafe { ns::ncclGetErrorString(r) };
+    if p.is_null() {
+        format!("{r:?}")
+    } else {
+        // SAFETY: non-null, NUL-terminated, static.
+        format!("{r:?}: {}", unsafe { CStr::from_ptr(p) }.to_string_lossy())
+    }
+}
+
 impl Nccl {
     /// Collective: builds an NCCL communicator over the same ranks. `shared_gpu`: ranks share
-    /// GPUs (MPS); NCCL then only runs if each rank pretends to be its own host.
+    /// GPUs (MPS); NCCL then only runs when every rank has its own `NCCL_HOSTID` in its
+    /// environment (`ipcreduce launch` sets one with `IPCREDUCE_NCCL_SHARED_GPU=1`).
     pub fn init(boot: &mut Bootstrap, shared_gpu: bool) -> Result<Nccl> {
         let rank = boot.rank();
         let err = |op: &str, detail: String| Error::Cuda {
@@ -42,40 +101,112 @@ impl Nccl {
             op: op.into(),
             detail,
         };
-        if !present() {
-            // Still take part in the exchange below so no rank waits forever.
-            boot.all_gather(&[0])?;
-            return Err(err("NCCL init", "libnccl.so not found".into()));
+        // Every rank takes part in both exchanges, whatever it finds, so none waits in vain.
+        let host_id = std::env::var("NCCL_HOSTID").unwrap_or_default();
+        let ids = boot.all_gather(host_id.as_bytes())?;
+        let ok = boot.all_gather(&[present() as u8])?;
+        if let Some(peer) = ok.iter().position(|v| v != &[1]) {
+            let who = if peer == rank { "here" } else { "on that rank" };
+            return Err(err(
+                "NCCL init",
+                format!("libnccl.so not found {who} (rank {peer})"),
+            ));
         }
         if shared_gpu {
-            // NCCL refuses two ranks on one GPU unless each believes it is on its own host;
-            // it then talks over loopback sockets (a functional baseline, not a fast one).
-            std::env::set_var("NCCL_HOSTID", format!("ipcreduce-rank-{rank}"));
-            std::env::set_var("NCCL_SOCKET_IFNAME", "lo");
-            std::env::set_var("NCCL_IB_DISABLE", "1");
+            // Decided on the gathered ids, so that every rank decides the same.
+            let distinct = (0..ids.len()).all(|i| (0..i).all(|j| ids[i] != ids[j]));
+            if ids.iter().any(Vec::is_empty) || !distinct {
+                return Err(err(
+                    "NCCL init",
+                    "ranks share a GPU: NCCL needs a distinct NCCL_HOSTID in every rank's \
+                     environment (ipcreduce launch sets them with IPCREDUCE_NCCL_SHARED_GPU=1)"
+                        .into(),
+                ));
+            }
         }
-        // Never let NCCL use NVLink multicast.
-        std::env::set_var("NCCL_NVLS_ENABLE", "0");
         let id = if rank == 0 {
-            nr::get_uniqueid().map_err(|e| err("ncclGetUniqueId", format!("{e:?}")))?
+            nr::get_uniqueid().map_err(|e| err("ncclGetUniqueId", describe(e.0)))?
         } else {
             // SAFETY: plain bytes, overwritten below.
             unsafe { std::mem::zeroed() }
         };
-        // SAFETY: ncclUniqueId is 128 plain bytes.
-        let raw: [u8; 128] = unsafe { std::mem::transmute(id) };
+        let raw: [u8; 128] = id.internal.map(|c| c as u8);
         let all = boot.all_gather(if rank == 0 { &raw } else { &[0] })?;
         let root: [u8; 128] = all[0]
             .as_slice()
             .try_into()
             .map_err(|_| err("NCCL id exchange", "rank 0 sent no NCCL id".into()))?;
-        // SAFETY: 128 plain bytes back into the id.
-        let id: ns::ncclUniqueId = unsafe { std::mem::transmute(root) };
+        let id = ns::ncclUniqueId {
+            internal: root.map(|b| b as std::ffi::c_char),
+        };
+
+        let name = CString::new("ipcreduce").expect("no NUL");
+        let socket = CString::new("Socket").expect("no NUL");
+        let mut cfg = config(&name, shared_gpu.then_some(socket.as_c_str()));
         let mut comm = std::ptr::null_mut();
-        // SAFETY: collective init; every rank calls it with the same id.
-        unsafe { nr::comm_init_rank(&mut comm, boot.world() as i32, id, rank as i32) }
-            .map_err(|e| err("ncclCommInitRank", format!("{e:?}")))?;
-        Ok(Nccl { comm, rank })
+        // SAFETY: collective init; every rank calls it with the same id; `cfg` and the
+        // strings it points to outlive the call (NCCL copies them).
+        let res = unsafe {
+            ns::ncclCommInitRankConfig(&mut comm, boot.world() as i32, id, rank as i32, &mut cfg)
+        };
+        if !matches!(
+            res,
+            ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress
+        ) {
+            if !comm.is_null() {
+                // SAFETY: the half-made communicator, ended once.
+                unsafe { ns::ncclCommAbort(comm) };
+            }
+            return Err(err("ncclCommInitRankConfig", describe(res)));
+        }
+        let mut nccl = Nccl {
+            comm,
+            rank,
+            timeout: boot.timeout(),
+            abort: boot.abort_state(),
+            abort_on_drop: false,
+        };
+        nccl.settle("ncclCommInitRankConfig")?;
+        Ok(nccl)
+    }
+
+    /// Waits (bounded by the timeout, and by our abort flag) until the communicator's last
+    /// operation has left NCCL's "in progress" state.
+    fn settle(&mut self, op: &str) -> Result<()> {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            let mut state = ns::ncclResult_t::ncclSuccess;
+            // SAFETY: our communicator; writes one result.
+            let res = unsafe { ns::ncclCommGetAsyncError(self.comm, &mut state) };
+            if res != ns::ncclResult_t::ncclSuccess {
+                state = res;
+            }
+            let why = match state {
+                ns::ncclResult_t::ncclSuccess => return Ok(()),
+                ns::ncclResult_t::ncclInProgress if self.abort.is_aborted() => {
+                    format!("aborted: {}", self.abort.reason().unwrap_or_default())
+                }
+                ns::ncclResult_t::ncclInProgress if Instant::now() >= deadline => {
+                    format!("still in progress after {:?}", self.timeout)
+                }
+                ns::ncclResult_t::ncclInProgress => {
+                    std::thread::sleep(Duration::from_micros(50));
+                    continue;
+                }
+                other => describe(other),
+            };
+            self.abort_on_drop = true;
+            return Err(Error::Cuda {
+                rank: self.rank,
+                op: op.into(),
+                detail: why,
+            });
+        }
+    }
+
+    /// Makes Drop end the communicator with ncclCommAbort.
+    pub fn abort_on_drop(&mut self) {
+        self.abort_on_drop = true;
     }
 
     /// Enqueues an all-reduce on `stream`.
@@ -101,29 +232,84 @@ impl Nccl {
             ReduceOp::Max => ns::ncclRedOp_t::ncclMax,
             ReduceOp::Min => ns::ncclRedOp_t::ncclMin,
         };
-        nr::all_reduce(
-            send,
-            recv,
-            count,
-            dt,
-            o,
-            self.comm,
-            stream as ns::cudaStream_t,
-        )
-        .map(|_| ())
-        .map_err(|e| Error::Cuda {
-            rank: self.rank,
-            op: format!("ncclAllReduce({count} x {dtype})"),
-            detail: format!("{e:?}"),
-        })
+        let what = format!("ncclAllReduce({count} x {dtype})");
+        // SAFETY: the caller vouches for the pointers; the communicator is ours.
+        let res = unsafe {
+            ns::ncclAllReduce(
+                send,
+                recv,
+                count,
+                dt,
+                o,
+                self.comm,
+                stream as ns::cudaStream_t,
+            )
+        };
+        match res {
+            ns::ncclResult_t::ncclSuccess => Ok(()),
+            ns::ncclResult_t::ncclInProgress => self.settle(&what),
+            other => {
+                self.abort_on_drop = true;
+                Err(Error::Cuda {
+                    rank: self.rank,
+                    op: what,
+                    detail: describe(other),
+                })
+            }
+        }
     }
 }
 
 impl Drop for Nccl {
     fn drop(&mut self) {
-        // SAFETY: destroys the communicator we created, once.
-        if let Err(e) = unsafe { nr::comm_destroy(self.comm) } {
-            tracing::warn!(rank = self.rank, "ncclCommDestroy failed: {e:?}");
+        if !self.abort_on_drop && !self.abort.is_aborted() {
+            // A clean end: finalize (bounded by `settle`), then destroy.
+            // SAFETY: our communicator.
+            let res = unsafe { ns::ncclCommFinalize(self.comm) };
+            let finalized = match res {
+                ns::ncclResult_t::ncclSuccess => true,
+                ns::ncclResult_t::ncclInProgress => self.settle("ncclCommFinalize").is_ok(),
+                _ => false,
+            };
+            if finalized {
+                // SAFETY: finalized, destroyed once; local after finalize.
+                let res = unsafe { ns::ncclCommDestroy(self.comm) };
+                if res != ns::ncclResult_t::ncclSuccess {
+                    tracing::warn!(rank = self.rank, "ncclCommDestroy: {}", describe(res));
+                }
+                return;
+            }
         }
+        // SAFETY: ends our communicator once without waiting for peers.
+        let res = unsafe { ns::ncclCommAbort(self.comm) };
+        if res != ns::ncclResult_t::ncclSuccess {
+            tracing::warn!(rank = self.rank, "ncclCommAbort: {}", describe(res));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_config_is_nccls_initializer_plus_our_choices() {
+        let name = CString::new("ipcreduce").unwrap();
+        let net = CString::new("Socket").unwrap();
+        let c = config(&name, None);
+        assert_eq!(c.magic, 0xcafe_beef);
+        assert_eq!(c.size, std::mem::size_of::<ns::ncclConfig_t>());
+        assert_eq!(
+            c.blocking, 0,
+            "non-blocking, so that every wait has a deadline"
+        );
+        assert_eq!(c.cgaClusterSize, UNDEF_INT);
+        assert_eq!(c.maxP2pPeers, UNDEF_INT);
+        assert!(c.netName.is_null());
+        // SAFETY: points into `name`, alive.
+        assert_eq!(unsafe { CStr::from_ptr(c.commName) }, name.as_c_str());
+        let c = config(&name, Some(&net));
+        // SAFETY: points into `net`, alive.
+        assert_eq!(unsafe { CStr::from_ptr(c.netName) }, net.as_c_str());
     }
 }

@@ -7,39 +7,15 @@
 //! - `Ipc`: `cuMemAlloc` + `cudaIpcGetMemHandle`-style handles (`cuIpcGetMemHandle` /
 //!   `cuIpcOpenMemHandle`), the seed's way, for drivers or setups where the first fails.
 //!
-//! `IPCREDUCE_SHARE=vmm|ipc` picks one; by default VMM is tried and IPC used if it fails.
+//! `Config::sharing` (`IPCREDUCE_SHARE=vmm|ipc`) picks one; by default VMM is tried and IPC
+//! used if it fails.
 
 use super::driver::ck;
 use crate::bootstrap::Bootstrap;
+use crate::config::Sharing;
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ShareMode {
-    Vmm,
-    Ipc,
-}
-
-impl ShareMode {
-    pub fn from_env() -> Result<Option<ShareMode>> {
-        match std::env::var("IPCREDUCE_SHARE").ok().as_deref() {
-            None | Some("") | Some("auto") => Ok(None),
-            Some("vmm") => Ok(Some(ShareMode::Vmm)),
-            Some("ipc") => Ok(Some(ShareMode::Ipc)),
-            Some(other) => Err(Error::Config(format!(
-                "IPCREDUCE_SHARE={other}: expected vmm, ipc or auto"
-            ))),
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            ShareMode::Vmm => "vmm",
-            ShareMode::Ipc => "ipc",
-        }
-    }
-}
 
 /// A mapping of one rank's shared memory into this process (own or a peer's).
 pub(super) enum Mapping {
@@ -91,7 +67,7 @@ impl Drop for Mapping {
 pub struct Workspaces {
     maps: Vec<Mapping>,
     pub size: usize,
-    pub mode: ShareMode,
+    pub mode: Sharing,
 }
 
 impl Workspaces {
@@ -105,20 +81,20 @@ impl Workspaces {
         boot: &mut Bootstrap,
         device: sys::CUdevice,
         bytes: usize,
-        forced: Option<ShareMode>,
+        forced: Option<Sharing>,
     ) -> Result<Workspaces> {
         let rank = boot.rank();
-        let modes: &[ShareMode] = match forced {
-            Some(ShareMode::Vmm) => &[ShareMode::Vmm],
-            Some(ShareMode::Ipc) => &[ShareMode::Ipc],
-            None => &[ShareMode::Vmm, ShareMode::Ipc],
+        let modes: &[Sharing] = match forced {
+            Some(Sharing::Vmm) => &[Sharing::Vmm],
+            Some(Sharing::Ipc) => &[Sharing::Ipc],
+            None => &[Sharing::Vmm, Sharing::Ipc],
         };
         let mut last_err = None;
         for &mode in modes {
             // Every rank must pick the same mode: agree on whether the local export worked.
             let local = match mode {
-                ShareMode::Vmm => export_vmm(device, bytes, rank).map(Local::Vmm),
-                ShareMode::Ipc => export_ipc(bytes, rank).map(|(m, h)| Local::Ipc((m, h, bytes))),
+                Sharing::Vmm => export_vmm(device, bytes, rank).map(Local::Vmm),
+                Sharing::Ipc => export_ipc(bytes, rank).map(|(m, h)| Local::Ipc((m, h, bytes))),
             };
             let ok = boot.all_gather(&[local.is_ok() as u8])?;
             match local {
@@ -273,7 +249,7 @@ fn import_all(
     boot: &mut Bootstrap,
     device: sys::CUdevice,
     local: Local,
-    mode: ShareMode,
+    mode: Sharing,
 ) -> Result<Workspaces> {
     let rank = boot.rank();
     let world = boot.world();
@@ -306,8 +282,7 @@ fn import_all(
         }
         Local::Ipc((own, handle, bytes)) => {
             size = bytes;
-            // SAFETY: CUipcMemHandle is 64 plain bytes.
-            let raw: [u8; 64] = unsafe { std::mem::transmute(handle) };
+            let raw: [u8; 64] = handle.reserved.map(|c| c as u8);
             let all = boot.all_gather(&raw)?;
             maps[rank] = Some(own);
             for (peer, h) in all.iter().enumerate() {
@@ -320,8 +295,9 @@ fn import_all(
                     op: "IPC handle exchange",
                     detail: format!("expected 64 bytes, got {}", h.len()),
                 })?;
-                // SAFETY: 64 plain bytes back into the handle struct.
-                let handle: sys::CUipcMemHandle = unsafe { std::mem::transmute(arr) };
+                let handle = sys::CUipcMemHandle {
+                    reserved: arr.map(|b| b as std::ffi::c_char),
+                };
                 let mut ptr = 0;
                 // SAFETY: opens the peer's allocation; closed by Mapping's Drop.
                 let res = unsafe {

@@ -1,4 +1,4 @@
-//! Plain, 64-byte aligned heap buffers for [`crate::backend::BackendOps::alloc`]: the honest
+//! Plain, 64-byte aligned heap buffers for [`crate::backend::TestBuffers::alloc`]: the honest
 //! "user memory" path of the benchmark and the checks (zero-copy buffers live in `heap.rs`).
 
 use crate::backend::BufId;

@@ -164,16 +164,15 @@ impl<T: Element> HostBuffer<T> {
 impl<T: Element> Deref for HostBuffer<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
-        // SAFETY: the buffer holds len elements, is page aligned, zero-initialised (a valid T)
-        // and T is Pod.
-        unsafe { std::slice::from_raw_parts(self.buf.as_ptr().cast::<T>(), self.len) }
+        // The buffer holds len elements and is page aligned, so the cast cannot fail.
+        bytemuck::cast_slice(&self.buf.as_bytes()[..self.len * std::mem::size_of::<T>()])
     }
 }
 
 impl<T: Element> DerefMut for HostBuffer<T> {
     fn deref_mut(&mut self) -> &mut [T] {
-        // SAFETY: as in deref, exclusive through &mut self.
-        unsafe { std::slice::from_raw_parts_mut(self.buf.as_mut_ptr().cast::<T>(), self.len) }
+        let bytes = self.len * std::mem::size_of::<T>();
+        bytemuck::cast_slice_mut(&mut self.buf.as_bytes_mut()[..bytes])
     }
 }
 

@@ -16,6 +16,7 @@
 //! overwrite as soon as the call returns) end with a `done` barrier.
 
 mod arena;
+#[cfg(feature = "test-support")]
 mod buffers;
 mod failure;
 mod heap;
@@ -30,14 +31,15 @@ mod twoshot;
 pub use heap::{HostBuffer, SymmetricBuffer};
 
 use crate::abort::AbortState;
-use crate::backend::{BackendMeta, BackendOps, BufId, Call};
+use crate::backend::{BackendMeta, BackendOps};
+#[cfg(feature = "test-support")]
+use crate::backend::{BufId, Call};
 use crate::bootstrap::Bootstrap;
-use crate::communicator::Options;
+use crate::config::Config;
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use arena::{Control, Layout, Mapping, SRC_INLINE};
-use buffers::Buffers;
 use failure::Fail;
 use heap::HeapAlloc;
 use stamp::Stamp;
@@ -45,31 +47,19 @@ use std::ffi::c_void;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+#[cfg(feature = "test-support")]
+use std::time::Instant;
 use sync::SpinPolicy;
 
 /// Default data area: two slots of 4 MiB.
 pub const DEFAULT_WORKSPACE_BYTES: usize = 8 << 20;
-/// Default symmetric heap (virtual: pages are only allocated when buffers touch them).
-pub const DEFAULT_HEAP_BYTES: usize = 64 << 20;
 /// Largest chunk, even when slots are larger. Per-chunk sync costs ~1 us; among 128 KiB to
 /// 4 MiB, 1 MiB timed best for 0.5-8 MiB messages at 2 ranks on the 2-core dev VM (by ~10%:
 /// cross-core line transfers dominate whatever the chunk size).
 const MAX_CHUNK_BYTES: usize = 1 << 20;
 /// Two-shot shards start on multiples of this many bytes.
 const SHARD_ALIGN_BYTES: usize = 64;
-
-/// Reads `IPCREDUCE_HOST_HEAP_MB` (size of the symmetric heap; all ranks must agree).
-fn heap_bytes_from_env() -> Result<usize> {
-    match std::env::var("IPCREDUCE_HOST_HEAP_MB") {
-        Ok(v) if !v.is_empty() => v
-            .parse::<usize>()
-            .ok()
-            .and_then(|mb| mb.checked_mul(1 << 20))
-            .ok_or_else(|| Error::Config(format!("IPCREDUCE_HOST_HEAP_MB={v} is not a size"))),
-        _ => Ok(DEFAULT_HEAP_BYTES),
-    }
-}
 
 /// The shared-memory communicator of one rank.
 pub struct HostComm {
@@ -90,7 +80,8 @@ pub struct HostComm {
     /// Barriers entered so far.
     barriers: u64,
     heap: Arc<Mutex<HeapAlloc>>,
-    bufs: Buffers,
+    #[cfg(feature = "test-support")]
+    bufs: buffers::Buffers,
     /// Scratch for the source list of a reduction (no allocation per call).
     srcs: Vec<*const u8>,
 }
@@ -101,11 +92,11 @@ unsafe impl Send for HostComm {}
 
 impl HostComm {
     /// Creates our arena, exchanges arena fds with every rank and maps theirs.
-    pub fn new(boot: &mut Bootstrap, opts: &Options) -> Result<HostComm> {
+    pub fn new(boot: &mut Bootstrap, config: &Config) -> Result<HostComm> {
         let (rank, world) = (boot.rank(), boot.world());
         let layout = Layout::new(
-            opts.workspace_bytes.unwrap_or(DEFAULT_WORKSPACE_BYTES),
-            heap_bytes_from_env()?,
+            config.workspace_bytes.unwrap_or(DEFAULT_WORKSPACE_BYTES),
+            config.host_heap_bytes(),
         );
         let (fd, own) = arena::create(&layout, world, rank)?;
         let fds = boot.all_gather_fds(fd.as_fd())?;
@@ -117,7 +108,7 @@ impl HostComm {
             layout,
             own,
             fds,
-            opts.timeout,
+            config.timeout(),
         )
     }
 
@@ -167,7 +158,8 @@ impl HostComm {
             seq: 0,
             barriers: 0,
             heap: Arc::new(Mutex::new(heap)),
-            bufs: Buffers::default(),
+            #[cfg(feature = "test-support")]
+            bufs: buffers::Buffers::default(),
             srcs: Vec::with_capacity(world),
         })
     }
@@ -403,6 +395,21 @@ impl BackendOps for HostComm {
         }
     }
 
+    fn synchronize(&mut self) -> Result<()> {
+        // Host calls are synchronous.
+        Ok(())
+    }
+
+    fn async_error(&self) -> Option<Error> {
+        self.abort.reason().map(|reason| Error::Aborted {
+            rank: self.rank,
+            reason,
+        })
+    }
+}
+
+#[cfg(feature = "test-support")]
+impl crate::backend::TestBuffers for HostComm {
     fn alloc(&mut self, bytes: usize) -> Result<BufId> {
         self.bufs.alloc(self.rank, bytes)
     }
@@ -444,11 +451,6 @@ impl BackendOps for HostComm {
         };
         // SAFETY: both buffers hold the call's bytes; distinct ids never overlap.
         unsafe { self.all_reduce(s, r, call.count, call.dtype, call.op, call.algo) }
-    }
-
-    fn synchronize(&mut self) -> Result<()> {
-        // Host calls are synchronous.
-        Ok(())
     }
 
     fn time(

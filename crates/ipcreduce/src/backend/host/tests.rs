@@ -4,6 +4,7 @@
 
 use super::buffers::AlignedBuf;
 use super::*;
+use crate::backend::TestBuffers;
 use crate::reference;
 
 struct World {
@@ -464,10 +465,10 @@ fn backend_ops_buffers_and_timing() {
 #[test]
 #[ignore]
 fn bench() {
-    let world: usize = std::env::var("BENCH_WORLD")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(2);
+    let world: usize = std::env::var("BENCH_WORLD").map_or(2, |v| {
+        v.parse()
+            .unwrap_or_else(|_| panic!("BENCH_WORLD={v} is not a number"))
+    });
     let comms = std::sync::Mutex::new(World::new(world).comms());
     for bytes in [8usize, 4096, 64 << 10, 512 << 10, 2 << 20, 8 << 20] {
         let count = bytes / 4;

@@ -1,0 +1,102 @@
+//! Leaving a job. Collective and bounded:
+//! 1. wait for the work this rank enqueued on any stream (deadline: the timeout and a margin;
+//!    past it the kernels are told to stop through the abort flag, and waited for once more);
+//! 2. a barrier with every rank (bounded by the timeout), so that no peer still reads our
+//!    workspace when we free it: in `ipc` mode a peer's mapping does not keep it alive;
+//! 3. free. Memory that work may still use is leaked instead: a leak is better than a fault
+//!    in a kernel, ours or a peer's.
+//!
+//! Never panics, never waits without a deadline. An aborted communicator skips the barrier
+//! (its peers are leaving too, or gone).
+
+use super::CudaComm;
+use crate::bootstrap::Bootstrap;
+use crate::config::Sharing;
+use std::mem::ManuallyDrop;
+use std::time::{Duration, Instant};
+
+/// What Drop must not free.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Leak {
+    Nothing,
+    /// Our workspace: a peer may still read it (ipc mode, no barrier).
+    Workspace,
+    /// Everything kernels touch: our own work may still run.
+    All,
+}
+
+/// How long stopped kernels get to leave after the abort flag is raised.
+const AFTER_ABORT: Duration = Duration::from_secs(2);
+
+impl CudaComm {
+    /// Steps 1 and 2 above; Drop does step 3.
+    pub(super) fn teardown(&mut self, boot: &mut Bootstrap) {
+        self.left = true;
+        self.quiesce();
+        if self.leak == Leak::All {
+            return;
+        }
+        if let Err(e) = boot.barrier() {
+            tracing::info!(rank = self.rank, "no teardown barrier: {e}");
+            if self.ws.mode == Sharing::Ipc {
+                self.leak = Leak::Workspace;
+            }
+        }
+    }
+
+    /// Waits for our work on every stream; sets `leak` when it does not finish.
+    fn quiesce(&mut self) {
+        if self.ctx.bind_to_thread().is_err() {
+            self.leak = self.leak.max(Leak::All);
+            return;
+        }
+        self.streams.used_own();
+        let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
+        match self.streams.drain(&mut self.events, deadline) {
+            Ok(true) => return,
+            Ok(false) => {}
+            Err(e) => tracing::warn!(rank = self.rank, "waiting for work at teardown: {e}"),
+        }
+        // Tell our kernels to stop, then give them a moment.
+        self.abort
+            .abort("teardown: work of this communicator still ran at its deadline");
+        if !matches!(
+            self.streams
+                .drain(&mut self.events, Instant::now() + AFTER_ABORT),
+            Ok(true)
+        ) {
+            tracing::warn!(
+                rank = self.rank,
+                "work still runs at teardown: its device memory is left allocated"
+            );
+            self.leak = Leak::All;
+        }
+    }
+}
+
+impl Drop for CudaComm {
+    fn drop(&mut self) {
+        // Dropped without `teardown` (init failed half way): still wait for our own work.
+        if !self.left {
+            self.quiesce();
+        }
+        if let Ok(nccl) = &mut self.nccl {
+            if self.abort.is_aborted() || self.leak != Leak::Nothing {
+                nccl.abort_on_drop();
+            }
+        }
+        // SAFETY: each field is dropped at most once, here, and not used afterwards.
+        unsafe {
+            if self.leak < Leak::Workspace {
+                ManuallyDrop::drop(&mut self.ws);
+            }
+            if self.leak < Leak::All {
+                // Registered memory is cuMem memory: a peer's mapping keeps it alive, so only
+                // our own unfinished work keeps it from being released.
+                ManuallyDrop::drop(&mut self.registry);
+                ManuallyDrop::drop(&mut self.state);
+                ManuallyDrop::drop(&mut self.words);
+            }
+        }
+    }
+}

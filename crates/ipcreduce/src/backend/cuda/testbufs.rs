@@ -1,0 +1,196 @@
+//! Backend-owned device buffers and CUDA-event timing for the benchmark and the correctness
+//! sweeps (`test-support` feature): kept apart from the data plane.
+
+use super::memory::DeviceAlloc;
+use super::{driver::ck, CudaComm};
+use crate::backend::{BackendOps, BufId, Call, RegisteredBuffer, TestBuffers};
+use crate::bootstrap::Bootstrap;
+use crate::error::{Error, Result};
+use cudarc::driver::sys;
+
+impl TestBuffers for CudaComm {
+    fn alloc(&mut self, bytes: usize) -> Result<BufId> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| self.cuda_err("binding the context".into(), e))?;
+        let buf = DeviceAlloc::new(bytes, self.rank)?;
+        self.bufs.push(Some(TestBuf::Plain(buf)));
+        Ok(self.bufs.len() - 1)
+    }
+
+    fn free(&mut self, id: BufId) {
+        let Some(TestBuf::Registered(buf)) = self.bufs.get_mut(id).and_then(Option::take) else {
+            return;
+        };
+        // Not collective: a peer's mapping keeps the memory alive until it drops it. Our own
+        // kernels must be done with it first; if they are not, it stays until teardown.
+        match self.wait_all("freeing a registered test buffer") {
+            Ok(()) => drop(self.registry.remove(buf.id())),
+            Err(e) => tracing::warn!(rank = self.rank, "{e}: the buffer stays registered"),
+        }
+    }
+
+    fn write(&mut self, id: BufId, data: &[u8]) -> Result<()> {
+        let (ptr, bytes) = self.buf(id)?;
+        assert!(data.len() <= bytes);
+        // On our stream, then waited for: a plain cuMemcpyHtoD from pageable memory may return
+        // before its DMA lands, and our (non-blocking) stream would not wait for it.
+        // SAFETY: in bounds of our allocation; `data` outlives the synchronize below.
+        ck(
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    ptr,
+                    data.as_ptr().cast(),
+                    data.len(),
+                    self.stream.cu_stream(),
+                )
+            },
+            self.rank,
+            || format!("copying {} bytes to the device", data.len()),
+        )?;
+        self.synchronize()
+    }
+
+    fn read(&mut self, id: BufId, out: &mut [u8]) -> Result<()> {
+        self.synchronize()?;
+        let (ptr, bytes) = self.buf(id)?;
+        assert!(out.len() <= bytes);
+        // SAFETY: in bounds of our allocation; `out` outlives the synchronize below.
+        ck(
+            unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    out.as_mut_ptr().cast(),
+                    ptr,
+                    out.len(),
+                    self.stream.cu_stream(),
+                )
+            },
+            self.rank,
+            || format!("copying {} bytes from the device", out.len()),
+        )?;
+        self.synchronize()
+    }
+
+    fn run(&mut self, call: &Call) -> Result<()> {
+        let (s, r) = (self.buf(call.send)?, self.buf(call.recv)?);
+        let end = call.offset + call.count * call.dtype.size();
+        if end > s.1 || end > r.1 {
+            return Err(Error::invalid(self.rank, "run", "call exceeds its buffers"));
+        }
+        let (s, r) = (s.0 + call.offset as u64, r.0 + call.offset as u64);
+        // The path of a caller's call (stream order included), on our own stream.
+        let stream = self.stream.cu_stream();
+        self.enqueue(s, r, call.count, call.dtype, call.op, call.algo, stream)
+    }
+
+    fn time(
+        &mut self,
+        call: &Call,
+        warmup: usize,
+        iters: usize,
+        graph: Option<usize>,
+    ) -> Result<f64> {
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self
+            .ctx
+            .new_event(flags)
+            .map_err(|e| self.cuda_err("cuEventCreate".into(), e))?;
+        let end = self
+            .ctx
+            .new_event(flags)
+            .map_err(|e| self.cuda_err("cuEventCreate".into(), e))?;
+        let iters = iters.max(1);
+        let calls = match graph {
+            None => {
+                for _ in 0..warmup {
+                    self.run(call)?;
+                }
+                self.synchronize()?;
+                start
+                    .record(&self.stream)
+                    .map_err(|e| self.cuda_err("cuEventRecord".into(), e))?;
+                for _ in 0..iters {
+                    self.run(call)?;
+                }
+                iters
+            }
+            Some(k) => {
+                let k = k.max(1);
+                self.synchronize()?;
+                self.stream
+                    .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                    .map_err(|e| self.cuda_err("cuStreamBeginCapture".into(), e))?;
+                let mut captured = Ok(());
+                for _ in 0..k {
+                    captured = self.run(call);
+                    if captured.is_err() {
+                        break;
+                    }
+                }
+                let g = self
+                    .stream
+                    .end_capture(sys::CUgraphInstantiate_flags(0))
+                    .map_err(|e| self.cuda_err("cuStreamEndCapture".into(), e))?;
+                captured?;
+                let g = g.ok_or_else(|| Error::Cuda {
+                    rank: self.rank,
+                    op: "graph capture".into(),
+                    detail: "captured an empty graph".into(),
+                })?;
+                let reps = iters.div_ceil(k);
+                for _ in 0..warmup.div_ceil(k).max(1) {
+                    g.launch()
+                        .map_err(|e| self.cuda_err("cuGraphLaunch".into(), e))?;
+                }
+                self.synchronize()?;
+                start
+                    .record(&self.stream)
+                    .map_err(|e| self.cuda_err("cuEventRecord".into(), e))?;
+                for _ in 0..reps {
+                    g.launch()
+                        .map_err(|e| self.cuda_err("cuGraphLaunch".into(), e))?;
+                }
+                reps * k
+            }
+        };
+        end.record(&self.stream)
+            .map_err(|e| self.cuda_err("cuEventRecord".into(), e))?;
+        self.synchronize()?;
+        let ms = start
+            .elapsed_ms(&end)
+            .map_err(|e| self.cuda_err("cuEventElapsedTime".into(), e))?;
+        Ok(ms as f64 * 1000.0 / calls as f64)
+    }
+}
+
+impl CudaComm {
+    fn buf(&self, id: BufId) -> Result<(u64, usize)> {
+        self.bufs
+            .get(id)
+            .and_then(|b| b.as_ref())
+            .map(TestBuf::ptr_bytes)
+            .ok_or_else(|| Error::invalid(self.rank, "buffer", format!("no buffer #{id}")))
+    }
+
+    /// A registered (zero-copy) test buffer: collective, like [`BackendOps::alloc_registered`].
+    pub fn alloc_test_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<BufId> {
+        let buf = self.alloc_registered(boot, bytes)?;
+        self.bufs.push(Some(TestBuf::Registered(buf)));
+        Ok(self.bufs.len() - 1)
+    }
+}
+
+/// A test/benchmark buffer: plain device memory, or registered (zero-copy) memory.
+pub(super) enum TestBuf {
+    Plain(DeviceAlloc),
+    Registered(RegisteredBuffer),
+}
+
+impl TestBuf {
+    fn ptr_bytes(&self) -> (u64, usize) {
+        match self {
+            TestBuf::Plain(a) => (a.ptr, a.bytes),
+            TestBuf::Registered(b) => (b.ptr(), b.bytes()),
+        }
+    }
+}

@@ -1,0 +1,359 @@
+//! How a communicator is built: every knob in one struct, and the `IPCREDUCE_*` environment
+//! variables parsed here and nowhere else.
+//!
+//! Precedence, for every knob: a value set in the [`Config`] by the program, else the
+//! environment variable, else the built-in default. A variable that is set but cannot be
+//! parsed is an error naming the variable, never ignored. This module imports no backend:
+//! the backends and the communicator read it, it reads none of them.
+
+use crate::error::{Error, Result};
+use crate::types::{Algorithm, BackendChoice};
+use std::time::Duration;
+
+/// Default bound on every wait.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default largest message for the cuda backend's low-latency one-shot.
+pub const DEFAULT_LL_MAX_BYTES: usize = 64 << 10;
+/// Default size of the host backend's zero-copy heap in each rank's arena (virtual: pages are
+/// only allocated when buffers touch them).
+pub const DEFAULT_HOST_HEAP_BYTES: usize = 64 << 20;
+
+/// How the cuda backend shares its workspaces between processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharing {
+    /// `cuMemCreate` + a POSIX fd passed over the bootstrap socket.
+    Vmm,
+    /// `cuIpcGetMemHandle` / `cuIpcOpenMemHandle` on `cuMemAlloc` memory.
+    Ipc,
+}
+
+impl Sharing {
+    pub fn name(self) -> &'static str {
+        match self {
+            Sharing::Vmm => "vmm",
+            Sharing::Ipc => "ipc",
+        }
+    }
+}
+
+/// Everything that shapes a communicator. `None` means "not set here": the environment
+/// variable named on the field decides, else the default. Every rank of a job must end up
+/// with the same values for the knobs marked *(same on every rank)*; init checks it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Config {
+    /// Data plane: cuda, host, or auto (cuda when every rank can use a GPU).
+    pub backend: BackendChoice,
+    /// Bound on every wait, bootstrap and collectives. `IPCREDUCE_TIMEOUT_MS`; 30 s.
+    pub timeout: Option<Duration>,
+    /// Algorithm for calls that ask for `Auto`. `IPCREDUCE_ALGO` (oneshot, twoshot, nccl).
+    pub algo: Option<Algorithm>,
+    /// Bytes of shared data area per rank: two slots; larger messages are chunked
+    /// *(same on every rank)*. `IPCREDUCE_SLOT_BYTES` (one slot); cuda 2 x 16 MiB, host
+    /// 2 x 4 MiB.
+    pub workspace_bytes: Option<usize>,
+    /// cuda: blocks of every kernel, fixed per communicator *(same on every rank)*.
+    /// `IPCREDUCE_BLOCKS`; 32, fewer when ranks share a GPU.
+    pub blocks: Option<usize>,
+    /// cuda: largest message for the low-latency one-shot, 0 = off *(same on every rank)*.
+    /// `IPCREDUCE_LL_MAX`; 64 KiB, at most 256 KiB.
+    pub ll_max_bytes: Option<usize>,
+    /// cuda: how workspaces are shared. `IPCREDUCE_SHARE` (vmm, ipc, auto); auto tries VMM,
+    /// then IPC.
+    pub sharing: Option<Sharing>,
+    /// host: bytes of the zero-copy heap in each arena *(same on every rank)*.
+    /// `IPCREDUCE_HOST_HEAP_MB`; 64 MiB.
+    pub host_heap_bytes: Option<usize>,
+    /// cuda: the GPU ordinal. `IPCREDUCE_DEVICE`; else the device of the CUDA context current
+    /// on the calling thread, else `local_rank % device count`.
+    pub device: Option<usize>,
+    /// cuda: build an NCCL communicator beside ours, for `Algorithm::Nccl`.
+    pub with_nccl: bool,
+    /// cuda: let NCCL run although ranks share a GPU (NCCL then needs each rank to look like
+    /// its own host: `ipcreduce launch` sets `NCCL_HOSTID` per rank).
+    /// `IPCREDUCE_NCCL_SHARED_GPU` (1/0); off.
+    pub nccl_shared_gpu: Option<bool>,
+}
+
+/// The former name of [`Config`].
+pub type Options = Config;
+
+impl Config {
+    /// Fills every knob not set here from the process environment, strictly.
+    pub fn resolve(&self) -> Result<Config> {
+        self.resolve_with(|k| std::env::var(k).ok())
+    }
+
+    /// [`Config::resolve`] over any variable source (tests pass a map). Every variable that
+    /// is set is parsed, even for a knob the program set, so a typo never goes unnoticed.
+    pub fn resolve_with(&self, env: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        let from_env = Self::from_vars(env)?;
+        let c = Config {
+            backend: self.backend,
+            timeout: self.timeout.or(from_env.timeout),
+            algo: self.algo.or(from_env.algo),
+            workspace_bytes: self.workspace_bytes.or(from_env.workspace_bytes),
+            blocks: self.blocks.or(from_env.blocks),
+            ll_max_bytes: self.ll_max_bytes.or(from_env.ll_max_bytes),
+            sharing: self.sharing.or(from_env.sharing),
+            host_heap_bytes: self.host_heap_bytes.or(from_env.host_heap_bytes),
+            device: self.device.or(from_env.device),
+            with_nccl: self.with_nccl,
+            nccl_shared_gpu: self.nccl_shared_gpu.or(from_env.nccl_shared_gpu),
+        };
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// The knobs the environment sets (the others `None`).
+    fn from_vars(env: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        // Set and non-empty: an empty variable counts as unset, as in a shell's `X= cmd`.
+        let var = |k: &str| env(k).filter(|v| !v.trim().is_empty());
+        let int =
+            |k: &str| -> Result<Option<usize>> { var(k).map(|v| parse_int(k, &v)).transpose() };
+        let times = |k: &str, unit: usize| -> Result<Option<usize>> {
+            int(k)?
+                .map(|n| {
+                    n.checked_mul(unit)
+                        .ok_or_else(|| Error::Config(format!("{k}={n}: too large")))
+                })
+                .transpose()
+        };
+        let algo = var("IPCREDUCE_ALGO")
+            .map(|v| {
+                v.trim()
+                    .parse()
+                    .map_err(|e| Error::Config(format!("IPCREDUCE_ALGO={v}: {e}")))
+            })
+            .transpose()?;
+        let sharing = match var("IPCREDUCE_SHARE") {
+            None => None,
+            Some(v) => match v.trim().to_ascii_lowercase().as_str() {
+                "auto" => None,
+                "vmm" => Some(Sharing::Vmm),
+                "ipc" => Some(Sharing::Ipc),
+                _ => {
+                    return Err(Error::Config(format!(
+                        "IPCREDUCE_SHARE={v}: expected vmm, ipc or auto"
+                    )))
+                }
+            },
+        };
+        let nccl_shared_gpu = var("IPCREDUCE_NCCL_SHARED_GPU")
+            .map(|v| parse_bool("IPCREDUCE_NCCL_SHARED_GPU", &v))
+            .transpose()?;
+        Ok(Config {
+            backend: BackendChoice::Auto,
+            timeout: int("IPCREDUCE_TIMEOUT_MS")?.map(|ms| Duration::from_millis(ms as u64)),
+            algo,
+            workspace_bytes: times("IPCREDUCE_SLOT_BYTES", 2)?,
+            blocks: int("IPCREDUCE_BLOCKS")?,
+            ll_max_bytes: int("IPCREDUCE_LL_MAX")?,
+            sharing,
+            host_heap_bytes: times("IPCREDUCE_HOST_HEAP_MB", 1 << 20)?,
+            device: int("IPCREDUCE_DEVICE")?,
+            with_nccl: false,
+            nccl_shared_gpu,
+        })
+    }
+
+    /// Values no backend can use, whether they came from the program or the environment.
+    fn validate(&self) -> Result<()> {
+        let bad = |what: &str, why: &str| Err(Error::Config(format!("{what}: {why}")));
+        if self.timeout == Some(Duration::ZERO) {
+            return bad("timeout (IPCREDUCE_TIMEOUT_MS)", "must be above 0");
+        }
+        if self.blocks == Some(0) {
+            return bad("blocks (IPCREDUCE_BLOCKS)", "must be at least 1");
+        }
+        if self.workspace_bytes == Some(0) {
+            return bad("workspace_bytes (IPCREDUCE_SLOT_BYTES)", "must be above 0");
+        }
+        Ok(())
+    }
+
+    /// The bound on every wait.
+    pub fn timeout(&self) -> Duration {
+        self.timeout.unwrap_or(DEFAULT_TIMEOUT)
+    }
+
+    /// cuda: largest message for the low-latency one-shot.
+    pub fn ll_max_bytes(&self) -> usize {
+        self.ll_max_bytes.unwrap_or(DEFAULT_LL_MAX_BYTES)
+    }
+
+    /// host: zero-copy heap bytes per arena.
+    pub fn host_heap_bytes(&self) -> usize {
+        self.host_heap_bytes.unwrap_or(DEFAULT_HOST_HEAP_BYTES)
+    }
+
+    /// Whether NCCL may run with ranks sharing a GPU.
+    pub fn nccl_shared_gpu(&self) -> bool {
+        self.nccl_shared_gpu.unwrap_or(false)
+    }
+
+    /// cuda: the GPU to use out of `count`: the configured one, else the device of the
+    /// calling thread's current CUDA context (`current`), else `local_rank % count`.
+    pub fn pick_device(
+        &self,
+        current: Option<usize>,
+        local_rank: usize,
+        count: usize,
+    ) -> Result<usize> {
+        if count == 0 {
+            return Err(Error::CudaUnavailable("no CUDA device visible".into()));
+        }
+        match self.device.or(current) {
+            Some(d) if d >= count => Err(Error::Config(format!(
+                "device {d} (Config::device, IPCREDUCE_DEVICE or the current CUDA context) \
+                 does not exist: {count} visible"
+            ))),
+            Some(d) => Ok(d),
+            None => Ok(local_rank % count),
+        }
+    }
+}
+
+fn parse_int<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
+    v.trim()
+        .parse()
+        .map_err(|_| Error::Config(format!("{name}={v}: expected a non-negative integer")))
+}
+
+fn parse_bool(name: &str, v: &str) -> Result<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(Error::Config(format!("{name}={v}: expected 1 or 0"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        let map: HashMap<&str, &str> = pairs.iter().copied().collect();
+        move |k| map.get(k).map(|v| v.to_string())
+    }
+
+    fn config_error(pairs: &[(&str, &str)]) -> String {
+        match Config::default().resolve_with(env(pairs)) {
+            Err(Error::Config(msg)) => msg,
+            other => panic!("{pairs:?}: expected a configuration error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_variable_is_read() {
+        let c = Config::default()
+            .resolve_with(env(&[
+                ("IPCREDUCE_TIMEOUT_MS", "1500"),
+                ("IPCREDUCE_ALGO", "two-shot"),
+                ("IPCREDUCE_SLOT_BYTES", "1048576"),
+                ("IPCREDUCE_BLOCKS", "16"),
+                ("IPCREDUCE_LL_MAX", "0"),
+                ("IPCREDUCE_SHARE", "ipc"),
+                ("IPCREDUCE_HOST_HEAP_MB", "8"),
+                ("IPCREDUCE_DEVICE", "3"),
+                ("IPCREDUCE_NCCL_SHARED_GPU", "1"),
+            ]))
+            .unwrap();
+        assert_eq!(c.timeout(), Duration::from_millis(1500));
+        assert_eq!(c.algo, Some(Algorithm::TwoShot));
+        assert_eq!(c.workspace_bytes, Some(2 << 20));
+        assert_eq!(c.blocks, Some(16));
+        assert_eq!(c.ll_max_bytes(), 0);
+        assert_eq!(c.sharing, Some(Sharing::Ipc));
+        assert_eq!(c.host_heap_bytes(), 8 << 20);
+        assert_eq!(c.device, Some(3));
+        assert!(c.nccl_shared_gpu());
+    }
+
+    #[test]
+    fn defaults_without_variables() {
+        let c = Config::default().resolve_with(env(&[])).unwrap();
+        assert_eq!(c, Config::default());
+        assert_eq!(c.timeout(), DEFAULT_TIMEOUT);
+        assert_eq!(c.ll_max_bytes(), DEFAULT_LL_MAX_BYTES);
+        assert_eq!(c.host_heap_bytes(), DEFAULT_HOST_HEAP_BYTES);
+        assert!(!c.nccl_shared_gpu());
+        // Empty counts as unset; "auto" sharing is no choice.
+        let c = Config::default()
+            .resolve_with(env(&[
+                ("IPCREDUCE_TIMEOUT_MS", ""),
+                ("IPCREDUCE_SHARE", "auto"),
+            ]))
+            .unwrap();
+        assert_eq!(c, Config::default());
+    }
+
+    #[test]
+    fn bad_values_are_errors_naming_the_variable() {
+        for (k, v) in [
+            ("IPCREDUCE_TIMEOUT_MS", "30s"),
+            ("IPCREDUCE_TIMEOUT_MS", "-1"),
+            ("IPCREDUCE_TIMEOUT_MS", "0"),
+            ("IPCREDUCE_ALGO", "ring"),
+            ("IPCREDUCE_SLOT_BYTES", "16M"),
+            ("IPCREDUCE_SLOT_BYTES", "0"),
+            ("IPCREDUCE_BLOCKS", "0"),
+            ("IPCREDUCE_BLOCKS", "many"),
+            ("IPCREDUCE_LL_MAX", "1.5"),
+            ("IPCREDUCE_SHARE", "nvlink"),
+            ("IPCREDUCE_HOST_HEAP_MB", "99999999999999999999"),
+            ("IPCREDUCE_DEVICE", "gpu0"),
+            ("IPCREDUCE_NCCL_SHARED_GPU", "maybe"),
+        ] {
+            let msg = config_error(&[(k, v)]);
+            assert!(msg.contains(k), "{k}={v}: {msg}");
+        }
+    }
+
+    #[test]
+    fn the_program_beats_the_environment_which_beats_the_default() {
+        let vars = [
+            ("IPCREDUCE_TIMEOUT_MS", "1000"),
+            ("IPCREDUCE_BLOCKS", "8"),
+            ("IPCREDUCE_SHARE", "ipc"),
+        ];
+        let set = Config {
+            timeout: Some(Duration::from_millis(250)),
+            blocks: Some(4),
+            ..Config::default()
+        };
+        let c = set.resolve_with(env(&vars)).unwrap();
+        assert_eq!(c.timeout(), Duration::from_millis(250));
+        assert_eq!(c.blocks, Some(4));
+        // Not set by the program: the environment decides.
+        assert_eq!(c.sharing, Some(Sharing::Ipc));
+        // A bad variable is an error even where the program set the knob.
+        assert!(matches!(
+            set.resolve_with(env(&[("IPCREDUCE_TIMEOUT_MS", "soon")])),
+            Err(Error::Config(_))
+        ));
+        // Values set by the program are checked too.
+        let zero = Config {
+            blocks: Some(0),
+            ..Config::default()
+        };
+        assert!(matches!(zero.resolve_with(env(&[])), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn the_device_is_the_chosen_one_then_the_current_one_then_local_rank() {
+        let none = Config::default();
+        assert_eq!(none.pick_device(None, 5, 4).unwrap(), 1);
+        assert_eq!(none.pick_device(Some(2), 5, 4).unwrap(), 2);
+        let chosen = Config {
+            device: Some(3),
+            ..Config::default()
+        };
+        assert_eq!(chosen.pick_device(Some(2), 5, 4).unwrap(), 3);
+        assert!(matches!(
+            chosen.pick_device(None, 0, 2),
+            Err(Error::Config(_))
+        ));
+        assert!(none.pick_device(None, 0, 0).is_err());
+    }
+}
