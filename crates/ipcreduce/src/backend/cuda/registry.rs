@@ -66,21 +66,11 @@ pub struct Registry {
 impl Registry {
     /// The region holding `[ptr, ptr + len)` and `ptr`'s offset in it.
     pub fn lookup(&self, ptr: u64, len: usize) -> Option<(&Region, u64)> {
-        let inside = |r: &Region| ptr >= r.base && ptr + len as u64 <= r.base + r.bytes as u64;
-        if let Some(r) = self.regions.get(self.last_hit.get()) {
-            if inside(r) {
-                return Some((r, ptr - r.base));
-            }
-        }
-        let i = self
-            .regions
-            .partition_point(|r| r.base <= ptr)
-            .checked_sub(1)?;
-        let r = &self.regions[i];
-        if !inside(r) {
-            return None;
-        }
+        let i = find(&self.regions, self.last_hit.get(), ptr, len, |r| {
+            (r.base, r.bytes)
+        })?;
         self.last_hit.set(i);
+        let r = &self.regions[i];
         Some((r, ptr - r.base))
     }
 
@@ -112,14 +102,38 @@ impl Registry {
     }
 }
 
+/// Index of the range (by `span`: start, length; sorted, disjoint) holding `[ptr, ptr + len)`;
+/// `hint` (the last hit) is tried first.
+fn find<T>(
+    items: &[T],
+    hint: usize,
+    ptr: u64,
+    len: usize,
+    span: impl Fn(&T) -> (u64, usize),
+) -> Option<usize> {
+    let end = ptr.checked_add(len as u64)?;
+    let inside = |t: &T| {
+        let (base, bytes) = span(t);
+        ptr >= base && end <= base + bytes as u64
+    };
+    if items.get(hint).is_some_and(inside) {
+        return Some(hint);
+    }
+    let i = items.partition_point(|t| span(t).0 <= ptr).checked_sub(1)?;
+    inside(&items[i]).then_some(i)
+}
+
 /// Collective: `bytes` of new device memory on every rank, mapped by every peer.
 pub fn alloc(boot: &mut Bootstrap, device: sys::CUdevice, bytes: usize, id: u64) -> Result<Region> {
     let rank = boot.rank();
     same_on_every_rank(boot, "alloc", bytes as u64, "size")?;
     let local = export_vmm(device, bytes, rank);
     let (own, fd) = agree(boot, "alloc", local)?;
-    let base = own.ptr();
-    let (peers, maps) = exchange(boot, device, fd, base, 0, "registered buffer")?;
+    let (base, size) = match own {
+        Mapping::Vmm { ptr, size, .. } => (ptr, size),
+        _ => unreachable!("export_vmm maps with cuMemMap"),
+    };
+    let (peers, maps) = exchange(boot, device, fd, base, size, 0, "registered buffer")?;
     Ok(Region {
         id,
         base,
@@ -142,13 +156,14 @@ pub fn register(
     let rank = boot.rank();
     same_on_every_rank(boot, "register", bytes as u64, "size")?;
     let local = export_callers(ptr, bytes, rank);
-    let (handle, fd, mapped_base) = agree(boot, "register", local)?;
+    let (handle, fd, mapped_base, mapped_size) = agree(boot, "register", local)?;
     let own = Own::Retained(handle);
     let (peers, maps) = exchange(
         boot,
         device,
         fd,
         mapped_base,
+        mapped_size,
         ptr - mapped_base,
         "registered buffer",
     )?;
@@ -172,7 +187,7 @@ fn export_callers(
     ptr: u64,
     bytes: usize,
     rank: usize,
-) -> Result<(sys::CUmemGenericAllocationHandle, OwnedFd, u64)> {
+) -> Result<(sys::CUmemGenericAllocationHandle, OwnedFd, u64, usize)> {
     let refuse =
         |what: String| Error::invalid(rank, "register", format!("{what}: {HOW_TO_ALLOCATE}"));
     let (mut base, mut size) = (0u64, 0usize);
@@ -217,7 +232,7 @@ fn export_callers(
         )));
     }
     // SAFETY: the driver handed us a fresh fd.
-    Ok((handle, unsafe { OwnedFd::from_raw_fd(fd) }, base))
+    Ok((handle, unsafe { OwnedFd::from_raw_fd(fd) }, base, size))
 }
 
 /// Fails on every rank if `value` differs between ranks (naming the first that differs).
@@ -256,26 +271,19 @@ fn agree<T>(boot: &mut Bootstrap, op: &str, local: Result<T>) -> Result<T> {
     }
 }
 
-/// Sends our fd (of an allocation mapped here at `mapped`, the buffer at `offset` in it) to
-/// every peer and maps theirs. Returns every rank's buffer start as seen here, and the mappings.
+/// Sends our fd (of an allocation of `size` bytes mapped here at `mapped`, the buffer at
+/// `offset` in it) to every peer and maps theirs. Returns every rank's buffer start as seen
+/// here, and the mappings.
 fn exchange(
     boot: &mut Bootstrap,
     device: sys::CUdevice,
     fd: OwnedFd,
     mapped: u64,
+    size: usize,
     offset: u64,
     what: &str,
 ) -> Result<(Vec<u64>, Vec<Mapping>)> {
     let rank = boot.rank();
-    // Size of the exported allocation and the buffer's offset in it.
-    let mut size: usize = 0;
-    // SAFETY: writes two values for a pointer we mapped or checked above.
-    let mut base = 0u64;
-    ck(
-        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, mapped) },
-        rank,
-        || "cuMemGetAddressRange".into(),
-    )?;
     let mut mine = (size as u64).to_le_bytes().to_vec();
     mine.extend_from_slice(&offset.to_le_bytes());
     let info = boot.all_gather(&mine)?;
@@ -314,4 +322,30 @@ fn exchange(
     // buffer is usable.
     agree(boot, "mapping a peer's buffer", result)?;
     Ok((peers, maps))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::find;
+
+    #[test]
+    fn lookup_finds_the_range_holding_the_whole_span() {
+        let r: [(u64, usize); 3] = [(0x1000, 0x100), (0x2000, 0x1000), (0x8000, 0x10)];
+        let span = |t: &(u64, usize)| *t;
+        assert_eq!(find(&r, 0, 0x1000, 0x100, span), Some(0));
+        assert_eq!(find(&r, 0, 0x1010, 0x10, span), Some(0));
+        assert_eq!(find(&r, 0, 0x10f0, 0x20, span), None, "runs past the end");
+        assert_eq!(find(&r, 0, 0x2800, 0x800, span), Some(1));
+        assert_eq!(find(&r, 2, 0x2800, 0x801, span), None);
+        assert_eq!(find(&r, 1, 0x8008, 8, span), Some(2));
+        assert_eq!(find(&r, 0, 0x0fff, 1, span), None, "before the first");
+        assert_eq!(find(&r, 0, 0x1800, 1, span), None, "between two");
+        assert_eq!(
+            find(&r, 7, 0x9000, 1, span),
+            None,
+            "after the last; bad hint"
+        );
+        assert_eq!(find(&r, 0, u64::MAX - 1, 8, span), None, "overflow");
+        assert_eq!(find::<(u64, usize)>(&[], 0, 0x1000, 1, span), None);
+    }
 }
