@@ -61,6 +61,18 @@ impl Communicator {
         self.backend.async_error()
     }
 
+    /// cuda: the GPU ordinal the communicator runs on (its primary context): where callers
+    /// allocate the buffers they pass. None on the host backend.
+    pub fn cuda_device(&self) -> Option<usize> {
+        self.backend.device()
+    }
+
+    /// cuda: the communicator's own stream (a `CUstream`), for callers without one; work
+    /// on it is waited for at teardown like any call's. None on the host backend.
+    pub fn cuda_stream(&self) -> Option<*mut c_void> {
+        self.backend.own_stream()
+    }
+
     /// A handle another thread (a watchdog) can keep to abort this communicator and see
     /// whether it is aborted.
     pub fn abort_handle(&self) -> AbortHandle {

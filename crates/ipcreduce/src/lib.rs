@@ -28,7 +28,7 @@ pub mod types;
 
 pub use backend::RegisteredBuffer;
 pub use communicator::{AbortHandle, Communicator};
-pub use config::{Config, Options, Sharing};
+pub use config::{Config, Options, Sharing, Transport};
 pub use plan::PathInfo;
 
 /// Cores online on this machine. Not `available_parallelism`: `launch` binds each rank to one

@@ -109,6 +109,16 @@ pub trait BackendOps: Send {
     /// without waiting (as `ncclCommGetAsyncError`).
     fn async_error(&self) -> Option<Error>;
 
+    /// cuda: the GPU ordinal this communicator runs on.
+    fn device(&self) -> Option<usize> {
+        None
+    }
+
+    /// cuda: the communicator's own stream (a `CUstream`), for callers that have none.
+    fn own_stream(&self) -> Option<*mut c_void> {
+        None
+    }
+
     /// Collective part of leaving the job, run before the backend is dropped (with the
     /// bootstrap still connected). Bounded; never fails (problems are logged).
     fn leave(&mut self, _boot: &mut Bootstrap) {}

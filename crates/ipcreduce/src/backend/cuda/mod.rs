@@ -17,6 +17,9 @@ mod teardown;
 #[cfg(feature = "test-support")]
 mod testbufs;
 mod workspace;
+// Workspaces over peer memory or staged through host memory (IPCREDUCE_TRANSPORT).
+mod host_staged;
+mod transport;
 
 use crate::abort::AbortState;
 use crate::backend::{BackendMeta, BackendOps, RegisteredBuffer};
@@ -31,13 +34,13 @@ use kernels::{
     ERR_MISMATCH, ERR_TIMEOUT, LL_BYTES, LL_MAX_BYTES, MAX_BLOCKS, MAX_RANKS, SIG_BYTES,
 };
 use memory::{DeviceAlloc, MappedHostWords};
-use peers::{check_peer_access, device_uuid};
+use peers::device_uuid;
 use registry::Registry;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Weak};
-use workspace::Workspaces;
+use transport::SharedWorkspaces;
 
 /// Default bytes of one data slot (the workspace holds two). Larger messages are chunked.
 const DEFAULT_SLOT_BYTES: usize = 16 << 20;
@@ -123,7 +126,7 @@ pub struct CudaComm {
     words: ManuallyDrop<Arc<MappedHostWords>>,
     /// Private device state: counters[MAX_BLOCKS][2], then the error word.
     state: ManuallyDrop<DeviceAlloc>,
-    ws: ManuallyDrop<Workspaces>,
+    ws: ManuallyDrop<SharedWorkspaces>,
     /// Set by teardown: what must not be freed.
     leak: teardown::Leak,
     /// Whether teardown ran (else Drop waits for our work itself).
@@ -294,12 +297,9 @@ impl CudaComm {
             });
         }
 
-        let ws = Workspaces::create(
-            boot,
-            device,
-            SIG_BYTES + LL_BYTES + 2 * slot_bytes,
-            config.sharing,
-        )?;
+        // Also checks every pair (P2P query, mapping, cross-process read) for the transport.
+        let bytes = SIG_BYTES + LL_BYTES + 2 * slot_bytes;
+        let ws = SharedWorkspaces::open(boot, device, bytes, &uuids, config)?;
         if ws.size < SIG_BYTES + LL_BYTES + 2 * slot_bytes {
             return Err(Error::Cuda {
                 rank,
@@ -315,11 +315,7 @@ impl CudaComm {
         let words = Arc::new(MappedHostWords::new(16, rank)?);
         // SAFETY: zeroing memory we own (signal area of our workspace, private state).
         unsafe {
-            ck(
-                sys::cuMemsetD8_v2(ws.base(rank), 0, SIG_BYTES + LL_BYTES),
-                rank,
-                || "clearing the signal and LL areas".into(),
-            )?;
+            ws.clear(rank, SIG_BYTES + LL_BYTES)?;
             ck(sys::cuMemsetD8_v2(state.ptr, 0, state.bytes), rank, || {
                 "clearing the protocol state".into()
             })?;
@@ -334,13 +330,13 @@ impl CudaComm {
         }));
 
         let devices: Vec<String> = {
-            let names = boot.all_gather(format!("{name} (GPU {ordinal})").as_bytes())?;
+            let via = ws.note(); // the transport, so results say how they were made
+            let names = boot.all_gather(format!("{name} (GPU {ordinal}{via})").as_bytes())?;
             names
                 .iter()
                 .map(|n| String::from_utf8_lossy(n).into_owned())
                 .collect()
         };
-        check_peer_access(rank, device, &uuids)?;
 
         let own = stream.cu_stream() as streams::Key;
         let mut comm = CudaComm {
@@ -371,7 +367,8 @@ impl CudaComm {
             devices,
             seq: 0,
         };
-        comm.cross_process_check(boot)?;
+        // Every rank's signal area is cleared before any kernel writes into it.
+        boot.barrier()?;
 
         let shared_gpu = (0..world).any(|i| (0..i).any(|j| uuids[i] == uuids[j]));
         if config.with_nccl {
@@ -703,12 +700,22 @@ impl BackendOps for CudaComm {
     }
 
     fn synchronize(&mut self) -> Result<()> {
-        self.wait_all("synchronize")?;
-        self.check_health()
+        let waited = self.wait_all("synchronize");
+        // What a kernel recorded explains a failed wait better than the wait does.
+        self.check_health()?;
+        waited
     }
 
     fn async_error(&self) -> Option<Error> {
         self.check_health().err()
+    }
+
+    fn device(&self) -> Option<usize> {
+        Some(self.ordinal)
+    }
+
+    fn own_stream(&self) -> Option<*mut c_void> {
+        Some(self.stream.cu_stream().cast())
     }
 
     fn leave(&mut self, boot: &mut Bootstrap) {
@@ -717,9 +724,7 @@ impl BackendOps for CudaComm {
 
     fn alloc_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<RegisteredBuffer> {
         self.bind()?;
-        if bytes == 0 {
-            return Err(Error::invalid(self.rank, "alloc", "zero bytes"));
-        }
+        self.require_peer_memory("alloc", bytes)?;
         let id = self.next_region;
         let region = registry::alloc(boot, self.device, bytes, id)?;
         self.next_region += 1;
@@ -735,9 +740,7 @@ impl BackendOps for CudaComm {
         bytes: usize,
     ) -> Result<RegisteredBuffer> {
         self.bind()?;
-        if bytes == 0 {
-            return Err(Error::invalid(self.rank, "register", "zero bytes"));
-        }
+        self.require_peer_memory("register", bytes)?;
         let id = self.next_region;
         let region = registry::register(boot, self.device, ptr, bytes, id)?;
         self.next_region += 1;
@@ -765,6 +768,23 @@ impl BackendOps for CudaComm {
 }
 
 impl CudaComm {
+    /// Registered buffers are read and written by the peers' kernels: they need the peer
+    /// transport (every rank takes the same transport, so all refuse together).
+    fn require_peer_memory(&self, op: &'static str, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Err(Error::invalid(self.rank, op, "zero bytes"));
+        }
+        if self.ws.sharing().is_none() {
+            return Err(Error::invalid(
+                self.rank,
+                op,
+                "registered buffers need peer memory, and this communicator stages through \
+                 host memory (IPCREDUCE_TRANSPORT=host, or peer access failed at start)",
+            ));
+        }
+        Ok(())
+    }
+
     fn bind(&self) -> Result<()> {
         self.ctx
             .bind_to_thread()

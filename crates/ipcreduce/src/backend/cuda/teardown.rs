@@ -38,7 +38,7 @@ impl CudaComm {
         }
         if let Err(e) = boot.barrier() {
             tracing::info!(rank = self.rank, "no teardown barrier: {e}");
-            if self.ws.mode == Sharing::Ipc {
+            if self.ws.sharing() == Some(Sharing::Ipc) {
                 self.leak = Leak::Workspace;
             }
         }
