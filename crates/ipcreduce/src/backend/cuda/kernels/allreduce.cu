@@ -613,15 +613,17 @@ __device__ bool ll_poll(const Args &a, u32 parity, int from, u64 i, u32 seq, u32
         asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
                      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                      : "l"(line));
-        if (v.y == seq) {
-            if (v.w == tag) {
-                out = make_uint2(v.x, v.z);
-                return true;
-            }
-            report(a, ERR_MISMATCH, from, seq);
-            return false;
+        if (v.y == seq && v.w == tag) {
+            out = make_uint2(v.x, v.z);
+            return true;
         }
         if ((++spins & 1023u) == 0u) {
+            // Our sequence number with another tag, still there 1024 reads later (not a line
+            // caught half written): the peer called with other arguments.
+            if (v.y == seq) {
+                report(a, ERR_MISMATCH, from, seq);
+                return false;
+            }
             u64 now = globaltimer();
             if (deadline == 0) deadline = now + a.timeout_ns;
             if (*a.abort_flag != 0u) {
