@@ -344,6 +344,55 @@ impl AbortHandle {
     }
 }
 
+// --- registered (zero-copy) buffers and path reports (cuda data plane) ---------------------
+
+impl Communicator {
+    /// Collective (every rank, same size, same order): `bytes` of device memory that every peer
+    /// maps. An all-reduce whose send and recv lie in registered buffers (at the same offsets on
+    /// every rank) reads and writes them directly, with no staging copy; this also holds inside
+    /// CUDA graphs. cuda backend only (the host backend's zero-copy buffers: [`Self::host_buffer`]).
+    pub fn alloc(&mut self, bytes: usize) -> Result<crate::RegisteredBuffer> {
+        self.backend.alloc_registered(&mut self.boot, bytes)
+    }
+
+    /// Collective: registers `[ptr, ptr + bytes)` of memory the caller allocated with
+    /// `cuMemCreate` (POSIX fd handle type) and mapped; anything else is refused with an error
+    /// that says how to allocate.
+    ///
+    /// # Safety
+    /// The memory must stay allocated and mapped until the buffer is freed or the communicator
+    /// is dropped.
+    pub unsafe fn register(&mut self, ptr: u64, bytes: usize) -> Result<crate::RegisteredBuffer> {
+        self.backend.register(&mut self.boot, ptr, bytes)
+    }
+
+    /// Collective: waits for this rank's work and for every rank (bounded), then unmaps. Buffers
+    /// not freed are released when the communicator is dropped.
+    pub fn free(&mut self, buf: crate::RegisteredBuffer) -> Result<()> {
+        self.backend.free_registered(&mut self.boot, buf)
+    }
+
+    /// What the last all-reduce issued by this rank ran: path, CTAs, zero-copy or not.
+    pub fn last_path(&self) -> Option<crate::PathInfo> {
+        self.backend.last_path()
+    }
+
+    /// Collective: a registered backend-owned buffer for the benchmark and the checks (used
+    /// like [`Self::test_alloc`]'s; cuda backend).
+    #[cfg(feature = "test-support")]
+    pub fn test_alloc_registered(&mut self, bytes: usize) -> Result<BufId> {
+        let rank = self.rank();
+        match self
+            .backend
+            .as_any_mut()
+            .downcast_mut::<backend::cuda::CudaComm>()
+        {
+            Some(cuda) => cuda.alloc_test_registered(&mut self.boot, bytes),
+            None => Err(backend::needs_cuda(rank, "alloc")),
+        }
+    }
+}
+
 /// All ranks must run the same backend: each says what it can run, and `Auto` picks cuda only
 /// if every rank can.
 fn agree_on_backend(boot: &mut Bootstrap, choice: BackendChoice) -> Result<BackendKind> {
