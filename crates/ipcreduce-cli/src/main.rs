@@ -1,4 +1,4 @@
-//! The `ipcreduce` command: `launch`, `bench`, `check`, `overlap`, `model`.
+//! The `ipcreduce` command: `launch`, `bench`, `check`, `overlap`, `model`, `topo`.
 
 mod bench;
 mod check;
@@ -8,6 +8,7 @@ mod harness;
 mod launch;
 mod model;
 mod overlap;
+mod topo;
 
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
@@ -56,6 +57,8 @@ enum Cmd {
     Overlap(crate::overlap::OverlapArgs),
     /// Scale model: hierarchical (ipcreduce inside nodes, NCCL between) against flat NCCL
     Model(crate::model::ModelArgs),
+    /// For every pair of ranks: P2P access, the link (NVML), the mapping test, auto's path
+    Topo(crate::topo::TopoArgs),
     /// Provoke failures (mismatch, timeout, killed rank, create/destroy cycles) and check that
     /// every rank reports them.
     #[command(hide = true)]
@@ -124,5 +127,6 @@ fn main() -> ExitCode {
         Cmd::Overlap(args) => exit(crate::overlap::run(args)),
         Cmd::Faults(args) => exit(crate::faults::run(args)),
         Cmd::Model(args) => exit(crate::model::run(args)),
+        Cmd::Topo(args) => exit(crate::topo::run(args)),
     }
 }
