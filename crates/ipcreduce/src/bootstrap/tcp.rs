@@ -10,7 +10,7 @@
 use super::master::Master;
 use nix::sys::socket::{setsockopt, sockopt};
 use std::io;
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 const KEEPALIVE_IDLE: u32 = 1;
@@ -34,11 +34,24 @@ fn resolve(m: &Master) -> Result<Vec<SocketAddr>, String> {
     Ok(addrs)
 }
 
-/// Rank 0: listens on the master's address (that address only: a job on loopback stays on
-/// loopback), non-blocking.
+/// Where rank 0 binds for the master address `addr`: a loopback address as it is (a job on
+/// loopback stays there), any other on every interface of its family, as torch's store does:
+/// the name other hosts resolve may reach this host through another interface or a NAT.
+fn bind_addr(addr: SocketAddr) -> SocketAddr {
+    if addr.ip().is_loopback() {
+        return addr;
+    }
+    let any: IpAddr = match addr {
+        SocketAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
+        SocketAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
+    };
+    SocketAddr::new(any, addr.port())
+}
+
+/// Rank 0: listens for the master address (see [`bind_addr`]), non-blocking.
 pub(crate) fn listen(m: &Master) -> Result<TcpListener, String> {
     let mut last = String::new();
-    for addr in resolve(m)? {
+    for addr in resolve(m)?.into_iter().map(bind_addr) {
         match TcpListener::bind(addr) {
             Ok(l) => {
                 l.set_nonblocking(true)
@@ -96,5 +109,22 @@ pub(crate) fn connect(m: &Master, until: Instant) -> Result<TcpStream, String> {
         }
         std::thread::sleep(backoff.min(until - now));
         backoff = (backoff * 2).min(Duration::from_millis(100));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_masters_stay_on_loopback() {
+        let a: SocketAddr = "127.0.0.1:5000".parse().unwrap();
+        assert_eq!(bind_addr(a), a);
+        let a: SocketAddr = "[::1]:5000".parse().unwrap();
+        assert_eq!(bind_addr(a), a);
+        let a: SocketAddr = "10.1.2.3:5000".parse().unwrap();
+        assert_eq!(bind_addr(a), "0.0.0.0:5000".parse().unwrap());
+        let a: SocketAddr = "[fd00::1]:5000".parse().unwrap();
+        assert_eq!(bind_addr(a), "[::]:5000".parse().unwrap());
     }
 }
