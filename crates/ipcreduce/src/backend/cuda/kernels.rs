@@ -103,6 +103,9 @@ pub fn describe_stamp_difference(mine: u64, theirs: u64) -> String {
     }
 }
 
+/// The copy-engine path's barrier kernel (one block, any dtype).
+pub const CE_BARRIER_KERNEL: &str = "ipcr_ce_barrier";
+
 /// Name of the kernel of `path` for one (dtype, op), in the module compiled for world-size
 /// class `w` (see [`world_class`]).
 pub fn kernel_name(path: CudaPath, w: usize, dtype: DType, op: ReduceOp) -> String {
@@ -117,6 +120,8 @@ pub fn kernel_name(path: CudaPath, w: usize, dtype: DType, op: ReduceOp) -> Stri
         CudaPath::TwoShotStaged => "twoshot",
         CudaPath::OneShotReg => "oneshotreg",
         CudaPath::TwoShotReg => "twoshotreg",
+        // Two ranks only: one kernel in every module.
+        CudaPath::Ce => return format!("ipcr_cereduce_{d}_{}", op.name()),
     };
     format!("ipcr_{p}_w{w}_{d}_{}", op.name())
 }

@@ -102,6 +102,8 @@ struct Args {
     int rank;
     int world;
     int aligned;                 // zero-copy: bit 0 all rsend 16-byte aligned, bit 1 all rrecv
+    int lane;                    // copy-engine barrier: the counter and flag slot it syncs on
+    int check;                   // copy-engine barrier: compare the call's stamps (first one)
 };
 
 enum { ERR_NONE = 0, ERR_TIMEOUT = 1, ERR_ABORTED = 2, ERR_MISMATCH = 3 };
@@ -210,14 +212,14 @@ __device__ __forceinline__ u64 *stamp_slot(const Args &a, int owner, u32 F, int 
     return (u64 *)((char *)a.sig[owner] + FLAG_BYTES) + ((F & 1u) * MAX_BLOCKS + block) * MAX_RANKS + from;
 }
 
-// Block-wide barrier with block `blockIdx.x` of every peer. Returns false (in every thread of
-// the block) if the wait failed: deadline passed, host abort, arguments that differ from a
-// peer's (`check_stamp`, the first barrier of a call), or another block failed.
-__device__ bool barrier(const Args &a, u32 &F, bool check_stamp = false) {
+// Block-wide barrier on slot `b` (the block's index, or a copy-engine lane) with the same slot of
+// every peer. Returns false (in every thread of the block) if the wait failed: deadline passed,
+// host abort, arguments that differ from a peer's (`check_stamp`, the first barrier of a call),
+// or another block failed.
+__device__ bool barrier_at(const Args &a, u32 &F, bool check_stamp, int b) {
     F++;
     __syncthreads();
     int t = threadIdx.x;
-    int b = blockIdx.x;
     int failed = 0;
     if (t < a.world && t != a.rank) {
         if (check_stamp) *(volatile u64 *)stamp_slot(a, t, F, b, a.rank) = a.stamp;
@@ -256,6 +258,10 @@ __device__ bool barrier(const Args &a, u32 &F, bool check_stamp = false) {
         }
     }
     return __syncthreads_or(failed) == 0;
+}
+
+__device__ __forceinline__ bool barrier(const Args &a, u32 &F, bool check_stamp = false) {
+    return barrier_at(a, F, check_stamp, blockIdx.x);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -687,6 +693,35 @@ template <typename D, typename Op> __device__ void one_shot_ll(const Args &a) {
     publish_when_all_done(ll_state, seq);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Copy-engine path (two ranks, registered buffers, out of place; see ../ce.rs). The copies are
+// cuMemcpyAsync pushes into the peer's output; these kernels order them across the processes
+// and reduce locally.
+
+// One block: a barrier on lane `a.lane`'s counter and flags. Each lane is used by one stream of
+// the call, in the same order on both ranks; before and after the call the lanes' slots are
+// used only by kernels ordered with it on the caller's stream, so invariant (1) holds.
+extern "C" __global__ void __launch_bounds__(32) ipcr_ce_barrier(const Args a) {
+    u32 *ctr = a.counters + 2 * a.lane;
+    u32 F = ctr[0];
+    barrier_at(a, F, a.check != 0, a.lane);
+    if (threadIdx.x == 0) ctr[0] = F;
+}
+
+// Our send holds our input, our recv the peer's input (pushed there): reduced in rank order
+// into recv, in place (each element read, then written, by one thread).
+struct CeSrc {
+    const Args &a;
+    __device__ const char *operator()(int r) const { return r == a.rank ? a.send : a.recv; }
+};
+
+template <typename D, typename Op> __device__ void ce_reduce(const Args &a) {
+    u64 b, e;
+    piece<D>(0, a.count, gridDim.x, blockIdx.x, b, e);
+    reduce_range<D, Op, 2>(CeSrc{a}, OwnDst{a.recv, aligned16(a.recv)}, 2, b, e,
+                           aligned16(a.send) && aligned16(a.recv));
+}
+
 // Kernel entry points: ipcr_<path>_w<W>_<dtype>_<op> for the staged and zero-copy paths, and
 // ipcr_oneshotll_<dtype>_<op>. W, the compile-time bound on the world size that sets the unroll
 // (2, 4 or 8), comes from -DIPCR_W: one module per world-size class keeps NVRTC's time down.
@@ -706,6 +741,8 @@ template <typename D, typename Op> __device__ void one_shot_ll(const Args &a) {
 
 #define KERNELS(DT, OPN, D, OP)                                                               \
     SM_KERNELS_FOR(DT, OPN, D, OP, IPCR_W)                                                    \
+    extern "C" __global__ void __launch_bounds__(512, 2)                                      \
+        ipcr_cereduce_##DT##_##OPN(const Args a) { ce_reduce<D, OP>(a); }                     \
     extern "C" __global__ void __launch_bounds__(512)                                         \
         ipcr_oneshotll_##DT##_##OPN(const Args a) { one_shot_ll<D, OP>(a); }
 
