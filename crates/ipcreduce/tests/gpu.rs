@@ -206,7 +206,7 @@ fn rank_chain() -> i32 {
         for lead in 0..3 {
             let algos = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Auto];
             let order: Vec<_> = (0..3).map(|k| algos[(lead + k) % 3]).collect();
-            let steps = chain::steps(len, chain::max_steps(dtype), &order);
+            let steps = chain::steps(len, chain::max_steps(dtype, c.world()), &order);
             checked += run_chain(&mut c, dtype, &steps, &[s.0], |_, _| {});
         }
     }
@@ -417,7 +417,7 @@ fn rank_streams() -> i32 {
     let streams = [a.0, b.0, std::ptr::null_mut()];
     for dtype in [DType::F32, DType::Bf16] {
         let algos = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Auto];
-        let steps = chain::steps(200_003, chain::max_steps(dtype), &algos);
+        let steps = chain::steps(200_003, chain::max_steps(dtype, c.world()), &algos);
         checked += run_chain(&mut c, dtype, &steps, &streams, |k, st| {
             if k % 2 == 0 {
                 delay(&scratch, 256, st);
@@ -433,6 +433,11 @@ fn rank_streams() -> i32 {
 /// right, and nothing may crash.
 fn rank_teardown() -> i32 {
     let base = ipcreduce::bootstrap::RankInfo::from_env().unwrap();
+    // The stream outlives every communicator, so it needs a context of its own first: the
+    // device's primary context, the one the communicators then find current and use.
+    let count = cudarc::driver::safe::CudaContext::device_count().unwrap() as usize;
+    let ctx = cudarc::driver::safe::CudaContext::new(base.local_rank % count).unwrap();
+    ctx.bind_to_thread().unwrap();
     let s = Stream::new();
     let mut checked = 0;
     for cycle in 0..6usize {
@@ -455,7 +460,7 @@ fn rank_teardown() -> i32 {
         let dtype = DType::F32;
         let steps = chain::steps(
             100_003,
-            chain::max_steps(dtype),
+            chain::max_steps(dtype, world),
             &[Algorithm::OneShot, Algorithm::TwoShot],
         );
         let len = steps.iter().map(|s| s.count).max().unwrap();
