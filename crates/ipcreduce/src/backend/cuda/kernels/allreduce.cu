@@ -62,8 +62,9 @@
 // (4) Rank order. Peers are summed in rank order 0..world-1 with f32 accumulation and one final
 //     rounding, so all ranks, and every path, produce bitwise the same result.
 // (5) Loads in flight. The reduction loads U packs (16 bytes each) from each of W ranks before
-//     using any of them (U * W = 8 uint4 registers), so a 512-thread block keeps 64 KiB in
-//     flight; kernels are compiled for two blocks per SM (<= 64 registers).
+//     using any of them (U * W = 8 uint4 registers for the zero-copy kernels: a 512-thread block
+//     keeps 64 KiB in flight; 4 for the staged ones, whose chunk loop holds more state and which
+//     run more blocks); kernels are compiled for two blocks per SM (<= 64 registers).
 
 #define MAX_RANKS 8
 #define MAX_BLOCKS 128
@@ -75,6 +76,7 @@
 #define STATE_LL (2 * MAX_BLOCKS + 4)
 #define STATE_STAGED (2 * MAX_BLOCKS + 8)
 #define LOADS_IN_FLIGHT 8
+#define STAGED_LOADS_IN_FLIGHT 4
 #define COPY_UNROLL 4
 
 typedef unsigned int u32;
@@ -430,11 +432,11 @@ __device__ __forceinline__ uint4 reduce_pack(const uint4 (&v)[W], int world) {
 // out = op over ranks 0..world-1 (in rank order, f32) of elements [begin, end), for world <= W.
 // Whole packs with every pointer aligned take the fast path: each thread issues all its loads (U
 // packs from each rank) before it uses any of them. The rest goes pack by pack, element-wise.
-template <typename D, typename Op, int W, typename Src, typename Dst>
+template <typename D, typename Op, int W, int LOADS = LOADS_IN_FLIGHT, typename Src, typename Dst>
 __device__ __forceinline__ void reduce_range(const Src &src, const Dst &dst, int world, u64 begin,
                                              u64 end, bool src_aligned) {
     const int N = Pack<D>::N;
-    const int U = LOADS_IN_FLIGHT / W;
+    const int U = LOADS / W > 0 ? LOADS / W : 1;
     if (begin >= end) return;
     const u64 step = blockDim.x;
     u64 p = begin / N + threadIdx.x;
@@ -498,7 +500,8 @@ template <typename D, typename Op, int W> __device__ void one_shot(const Args &a
         copy_range<D, COPY_UNROLL>(a.data[a.rank] + slot_off, a.send + c0 * D::SIZE, b, e);
         if (!barrier(a, F, c0 == 0)) break;
         char *out = a.recv + c0 * D::SIZE;
-        reduce_range<D, Op, W>(SlotSrc{a, slot_off}, OwnDst{out, aligned16(out)}, a.world, b, e, true);
+        reduce_range<D, Op, W, STAGED_LOADS_IN_FLIGHT>(SlotSrc{a, slot_off}, OwnDst{out, aligned16(out)},
+                                                        a.world, b, e, true);
     }
     if (threadIdx.x == 0) ctr[0] = F;
     publish_when_all_done(st, L0 + (u32)((a.count + chunk - 1) / chunk));
@@ -529,7 +532,8 @@ template <typename D, typename Op, int W> __device__ void two_shot(const Args &a
         shard_piece<D>(frame, n, a.world, a.rank, b, e);
         // Reduce our shard's piece and store it into every rank's slot (ours included), in place
         // of the inputs: only this thread reads and writes these elements there.
-        reduce_range<D, Op, W>(SlotSrc{a, slot_off}, AllSlotsDst{a, slot_off}, a.world, b, e, true);
+        reduce_range<D, Op, W, STAGED_LOADS_IN_FLIGHT>(SlotSrc{a, slot_off}, AllSlotsDst{a, slot_off},
+                                                        a.world, b, e, true);
         if (!barrier(a, F)) break;
         // Every shard's reduced piece b is now in our slot: copy it out (local memory only).
         for (int s = 0; s < a.world; s++) {
