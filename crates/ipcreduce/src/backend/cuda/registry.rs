@@ -156,8 +156,8 @@ pub fn register(
     let rank = boot.rank();
     same_on_every_rank(boot, "register", bytes as u64, "size")?;
     let local = export_callers(ptr, bytes, rank);
-    let (handle, fd, mapped_base, mapped_size) = agree(boot, "register", local)?;
-    let own = Own::Retained(handle);
+    // (Our reference to the handle is released if any rank failed.)
+    let (own, fd, mapped_base, mapped_size) = agree(boot, "register", local)?;
     let (peers, maps) = exchange(
         boot,
         device,
@@ -183,11 +183,7 @@ const HOW_TO_ALLOCATE: &str = "register() takes memory from cuMemCreate with \
 
 /// Our side of [`register`]: the allocation holding `ptr`, its retained handle exported as an
 /// fd, and where it is mapped here.
-fn export_callers(
-    ptr: u64,
-    bytes: usize,
-    rank: usize,
-) -> Result<(sys::CUmemGenericAllocationHandle, OwnedFd, u64, usize)> {
+fn export_callers(ptr: u64, bytes: usize, rank: usize) -> Result<(Own, OwnedFd, u64, usize)> {
     let refuse =
         |what: String| Error::invalid(rank, "register", format!("{what}: {HOW_TO_ALLOCATE}"));
     let (mut base, mut size) = (0u64, 0usize);
@@ -232,7 +228,12 @@ fn export_callers(
         )));
     }
     // SAFETY: the driver handed us a fresh fd.
-    Ok((handle, unsafe { OwnedFd::from_raw_fd(fd) }, base, size))
+    Ok((
+        Own::Retained(handle),
+        unsafe { OwnedFd::from_raw_fd(fd) },
+        base,
+        size,
+    ))
 }
 
 /// Fails on every rank if `value` differs between ranks (naming the first that differs).
