@@ -29,6 +29,12 @@ pub fn oneshot_max_bytes(backend: BackendKind, world: usize) -> usize {
 /// `IPCREDUCE_LL_MAX` overrides (0 disables).
 pub const LL_DEFAULT_MAX_BYTES: usize = 64 << 10;
 
+/// Default smallest message for the cuda copy-engine path (two ranks, registered, out of
+/// place): DEFAULT, off until the NVLink runs measure it against the zero-copy SM kernels (the
+/// plain CE pipeline the design starts from reached 308 GB/s at 32 MB and 342 at 512 MB).
+/// `IPCREDUCE_CE_MIN` overrides.
+pub const CE_DEFAULT_MIN_BYTES: usize = 0;
+
 /// The algorithm a call runs: an explicit choice wins over `IPCREDUCE_ALGO` (`env`), which
 /// wins over `Auto`'s size rule.
 pub fn choose(

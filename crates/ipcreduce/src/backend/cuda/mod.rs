@@ -287,7 +287,9 @@ impl CudaComm {
         }
         // The copy-engine path is written for two ranks.
         let ce_min = match world {
-            2 => config.ce_min_bytes.unwrap_or(0),
+            2 => config
+                .ce_min_bytes
+                .unwrap_or(crate::plan::CE_DEFAULT_MIN_BYTES),
             _ => 0,
         };
         let limits = GridLimits {
