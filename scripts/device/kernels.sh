@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The cuda data plane on a GPU machine, in one call: correctness of every path (staged and
+# The cuda data plane on a GPU machine: correctness of every path (staged and
 # registered/zero-copy; LL, one-shot, two-shot; odd grids, small slots, unaligned pointers), the
 # kernels' register use, compute-sanitizer on the new kernels, and a bandwidth sweep with CTA
 # variations (NCCL beside it when two GPUs are present). Builds nothing: expects
 # target/release/ipcreduce.
 #
 # Usage: scripts/device/kernels.sh OUT_DIR
-# Each phase fits one 10-minute call; run them one per call into the same OUT_DIR, e.g.
-#   PHASES=nvlink scripts/device/kernels.sh OUT; PHASES=bench ...; PHASES=sanitize ...;
-#   PHASES=sweep ...; PHASES=mps ... (one GPU is enough for mps and sanitize).
-# Knobs: CASES=800 (main sweeps), VCASES=200 (variants), PHASES="nvlink mps sanitize bench
-#        sweep", BENCH_MAX=1G, BLOCKS_SWEEP="8 16 32 64 96", WORLDS="2 4 8".
+# Run the phases in calls of at most 10 minutes into the same OUT_DIR (summary.txt collects
+# every step), e.g. on two GPUs: PHASES=nvlink, then PHASES=bench, then PHASES=sweep; on one
+# GPU (or two): PHASES=mps WORLDS=2, WORLDS=4, WORLDS=8 (one call each), PHASES=sanitize.
+# Knobs: CASES=800 (main sweeps), VCASES=200 (variants), PHASES (any of nvlink, bench, sweep,
+#        sanitize, mps; default "nvlink bench" with two GPUs, "mps" with one),
+#        BENCH_MAX=1G, BLOCKS_SWEEP="8 16 32 64 96", WORLDS="2 4 8".
 # Layout of OUT_DIR: env.txt, resources.txt, check-*.log, sanitizer.log, bench-*.{log,json},
 # summary.txt (one line per step: PASS/FAIL and the last line of its output).
 set -u
@@ -18,7 +19,6 @@ OUT=${1:?usage: kernels.sh OUT_DIR}
 BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
 CASES=${CASES:-800}
 VCASES=${VCASES:-200}
-PHASES=${PHASES:-nvlink mps sanitize bench sweep}
 BENCH_MAX=${BENCH_MAX:-1G}
 BLOCKS_SWEEP=${BLOCKS_SWEEP:-8 16 32 64 96}
 mkdir -p "$OUT"
@@ -27,6 +27,9 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 # Never NVLink multicast.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+# Without PHASES: what fits one call on this machine (two GPUs: NVLink checks and the
+# benchmark; one GPU: the MPS checks and the sanitizer).
+if [ "$NGPU" -ge 2 ]; then PHASES=${PHASES:-nvlink bench}; else PHASES=${PHASES:-mps}; fi
 SUMMARY="$OUT/summary.txt"
 : >>"$SUMMARY"
 status=0
