@@ -64,6 +64,7 @@ pub fn describe_stamp_difference(mine: u64, theirs: u64) -> String {
         "nccl",
         "oneshot-reg",
         "twoshot-reg",
+        "ce",
     ];
     let dtypes = ["float", "half", "bfloat16"];
     let ops = ["sum", "max", "min"];
@@ -254,6 +255,11 @@ mod tests {
             describe_stamp_difference(a, d),
             "algorithm oneshot vs twoshot-reg"
         );
+        for path in CudaPath::ALL {
+            let s = stamp(100, DType::F32, ReduceOp::Sum, path.code());
+            let text = describe_stamp_difference(a, s);
+            assert!(!text.contains('?'), "{path:?}: {text}");
+        }
         let unknown = describe_stamp_difference(a, 0);
         assert!(unknown.contains("100 x float sum, oneshot"), "{unknown}");
     }
