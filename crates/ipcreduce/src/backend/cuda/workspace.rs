@@ -17,8 +17,8 @@ use crate::error::{Error, Result};
 use cudarc::driver::sys;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-/// A mapping of one rank's workspace into this process (own or a peer's).
-enum Mapping {
+/// A mapping of one rank's shared memory into this process (own or a peer's).
+pub(super) enum Mapping {
     /// VMM: reserved range + mapped handle.
     Vmm {
         ptr: sys::CUdeviceptr,
@@ -32,7 +32,7 @@ enum Mapping {
 }
 
 impl Mapping {
-    fn ptr(&self) -> sys::CUdeviceptr {
+    pub(super) fn ptr(&self) -> sys::CUdeviceptr {
         match self {
             Mapping::Vmm { ptr, .. } | Mapping::Owned { ptr } | Mapping::Opened { ptr } => *ptr,
         }
@@ -191,7 +191,13 @@ fn map_handle(
     }
 }
 
-fn export_vmm(device: sys::CUdevice, bytes: usize, rank: usize) -> Result<(Mapping, OwnedFd)> {
+/// Creates `bytes` (rounded up to the granularity) of device memory that can be exported as a
+/// POSIX fd, maps it here, and returns the mapping and the fd.
+pub(super) fn export_vmm(
+    device: sys::CUdevice,
+    bytes: usize,
+    rank: usize,
+) -> Result<(Mapping, OwnedFd)> {
     let prop = vmm_prop(device);
     let size = bytes.div_ceil(granularity(&prop, rank)?) * granularity(&prop, rank)?;
     let mut handle = 0;
@@ -201,23 +207,7 @@ fn export_vmm(device: sys::CUdevice, bytes: usize, rank: usize) -> Result<(Mappi
         rank,
         || format!("cuMemCreate({size} bytes, POSIX fd handle)"),
     )?;
-    let mut fd: std::ffi::c_int = -1;
-    // SAFETY: exports the handle as a new fd, which we then own.
-    let exported = unsafe {
-        sys::cuMemExportToShareableHandle(
-            (&mut fd as *mut std::ffi::c_int).cast(),
-            handle,
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            0,
-        )
-    };
-    if let Err(e) = ck(exported, rank, || "cuMemExportToShareableHandle".into()) {
-        // SAFETY: release the allocation we just created.
-        unsafe { sys::cuMemRelease(handle) };
-        return Err(e);
-    }
-    // SAFETY: the driver handed us a fresh fd.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let fd = export_fd(handle, rank)?;
     let mapping = map_handle(handle, size, device, rank, "own workspace")?;
     Ok((mapping, fd))
 }
@@ -270,27 +260,7 @@ fn import_all(
                         detail: "short message".into(),
                     }
                 })?) as usize;
-                let mut handle = 0;
-                // SAFETY: imports the peer's allocation from its fd (the driver dups it).
-                let res = unsafe {
-                    sys::cuMemImportFromShareableHandle(
-                        &mut handle,
-                        peer_fd.as_raw_fd() as usize as *mut std::ffi::c_void,
-                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                    )
-                };
-                ck(res, rank, || {
-                    format!("cuMemImportFromShareableHandle of rank {peer}'s workspace")
-                })
-                .map_err(|e| peer_access(rank, peer, "import", e))?;
-                let m = map_handle(
-                    handle,
-                    peer_size,
-                    device,
-                    rank,
-                    &format!("rank {peer}'s workspace"),
-                )
-                .map_err(|e| peer_access(rank, peer, "map", e))?;
+                let m = import_vmm(peer_fd, peer_size, device, rank, peer, "workspace")?;
                 maps[peer] = Some(m);
             }
         }
@@ -337,6 +307,55 @@ fn import_all(
         size,
         mode,
     })
+}
+
+/// Exports `handle` as a POSIX fd (ours to close). On failure the handle is released: the
+/// caller's reference to it is gone either way.
+pub(super) fn export_fd(handle: sys::CUmemGenericAllocationHandle, rank: usize) -> Result<OwnedFd> {
+    let mut fd: std::ffi::c_int = -1;
+    // SAFETY: exports the handle as a new fd, which we then own.
+    let exported = unsafe {
+        sys::cuMemExportToShareableHandle(
+            (&mut fd as *mut std::ffi::c_int).cast(),
+            handle,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        )
+    };
+    if let Err(e) = ck(exported, rank, || "cuMemExportToShareableHandle".into()) {
+        // SAFETY: drops the caller's reference, as documented.
+        unsafe { sys::cuMemRelease(handle) };
+        return Err(e);
+    }
+    // SAFETY: the driver handed us a fresh fd.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Imports a peer's allocation of `size` bytes from its fd and maps it here (`what` names it in
+/// errors, e.g. "workspace").
+pub(super) fn import_vmm(
+    fd: &OwnedFd,
+    size: usize,
+    device: sys::CUdevice,
+    rank: usize,
+    peer: usize,
+    what: &str,
+) -> Result<Mapping> {
+    let mut handle = 0;
+    // SAFETY: imports the peer's allocation from its fd (the driver dups it).
+    let res = unsafe {
+        sys::cuMemImportFromShareableHandle(
+            &mut handle,
+            fd.as_raw_fd() as usize as *mut std::ffi::c_void,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        )
+    };
+    ck(res, rank, || {
+        format!("cuMemImportFromShareableHandle of rank {peer}'s {what}")
+    })
+    .map_err(|e| peer_access(rank, peer, "import", e))?;
+    map_handle(handle, size, device, rank, &format!("rank {peer}'s {what}"))
+        .map_err(|e| peer_access(rank, peer, "map", e))
 }
 
 fn peer_access(rank: usize, peer: usize, op: &'static str, e: Error) -> Error {
