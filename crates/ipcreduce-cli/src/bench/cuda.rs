@@ -43,31 +43,35 @@ struct RefreshArgs {
 /// (zero-copy calls).
 enum Memory {
     Plain(DeviceAlloc),
-}
-
-/// Why this build cannot run on registered buffers, if it cannot.
-pub fn registration_unavailable() -> Option<String> {
-    Some("this build of the library has no Communicator::alloc".into())
+    Registered(ipcreduce::RegisteredBuffer),
 }
 
 impl Memory {
     fn new(comm: &mut Communicator, bytes: usize, registered: bool) -> Result<Memory> {
-        if let (true, Some(why)) = (registered, registration_unavailable()) {
-            return Err(Error::invalid(comm.rank(), "bench --registered", why));
-        }
-        Ok(Memory::Plain(DeviceAlloc::new(bytes, comm.rank())?))
+        Ok(if registered {
+            // Collective: every rank allocates the same sizes in the same order.
+            Memory::Registered(comm.alloc(bytes)?)
+        } else {
+            Memory::Plain(DeviceAlloc::new(bytes, comm.rank())?)
+        })
     }
 
     fn ptr(&self) -> u64 {
         match self {
             Memory::Plain(m) => m.ptr,
+            Memory::Registered(m) => m.ptr(),
         }
     }
 
     /// Registered memory is freed collectively; plain memory on drop.
-    fn free(self, _comm: &mut Communicator) {
+    fn free(self, comm: &mut Communicator) {
         match self {
             Memory::Plain(m) => drop(m),
+            Memory::Registered(m) => {
+                if let Err(e) = comm.free(m) {
+                    tracing::warn!(rank = comm.rank(), "freeing a registered buffer: {e}");
+                }
+            }
         }
     }
 }

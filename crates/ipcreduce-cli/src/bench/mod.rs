@@ -303,19 +303,20 @@ fn bench(args: &BenchArgs) -> Result<bool> {
 
 /// Why registered buffers cannot be benchmarked here, if they cannot (the same on every rank).
 fn registration_unavailable(comm: &Communicator) -> Option<String> {
-    if comm.backend() != BackendKind::Cuda {
-        return Some("registered buffers need the cuda backend".into());
-    }
-    cuda::registration_unavailable()
+    (comm.backend() != BackendKind::Cuda).then(|| "registered buffers need the cuda backend".into())
 }
 
-/// What the library says ran for the last call: (path, CTAs, zero-copy).
+/// What the library says ran for the last call: (path, CTAs, zero-copy); the algorithm when it
+/// says nothing (host backend).
 fn last_path(
     comm: &Communicator,
     algo: Algorithm,
     bytes: usize,
 ) -> (String, Option<u32>, Option<bool>) {
-    (comm.resolve(algo, bytes).name().to_string(), None, None)
+    match comm.last_path() {
+        Some(p) => (p.name.to_string(), Some(p.ctas), Some(p.registered)),
+        None => (comm.resolve(algo, bytes).name().to_string(), None, None),
+    }
 }
 
 /// Gathers one measurement from every rank into a row (collective).
