@@ -1,8 +1,8 @@
 //! What the CUDA-side commands (bench, overlap, tune) share: the communicator's GPU context,
 //! and cudarc errors mapped to ours.
 
-use cudarc::driver::{safe as cs, sys, DriverError};
-use ipcreduce::backend::cuda::driver::ck;
+use cudarc::driver::{safe as cs, DriverError};
+use ipcreduce::backend::cuda::memory::DeviceAlloc;
 use ipcreduce::error::{Error, Result};
 use ipcreduce::Communicator;
 use std::sync::Arc;
@@ -16,23 +16,53 @@ pub fn cu(rank: usize, op: &'static str) -> impl Fn(DriverError) -> Error {
     }
 }
 
-/// The (primary) context of the GPU the communicator runs on. The cuda backend leaves its
-/// context current on the thread that created it; asking the driver which device that is
-/// keeps the commands on the communicator's GPU whatever picked it (configuration,
-/// local rank, an earlier context).
+/// The (primary) context of the GPU the communicator runs on, so the commands' buffers,
+/// streams and kernels are on its GPU whatever picked it (configuration, local rank, an
+/// earlier context).
 pub fn comm_context(comm: &Communicator) -> Result<Arc<cs::CudaContext>> {
     let rank = comm.rank();
-    let mut device: sys::CUdevice = 0;
-    // SAFETY: writes one device handle; fails cleanly when no context is current.
-    ck(unsafe { sys::cuCtxGetDevice(&mut device) }, rank, || {
-        "cuCtxGetDevice (the communicator's GPU)".into()
-    })?;
-    let ordinal = usize::try_from(device).map_err(|_| Error::Cuda {
-        rank,
-        op: "cuCtxGetDevice".into(),
-        detail: format!("device {device}"),
-    })?;
+    let ordinal = comm
+        .cuda_device()
+        .ok_or_else(|| Error::invalid(rank, "GPU context", "the communicator is not on cuda"))?;
     cs::CudaContext::new(ordinal).map_err(cu(rank, "context creation"))
+}
+
+/// Device memory for the buffers an all-reduce reads and writes: plain, or registered with
+/// every peer by `Communicator::alloc` (zero-copy calls).
+pub enum Memory {
+    Plain(DeviceAlloc),
+    Registered(ipcreduce::RegisteredBuffer),
+}
+
+impl Memory {
+    /// Collective when `registered`: every rank allocates the same sizes in the same order.
+    pub fn new(comm: &mut Communicator, bytes: usize, registered: bool) -> Result<Memory> {
+        Ok(if registered {
+            Memory::Registered(comm.alloc(bytes)?)
+        } else {
+            Memory::Plain(DeviceAlloc::new(bytes, comm.rank())?)
+        })
+    }
+
+    pub fn ptr(&self) -> u64 {
+        match self {
+            Memory::Plain(m) => m.ptr,
+            Memory::Registered(m) => m.ptr(),
+        }
+    }
+
+    /// Registered memory is freed collectively (after the caller waited for its work); plain
+    /// memory on drop.
+    pub fn free(self, comm: &mut Communicator) {
+        match self {
+            Memory::Plain(m) => drop(m),
+            Memory::Registered(m) => {
+                if let Err(e) = comm.free(m) {
+                    tracing::warn!(rank = comm.rank(), "freeing a registered buffer: {e}");
+                }
+            }
+        }
+    }
 }
 
 /// Compiles one of the commands' kernel sources for the context's GPU and loads `names`.

@@ -18,6 +18,14 @@
 //! read may carry a few microseconds of launch latency. A step's reported time is its slowest
 //! rank's; the table summarises those over the timed steps.
 //!
+//! Everything runs on the communicator's GPU and context. The gradients and their reduced copy
+//! are registered buffers from `Communicator::alloc` (zero-copy calls; `--plain` for staged
+//! ones), the all-reduces go on a stream of the highest priority (as training frameworks do),
+//! and uploads and read-backs on the communicator's own stream. Before the algorithms, the
+//! same steps run without communication: the exposed communication of an algorithm is its
+//! mean step minus that compute-only mean. Run it with two `--compute-us` values (the device
+//! script runs 2000 and 8000) to see a communication-bound and a compute-bound step.
+//!
 //! The compute pieces are a compute-bound kernel (kernels/compute.cu) calibrated once at
 //! start so that one piece lasts `--compute-us / buckets`. The gradients are filled once with
 //! the reference input; after each algorithm's loop the reduced gradients (poisoned before the
@@ -25,8 +33,9 @@
 //! makes the exit status 1.
 
 use crate::cli::{join, parse_size, relaunch_unless_rank, RankArgs};
+use crate::gpu::{comm_context, cu, Memory};
 use crate::harness::{gather_f64, gather_u64, RunMeta};
-use cudarc::driver::{safe as cs, sys, DriverError};
+use cudarc::driver::{safe as cs, sys};
 use ipcreduce::backend::cuda::driver::ck;
 use ipcreduce::backend::cuda::kernels::{self, COMPUTE_KERNEL, COMPUTE_THREADS};
 use ipcreduce::backend::cuda::memory::DeviceAlloc;
@@ -74,6 +83,10 @@ pub struct OverlapArgs {
         default_value = "auto,nccl"
     )]
     pub algos: Vec<Algorithm>,
+    /// Gradients in plain device memory (staged calls) instead of registered buffers from
+    /// `Communicator::alloc` (zero-copy calls).
+    #[arg(long)]
+    pub plain: bool,
     /// Write the results as JSON to this file (rank 0).
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
@@ -214,8 +227,14 @@ pub struct Row {
     pub algo: Algorithm,
     /// What the algorithm runs for a full bucket (`auto` resolved).
     pub ran: Algorithm,
+    /// The library's path, CTAs and zero-copy for the last bucket (`last_path`).
+    pub path: Option<String>,
+    pub ctas: Option<u32>,
+    pub zero_copy: Option<bool>,
     pub steps: usize,
     pub step_ms: Stats,
+    /// Exposed communication: the mean step minus the mean compute-only step.
+    pub exposed_ms: f64,
     /// Wrong elements of the reduced gradients, summed over ranks.
     pub wrong: u64,
 }
@@ -273,7 +292,7 @@ fn overlap(args: &OverlapArgs) -> Result<i32> {
         }
         return Ok(2);
     }
-    let algos = runnable(&mut comm, &plan.algos)?;
+    let algos = crate::bench::available(&mut comm, &plan.algos)?;
     if algos.is_empty() {
         return Err(Error::Config(
             "none of the requested algorithms can run here".into(),
@@ -281,7 +300,7 @@ fn overlap(args: &OverlapArgs) -> Result<i32> {
     }
 
     let grad_bytes = args.grad_bytes;
-    let gpu = Gpu::new(&mut comm, grad_bytes)?;
+    let gpu = Gpu::new(&mut comm, grad_bytes, !args.plain)?;
     // The gradients never change: the compute pieces write elsewhere, so after any number of
     // steps `reduced` must hold the sum of every rank's input.
     let mut host = vec![0u8; grad_bytes];
@@ -294,8 +313,24 @@ fn overlap(args: &OverlapArgs) -> Result<i32> {
         print_header(args, &plan, &comm, &gpu, &cal);
     }
 
-    let mut rows = Vec::new();
     let total_steps = args.warmup + args.steps;
+    // The same steps without communication: what a step costs when nothing is exposed.
+    comm.bootstrap().barrier()?;
+    let times = run_steps(
+        &mut comm,
+        &gpu,
+        &plan.buckets,
+        None,
+        cal.piece_iters,
+        total_steps,
+    )?;
+    let compute_only = slowest_steps(&mut comm, &times[args.warmup.min(times.len())..])?;
+    let compute_only = Stats::of(&compute_only)
+        .ok_or_else(|| Error::invalid(rank, "overlap", "no compute-only step was timed"))?;
+    if rank == 0 {
+        print_row(&compute_only_row(&compute_only));
+    }
+    let mut rows = Vec::new();
     for &algo in &algos {
         gpu.poison_reduced()?;
         comm.bootstrap().barrier()?;
@@ -303,35 +338,28 @@ fn overlap(args: &OverlapArgs) -> Result<i32> {
             &mut comm,
             &gpu,
             &plan.buckets,
-            algo,
+            Some(algo),
             cal.piece_iters,
             total_steps,
         )?;
         // Kernels record failures (timeouts, mismatches) on the device; this surfaces them.
         comm.synchronize()?;
+        let path = comm.last_path();
         gpu.download(&mut host)?;
         let wrong_here = count_wrong_par(DTYPE, ReduceOp::Sum, args.seed, comm.world(), &host);
         let wrong: u64 = gather_u64(&mut comm, wrong_here as u64)?.iter().sum();
-        let timed = &times[args.warmup.min(times.len())..];
-        let mine: Vec<u8> = timed.iter().flat_map(|t| t.to_le_bytes()).collect();
-        let per_rank: Vec<Vec<f64>> = comm
-            .bootstrap()
-            .all_gather(&mine)?
-            .iter()
-            .map(|b| {
-                b.chunks_exact(8)
-                    .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-                    .collect()
-            })
-            .collect();
-        let slow = slowest_per_step(&per_rank);
+        let slow = slowest_steps(&mut comm, &times[args.warmup.min(times.len())..])?;
         let step_ms = Stats::of(&slow)
             .ok_or_else(|| Error::invalid(rank, "overlap", format!("{algo}: no step was timed")))?;
         let row = Row {
             algo,
             ran: comm.resolve(algo, plan.buckets[0].bytes),
+            path: path.map(|p| p.name.to_string()),
+            ctas: path.map(|p| p.ctas),
+            zero_copy: path.map(|p| p.registered),
             steps: slow.len(),
             step_ms,
+            exposed_ms: step_ms.mean - compute_only.mean,
             wrong,
         };
         if rank == 0 {
@@ -347,10 +375,14 @@ fn overlap(args: &OverlapArgs) -> Result<i32> {
             );
         }
         if let Some(path) = &args.json {
-            write_json(&comm, args, &plan, &cal, &rows, ratio, path)?;
+            let meta = Meta {
+                run: RunMeta::collect(&comm),
+                args: args_json(args, &plan),
+            };
+            write_json(&report_json(&meta, &cal, &compute_only, &rows, ratio), path)?;
         }
     }
-    drop(gpu);
+    gpu.free(&mut comm)?;
     Ok(if rows.iter().all(|r| r.wrong == 0) {
         0
     } else {
@@ -358,27 +390,35 @@ fn overlap(args: &OverlapArgs) -> Result<i32> {
     })
 }
 
-/// The algorithms every rank can run (NCCL may have failed on one rank only; running it on the
-/// others would leave them waiting). Rank 0 says why the others are skipped.
-fn runnable(comm: &mut Communicator, algos: &[Algorithm]) -> Result<Vec<Algorithm>> {
-    let mut keep = Vec::new();
-    for &a in algos {
-        let why = comm.unavailable(a);
-        let all = gather_u64(comm, why.is_none() as u64)?;
-        if all.iter().all(|v| *v == 1) {
-            keep.push(a);
-        } else if comm.rank() == 0 {
-            let why = why.unwrap_or_else(|| {
-                let ranks: Vec<String> = (0..all.len())
-                    .filter(|r| all[*r] != 1)
-                    .map(|r| r.to_string())
-                    .collect();
-                format!("unavailable on rank(s) {}", ranks.join(", "))
-            });
-            println!("# {a}: skipped: {why}");
-        }
+/// Each step's slowest rank over this rank's `timed` steps (collective).
+fn slowest_steps(comm: &mut Communicator, timed: &[f64]) -> Result<Vec<f64>> {
+    let mine: Vec<u8> = timed.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let per_rank: Vec<Vec<f64>> = comm
+        .bootstrap()
+        .all_gather(&mine)?
+        .iter()
+        .map(|b| {
+            b.chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .collect()
+        })
+        .collect();
+    Ok(slowest_per_step(&per_rank))
+}
+
+/// The table line of the compute-only steps.
+fn compute_only_row(s: &Stats) -> Row {
+    Row {
+        algo: Algorithm::Auto,
+        ran: Algorithm::Auto,
+        path: Some("compute only".into()),
+        ctas: None,
+        zero_copy: None,
+        steps: 0,
+        step_ms: *s,
+        exposed_ms: 0.0,
+        wrong: 0,
     }
-    Ok(keep)
 }
 
 /// NCCL's mean step time over ipcreduce's (`auto` if it ran, else the first other algorithm).
@@ -391,12 +431,13 @@ fn nccl_ratio(rows: &[Row]) -> Option<f64> {
     Some(nccl.step_ms.mean / ours.step_ms.mean)
 }
 
-/// One step loop of `algo`; this rank's step times in milliseconds, warm-up steps included.
+/// One step loop of `algo` (None: compute only); this rank's step times in milliseconds,
+/// warm-up steps included.
 fn run_steps(
     comm: &mut Communicator,
     gpu: &Gpu,
     buckets: &[Bucket],
-    algo: Algorithm,
+    algo: Option<Algorithm>,
     piece_iters: u32,
     total_steps: usize,
 ) -> Result<Vec<f64>> {
@@ -436,14 +477,16 @@ fn run_steps(
             if piece_iters > 0 {
                 gpu.launch_piece(piece_iters)?;
             }
+            // No algorithm: the compute-only run (the same pieces, nothing reduced).
+            let Some(algo) = algo else { continue };
             ready[k]
                 .record(&gpu.compute)
                 .map_err(cu(rank, "cuEventRecord"))?;
             gpu.comm
                 .wait(&ready[k])
                 .map_err(cu(rank, "cuStreamWaitEvent"))?;
-            let send = (gpu.grads.ptr + b.offset as u64) as *const c_void;
-            let recv = (gpu.reduced.ptr + b.offset as u64) as *mut c_void;
+            let send = (gpu.grads_ptr() + b.offset as u64) as *const c_void;
+            let recv = (gpu.reduced_ptr() + b.offset as u64) as *mut c_void;
             // SAFETY: both ranges lie inside our allocations of grad_bytes (buckets cover
             // exactly grad_bytes) and do not overlap; the stream belongs to the communicator's
             // context, and the buffers outlive the loop (synchronized below).
@@ -563,23 +606,21 @@ fn median_of(n: usize, mut f: impl FnMut() -> Result<f64>) -> Result<f64> {
     Ok(Stats::of(&v).map_or(0.0, |s| s.median))
 }
 
-/// Maps a cudarc error to ours, naming the rank and the call.
-fn cu(rank: usize, op: &'static str) -> impl Fn(DriverError) -> Error {
-    move |e| Error::Cuda {
-        rank,
-        op: op.into(),
-        detail: e.to_string(),
-    }
-}
-
 /// This rank's GPU resources for the benchmark, in the communicator's (primary) context.
 struct Gpu {
     rank: usize,
-    // Fields drop in this order after `Drop::drop` has waited for both streams: memory first
+    grad_bytes: usize,
+    registered: bool,
+    /// Priority of the communication stream (lower is higher).
+    comm_priority: i32,
+    // Fields drop in this order after `Drop::drop` has waited for the streams: memory first
     // (nothing can use it any more), then streams, the module, and the context last.
     sink: DeviceAlloc,
-    grads: DeviceAlloc,
-    reduced: DeviceAlloc,
+    grads: Option<Memory>,
+    reduced: Option<Memory>,
+    /// The communicator's own stream: uploads, poisoning and read-backs (the communicator
+    /// waits for it at teardown).
+    setup: sys::CUstream,
     compute: Arc<cs::CudaStream>,
     comm: Arc<cs::CudaStream>,
     /// The compute kernel; it keeps its module loaded.
@@ -589,15 +630,11 @@ struct Gpu {
 }
 
 impl Gpu {
-    fn new(comm: &mut Communicator, grad_bytes: usize) -> Result<Gpu> {
+    /// On the communicator's GPU and context; `registered`: the gradients and their reduced
+    /// copy in buffers from `Communicator::alloc` (collective), so calls are zero-copy.
+    fn new(comm: &mut Communicator, grad_bytes: usize, registered: bool) -> Result<Gpu> {
         let rank = comm.rank();
-        // The same GPU as the communicator: the cuda backend picks local_rank % device count.
-        // all_reduce_raw checks that our buffers are on its GPU, so a mismatch is an error,
-        // not a silent cross-GPU run.
-        let count = cs::CudaContext::device_count().map_err(cu(rank, "cuDeviceGetCount"))?;
-        let count = usize::try_from(count).unwrap_or(0).max(1);
-        let ordinal = comm.bootstrap().info().local_rank % count;
-        let ctx = cs::CudaContext::new(ordinal).map_err(cu(rank, "context creation"))?;
+        let ctx = comm_context(comm)?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(cu(rank, "compute capability query"))?;
@@ -618,23 +655,59 @@ impl Gpu {
         // must get on the GPU while compute runs, or nothing would overlap).
         let blocks = u32::try_from(sms).unwrap_or(1).max(1) * 2;
         let compute = ctx.new_stream().map_err(cu(rank, "cuStreamCreate"))?;
-        let comm_stream = ctx.new_stream().map_err(cu(rank, "cuStreamCreate"))?;
+        // The all-reduces on the highest priority, as training frameworks do: a bucket's
+        // blocks get on the SMs as soon as some compute block finishes, instead of queueing
+        // behind the whole compute piece.
+        let (_, highest) = cudarc::driver::result::stream::get_priority_range()
+            .map_err(cu(rank, "cuCtxGetStreamPriorityRange"))?;
+        let comm_stream = ctx
+            .new_stream_with_priority(highest)
+            .map_err(cu(rank, "cuStreamCreateWithPriority"))?;
         ctx.bind_to_thread()
             .map_err(cu(rank, "binding the context"))?;
+        let setup = comm
+            .cuda_stream()
+            .ok_or_else(|| Error::invalid(rank, "overlap", "the communicator has no cuda stream"))?
+            as sys::CUstream;
         let sink = DeviceAlloc::new(blocks as usize * COMPUTE_THREADS as usize * 4, rank)?;
-        let grads = DeviceAlloc::new(grad_bytes, rank)?;
-        let reduced = DeviceAlloc::new(grad_bytes, rank)?;
+        let grads = Memory::new(comm, grad_bytes, registered)?;
+        let reduced = Memory::new(comm, grad_bytes, registered)?;
         Ok(Gpu {
             rank,
+            grad_bytes,
+            registered,
+            comm_priority: highest,
             sink,
-            grads,
-            reduced,
+            grads: Some(grads),
+            reduced: Some(reduced),
+            setup,
             compute,
             comm: comm_stream,
             kernel,
             blocks,
             ctx,
         })
+    }
+
+    fn grads_ptr(&self) -> u64 {
+        self.grads.as_ref().map_or(0, Memory::ptr)
+    }
+
+    fn reduced_ptr(&self) -> u64 {
+        self.reduced.as_ref().map_or(0, Memory::ptr)
+    }
+
+    /// Waits for the work, then frees the gradients (collectively when registered).
+    fn free(mut self, comm: &mut Communicator) -> Result<()> {
+        self.bind()?;
+        self.sync()?;
+        for m in [self.grads.take(), self.reduced.take()]
+            .into_iter()
+            .flatten()
+        {
+            m.free(comm);
+        }
+        Ok(())
     }
 
     fn bind(&self) -> Result<()> {
@@ -679,16 +752,16 @@ impl Gpu {
     /// pageable memory may return before its DMA lands, and non-blocking streams would not
     /// wait for it.
     fn upload(&self, data: &[u8]) -> Result<()> {
-        assert!(data.len() <= self.grads.bytes);
+        assert!(data.len() <= self.grad_bytes);
         self.bind()?;
         // SAFETY: in bounds of our allocation; `data` outlives the synchronize below.
         ck(
             unsafe {
                 sys::cuMemcpyHtoDAsync_v2(
-                    self.grads.ptr,
+                    self.grads_ptr(),
                     data.as_ptr().cast(),
                     data.len(),
-                    self.comm.cu_stream(),
+                    self.setup,
                 )
             },
             self.rank,
@@ -699,16 +772,16 @@ impl Gpu {
 
     /// Copies the reduced gradients into `out`.
     fn download(&self, out: &mut [u8]) -> Result<()> {
-        assert!(out.len() <= self.reduced.bytes);
+        assert!(out.len() <= self.grad_bytes);
         self.sync()?;
         // SAFETY: in bounds of our allocation; `out` outlives the synchronize below.
         ck(
             unsafe {
                 sys::cuMemcpyDtoHAsync_v2(
                     out.as_mut_ptr().cast(),
-                    self.reduced.ptr,
+                    self.reduced_ptr(),
                     out.len(),
-                    self.comm.cu_stream(),
+                    self.setup,
                 )
             },
             self.rank,
@@ -722,28 +795,28 @@ impl Gpu {
         self.bind()?;
         // SAFETY: our allocation, whole.
         ck(
-            unsafe {
-                sys::cuMemsetD8Async(
-                    self.reduced.ptr,
-                    0xFF,
-                    self.reduced.bytes,
-                    self.comm.cu_stream(),
-                )
-            },
+            unsafe { sys::cuMemsetD8Async(self.reduced_ptr(), 0xFF, self.grad_bytes, self.setup) },
             self.rank,
             || "poisoning the reduced gradients".into(),
         )?;
         self.sync()
     }
 
-    /// Waits for both streams.
+    /// Waits for the three streams.
     fn sync(&self) -> Result<()> {
         self.compute
             .synchronize()
             .map_err(cu(self.rank, "compute stream synchronize"))?;
         self.comm
             .synchronize()
-            .map_err(cu(self.rank, "communication stream synchronize"))
+            .map_err(cu(self.rank, "communication stream synchronize"))?;
+        // SAFETY: the communicator's stream, alive as long as the communicator (which
+        // outlives this struct).
+        ck(
+            unsafe { sys::cuStreamSynchronize(self.setup) },
+            self.rank,
+            || "communicator stream synchronize".into(),
+        )
     }
 }
 
@@ -799,7 +872,12 @@ fn print_header(
         comm.resolve(Algorithm::Auto, last.bytes)
     );
     println!(
-        "# {:>14} {:>7} {:>9} {:>10} {:>9} {:>9} {:>9} {:>10} {:>7}",
+        "# gradients in {} buffers; communication stream priority {} (lower is higher); exposed = mean step - mean compute-only step",
+        if gpu.registered { "registered (zero-copy)" } else { "plain (staged)" },
+        gpu.comm_priority
+    );
+    println!(
+        "# {:>18} {:>7} {:>9} {:>10} {:>9} {:>9} {:>9} {:>10} {:>11} {:>7}",
         "algo",
         "steps",
         "mean(ms)",
@@ -808,12 +886,15 @@ fn print_header(
         "min(ms)",
         "max(ms)",
         "stddev(ms)",
+        "exposed(ms)",
         "#wrong"
     );
 }
 
 fn algo_label(r: &Row) -> String {
-    if r.algo == Algorithm::Auto {
+    if r.steps == 0 {
+        "compute-only".into()
+    } else if r.algo == Algorithm::Auto {
         format!("auto:{}", r.ran)
     } else {
         r.algo.name().to_string()
@@ -823,7 +904,7 @@ fn algo_label(r: &Row) -> String {
 fn print_row(r: &Row) {
     let s = &r.step_ms;
     println!(
-        "  {:>14} {:>7} {:>9.3} {:>10.3} {:>9.3} {:>9.3} {:>9.3} {:>10.3} {:>7}",
+        "  {:>18} {:>7} {:>9.3} {:>10.3} {:>9.3} {:>9.3} {:>9.3} {:>10.3} {:>11.3} {:>7}",
         algo_label(r),
         r.steps,
         s.mean,
@@ -832,6 +913,7 @@ fn print_row(r: &Row) {
         s.min,
         s.max,
         s.stddev,
+        r.exposed_ms,
         r.wrong
     );
 }
@@ -844,21 +926,8 @@ struct Meta {
     args: serde_json::Value,
 }
 
-fn write_json(
-    comm: &Communicator,
-    args: &OverlapArgs,
-    plan: &Plan,
-    cal: &Calibration,
-    rows: &[Row],
-    ratio: Option<f64>,
-    path: &std::path::Path,
-) -> Result<()> {
-    let meta = Meta {
-        run: RunMeta::collect(comm),
-        args: args_json(args, plan),
-    };
-    let doc = report_json(&meta, cal, rows, ratio);
-    let text = serde_json::to_string_pretty(&doc).map_err(|e| Error::Config(e.to_string()))?;
+fn write_json(doc: &serde_json::Value, path: &std::path::Path) -> Result<()> {
+    let text = serde_json::to_string_pretty(doc).map_err(|e| Error::Config(e.to_string()))?;
     std::fs::write(path, text).map_err(|e| Error::io(format!("writing {}", path.display()), e))
 }
 
@@ -874,6 +943,7 @@ fn args_json(args: &OverlapArgs, plan: &Plan) -> serde_json::Value {
         "dtype": DTYPE,
         "op": ReduceOp::Sum,
         "compute_us": args.compute_us,
+        "buffers": if args.plain { "plain" } else { "registered" },
         "algos": plan.algos,
         "seed": args.seed,
     })
@@ -882,12 +952,14 @@ fn args_json(args: &OverlapArgs, plan: &Plan) -> serde_json::Value {
 fn report_json(
     meta: &Meta,
     cal: &Calibration,
+    compute_only: &Stats,
     rows: &[Row],
     ratio: Option<f64>,
 ) -> serde_json::Value {
     serde_json::json!({
         "meta": meta,
         "calibration": cal,
+        "compute_only_ms": compute_only,
         "rows": rows,
         "nccl_over_ipcreduce_mean": ratio,
     })
@@ -1083,11 +1155,16 @@ mod tests {
         let row = Row {
             algo: Algorithm::Auto,
             ran: Algorithm::TwoShot,
+            path: Some("twoshot-reg".into()),
+            ctas: Some(16),
+            zero_copy: Some(true),
             steps: 2,
             step_ms: Stats::of(&[1.0, 3.0]).unwrap(),
+            exposed_ms: 0.5,
             wrong: 0,
         };
-        let doc = report_json(&meta, &Calibration::default(), &[row], Some(1.25));
+        let compute = Stats::of(&[1.5]).unwrap();
+        let doc = report_json(&meta, &Calibration::default(), &compute, &[row], Some(1.25));
         assert_eq!(doc["meta"]["world"], 2);
         assert_eq!(doc["meta"]["args"]["bucket_bytes"], 4);
         assert_eq!(doc["meta"]["args"]["last_bucket_bytes"], 2);
@@ -1097,6 +1174,10 @@ mod tests {
         assert_eq!(doc["rows"][0]["ran"], "twoshot");
         assert_eq!(doc["rows"][0]["step_ms"]["mean"], 2.0);
         assert_eq!(doc["nccl_over_ipcreduce_mean"], 1.25);
+        assert_eq!(doc["compute_only_ms"]["mean"], 1.5);
+        assert_eq!(doc["rows"][0]["exposed_ms"], 0.5);
+        assert_eq!(doc["rows"][0]["path"], "twoshot-reg");
+        assert_eq!(doc["meta"]["args"]["buffers"], "registered");
     }
 
     #[test]
@@ -1104,8 +1185,12 @@ mod tests {
         let row = |algo, mean| Row {
             algo,
             ran: algo,
+            path: None,
+            ctas: None,
+            zero_copy: None,
             steps: 1,
             step_ms: Stats::of(&[mean]).unwrap(),
+            exposed_ms: 0.0,
             wrong: 0,
         };
         let rows = vec![row(Algorithm::Auto, 2.0), row(Algorithm::Nccl, 3.0)];

@@ -340,7 +340,10 @@ fn render_overlap(out: &mut String, docs: &[Value]) {
             args["compute_us"]
         );
         let ratio = d["nccl_over_ipcreduce_mean"].as_f64();
-        let compute = d["calibration"]["compute_step_ms"].as_f64();
+        // The compute-only steps of the same run; older files have only the calibration.
+        let compute = d["compute_only_ms"]["mean"]
+            .as_f64()
+            .or_else(|| d["calibration"]["compute_step_ms"].as_f64());
         for r in d["rows"].as_array().into_iter().flatten() {
             let f = |k: &str| r["step_ms"][k].as_f64().unwrap_or(f64::NAN);
             let nccl = r["algo"] == "nccl";
@@ -495,7 +498,8 @@ mod tests {
     fn training_loop_rows_and_ratio() {
         let ov = serde_json::json!({
             "meta": {"args": {"grad_bytes": 1u64 << 30, "bucket_bytes": 25u64 << 20, "compute_us": 2000}},
-            "calibration": {"compute_step_ms": 2.0},
+            "calibration": {"compute_step_ms": 2.5},
+            "compute_only_ms": {"mean": 2.0},
             "rows": [
                 {"algo": "auto", "step_ms": {"mean": 4.0, "median": 3.9}, "wrong": 0},
                 {"algo": "nccl", "step_ms": {"mean": 5.5, "median": 5.4}, "wrong": 0}

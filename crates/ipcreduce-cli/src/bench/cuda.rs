@@ -9,7 +9,7 @@
 
 use super::pattern;
 use super::{Measure, Measured};
-use crate::gpu::{comm_context, cu, load_kernels};
+use crate::gpu::{comm_context, cu, load_kernels, Memory};
 use cudarc::driver::{safe as cs, sys};
 use ipcreduce::backend::cuda::driver::ck;
 use ipcreduce::backend::cuda::memory::DeviceAlloc;
@@ -37,43 +37,6 @@ struct RefreshArgs {
     world: i32,
     op: i32,
     check: i32,
-}
-
-/// Device memory for the send and receive buffers: plain, or registered with every peer
-/// (zero-copy calls).
-enum Memory {
-    Plain(DeviceAlloc),
-    Registered(ipcreduce::RegisteredBuffer),
-}
-
-impl Memory {
-    fn new(comm: &mut Communicator, bytes: usize, registered: bool) -> Result<Memory> {
-        Ok(if registered {
-            // Collective: every rank allocates the same sizes in the same order.
-            Memory::Registered(comm.alloc(bytes)?)
-        } else {
-            Memory::Plain(DeviceAlloc::new(bytes, comm.rank())?)
-        })
-    }
-
-    fn ptr(&self) -> u64 {
-        match self {
-            Memory::Plain(m) => m.ptr,
-            Memory::Registered(m) => m.ptr(),
-        }
-    }
-
-    /// Registered memory is freed collectively; plain memory on drop.
-    fn free(self, comm: &mut Communicator) {
-        match self {
-            Memory::Plain(m) => drop(m),
-            Memory::Registered(m) => {
-                if let Err(e) = comm.free(m) {
-                    tracing::warn!(rank = comm.rank(), "freeing a registered buffer: {e}");
-                }
-            }
-        }
-    }
 }
 
 /// Buffers, stream and kernels of one dtype's sweep.
