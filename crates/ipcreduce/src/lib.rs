@@ -24,6 +24,7 @@ pub mod element;
 pub mod error;
 pub mod plan;
 pub mod reference;
+pub mod tune;
 pub mod types;
 
 pub use backend::RegisteredBuffer;

@@ -1,0 +1,424 @@
+//! The measured tuning table: which algorithm (and CTA count and chunk, where measured) is
+//! fastest on this machine for a world size, an element size and a message size.
+//!
+//! `ipcreduce tune` measures and writes the table as JSON to a cache file keyed by the GPU
+//! model, the topology (GPU count, P2P between every pair) and the driver version. At
+//! communicator init rank 0 loads it and every rank uses rank 0's copy (the choice must be the
+//! same on every rank); `Auto` consults it before the plan's size rules. A missing file, a file
+//! that does not parse or one measured on another machine gives the built-in defaults (no
+//! entries: the plan's rules) and a note saying why.
+//!
+//! Everything here is pure except [`TuneKey::of_machine`] (driver queries).
+
+use crate::types::Algorithm;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// Version of the file format; another version is ignored with a note.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// What a table was measured on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TuneKey {
+    /// GPU model (the device name).
+    pub gpu: String,
+    /// GPUs visible to the process.
+    pub gpus: usize,
+    /// Whether every pair of visible GPUs can access each other's memory.
+    pub p2p: bool,
+    /// Driver version.
+    pub driver: String,
+}
+
+/// One row: for `world` ranks and `elem_bytes`-byte elements, messages of
+/// `min_bytes..=max_bytes` run `algo` (with `ctas` CTAs and `chunk`-byte chunks when set).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Entry {
+    pub world: usize,
+    pub elem_bytes: usize,
+    pub min_bytes: usize,
+    pub max_bytes: usize,
+    pub algo: String,
+    pub ctas: Option<u32>,
+    pub chunk: Option<usize>,
+    /// The measured time at the size this row was chosen at (for reading the file).
+    pub time_us: f64,
+    /// That size.
+    pub measured_bytes: usize,
+}
+
+impl Entry {
+    /// The algorithm of this row, if the library knows it.
+    pub fn algorithm(&self) -> Option<Algorithm> {
+        self.algo.parse().ok().filter(|a| *a != Algorithm::Auto)
+    }
+}
+
+/// The table and the machine it was measured on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Table {
+    pub version: u32,
+    pub key: Option<TuneKey>,
+    pub entries: Vec<Entry>,
+}
+
+/// One measurement `ipcreduce tune` made.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    pub bytes: usize,
+    pub algo: String,
+    pub ctas: Option<u32>,
+    pub chunk: Option<usize>,
+    pub time_us: f64,
+}
+
+/// Why the built-in defaults are used instead of a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Note {
+    /// No file at that path (the machine was never tuned): not a problem.
+    Missing(PathBuf),
+    /// The file is there but unusable: it says why.
+    Bad(String),
+}
+
+impl Table {
+    /// The built-in defaults: no entries, so `Auto` follows the plan's size rules.
+    pub fn builtin() -> Table {
+        Table {
+            version: FORMAT_VERSION,
+            key: None,
+            entries: Vec::new(),
+        }
+    }
+
+    /// The row for a call, if the table has rows for its world and element size. Between
+    /// the measured sizes the rows' ranges meet at the geometric midpoint (see
+    /// [`from_samples`]); below the smallest measured size the first row holds, above the
+    /// largest the last one.
+    pub fn lookup(&self, world: usize, elem_bytes: usize, bytes: usize) -> Option<&Entry> {
+        let mut rows: Vec<&Entry> = self
+            .entries
+            .iter()
+            .filter(|e| e.world == world && e.elem_bytes == elem_bytes)
+            .collect();
+        rows.sort_by_key(|e| e.min_bytes);
+        let first = *rows.first()?;
+        if bytes < first.min_bytes {
+            return Some(first);
+        }
+        rows.iter()
+            .copied()
+            .find(|e| e.min_bytes <= bytes && bytes <= e.max_bytes)
+            .or(rows.last().copied())
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_else(|_| "{}".into())
+    }
+
+    pub fn from_json(text: &str) -> Result<Table, String> {
+        let t: Table = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        if t.version != FORMAT_VERSION {
+            return Err(format!(
+                "format version {} (this build reads {FORMAT_VERSION})",
+                t.version
+            ));
+        }
+        for e in &t.entries {
+            if e.min_bytes > e.max_bytes || e.world == 0 || e.elem_bytes == 0 {
+                return Err(format!("bad row {e:?}"));
+            }
+            if e.algorithm().is_none() {
+                return Err(format!("unknown algorithm '{}'", e.algo));
+            }
+        }
+        Ok(t)
+    }
+
+    /// Replaces the rows of (world, elem_bytes) with `rows`, keeping the others.
+    pub fn replace(&mut self, world: usize, elem_bytes: usize, rows: Vec<Entry>) {
+        self.entries
+            .retain(|e| !(e.world == world && e.elem_bytes == elem_bytes));
+        self.entries.extend(rows);
+        self.entries
+            .sort_by_key(|e| (e.world, e.elem_bytes, e.min_bytes));
+    }
+}
+
+/// The rows for one (world, element size) from its samples: the fastest choice at every
+/// measured size, neighbouring sizes with the same choice merged, and the boundary between
+/// two choices at the geometric midpoint of the sizes they won at.
+pub fn from_samples(world: usize, elem_bytes: usize, samples: &[Sample]) -> Vec<Entry> {
+    let mut sizes: Vec<usize> = samples.iter().map(|s| s.bytes).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let best: Vec<&Sample> = sizes
+        .iter()
+        .filter_map(|&b| {
+            samples
+                .iter()
+                .filter(|s| s.bytes == b && s.time_us.is_finite() && s.time_us > 0.0)
+                .min_by(|x, y| x.time_us.total_cmp(&y.time_us))
+        })
+        .collect();
+    let mut rows: Vec<Entry> = Vec::new();
+    for s in best {
+        let same = rows
+            .last()
+            .is_some_and(|r| r.algo == s.algo && r.ctas == s.ctas && r.chunk == s.chunk);
+        if same {
+            let r = rows.last_mut().expect("checked");
+            r.max_bytes = s.bytes;
+            continue;
+        }
+        if let Some(prev) = rows.last_mut() {
+            // prev.max_bytes is still the last size it won at.
+            let mid = ((prev.max_bytes as f64) * (s.bytes as f64)).sqrt() as usize;
+            prev.max_bytes = mid.clamp(prev.max_bytes, s.bytes - 1);
+        }
+        let min = rows.last().map_or(0, |p| p.max_bytes + 1);
+        rows.push(Entry {
+            world,
+            elem_bytes,
+            min_bytes: min,
+            max_bytes: s.bytes,
+            algo: s.algo.clone(),
+            ctas: s.ctas,
+            chunk: s.chunk,
+            time_us: s.time_us,
+            measured_bytes: s.bytes,
+        });
+    }
+    if let Some(last) = rows.last_mut() {
+        last.max_bytes = usize::MAX;
+    }
+    rows
+}
+
+/// Where the table lives: `IPCREDUCE_TUNE_FILE`, else `$XDG_CACHE_HOME/ipcreduce/tune.json`,
+/// else `$HOME/.cache/ipcreduce/tune.json`. `env` reads a variable (tests pass their own).
+pub fn cache_path(env: impl Fn(&str) -> Option<String>) -> Option<PathBuf> {
+    let set = |k: &str| env(k).filter(|v| !v.is_empty());
+    if let Some(p) = set("IPCREDUCE_TUNE_FILE") {
+        return Some(PathBuf::from(p));
+    }
+    let base = set("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| set("HOME").map(|h| Path::new(&h).join(".cache")))?;
+    Some(base.join("ipcreduce").join("tune.json"))
+}
+
+/// The table for this machine from `path` (None: no path known), or the built-in defaults
+/// and why.
+pub fn load(path: Option<&Path>, key: &TuneKey) -> (Table, Option<Note>) {
+    let Some(path) = path else {
+        return (
+            Table::builtin(),
+            Some(Note::Bad("no cache directory (HOME unset)".into())),
+        );
+    };
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return (Table::builtin(), Some(Note::Missing(path.to_path_buf())))
+        }
+        Err(e) => {
+            return (
+                Table::builtin(),
+                Some(Note::Bad(format!("reading {}: {e}", path.display()))),
+            )
+        }
+    };
+    match Table::from_json(&text) {
+        Err(e) => (
+            Table::builtin(),
+            Some(Note::Bad(format!("{}: {e}", path.display()))),
+        ),
+        Ok(t) if t.key.as_ref() != Some(key) => (
+            Table::builtin(),
+            Some(Note::Bad(format!(
+                "{} was measured on {:?}, this machine is {key:?}",
+                path.display(),
+                t.key
+            ))),
+        ),
+        Ok(t) => (t, None),
+    }
+}
+
+impl TuneKey {
+    /// This machine's key: the model of GPU `ordinal`, the visible GPUs, P2P between every
+    /// pair, the driver version.
+    pub fn of_machine(ordinal: usize) -> Option<TuneKey> {
+        use cudarc::driver::{safe as cs, sys};
+        let count = cs::CudaContext::device_count().ok()?;
+        let ctx = cs::CudaContext::new(ordinal).ok()?;
+        let gpu = ctx.name().ok()?;
+        let mut p2p = true;
+        for a in 0..count {
+            for b in 0..count {
+                if a == b {
+                    continue;
+                }
+                let mut can = 0;
+                // SAFETY: writes one int; both ordinals are below the device count.
+                let res = unsafe { sys::cuDeviceCanAccessPeer(&mut can, a, b) };
+                p2p &= res == sys::CUresult::CUDA_SUCCESS && can == 1;
+            }
+        }
+        Some(TuneKey {
+            gpu,
+            gpus: usize::try_from(count).unwrap_or(0),
+            p2p,
+            driver: crate::backend::cuda::driver::driver_version().unwrap_or_default(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key() -> TuneKey {
+        TuneKey {
+            gpu: "NVIDIA H200".into(),
+            gpus: 2,
+            p2p: true,
+            driver: "580.159.04".into(),
+        }
+    }
+
+    fn sample(bytes: usize, algo: &str, ctas: u32, t: f64) -> Sample {
+        Sample {
+            bytes,
+            algo: algo.into(),
+            ctas: Some(ctas),
+            chunk: None,
+            time_us: t,
+        }
+    }
+
+    fn table() -> Table {
+        let samples = vec![
+            sample(1024, "oneshot", 1, 3.0),
+            sample(1024, "twoshot", 8, 5.0),
+            sample(4096, "oneshot", 1, 3.2),
+            sample(4096, "twoshot", 8, 5.1),
+            sample(1 << 20, "oneshot", 8, 20.0),
+            sample(1 << 20, "twoshot", 8, 15.0),
+            sample(16 << 20, "twoshot", 8, 60.0),
+            sample(16 << 20, "twoshot", 16, 55.0),
+            sample(16 << 20, "nccl", 0, f64::NAN),
+        ];
+        let mut t = Table::builtin();
+        t.key = Some(key());
+        t.replace(2, 2, from_samples(2, 2, &samples));
+        t
+    }
+
+    #[test]
+    fn best_choice_per_size_with_geometric_boundaries() {
+        let t = table();
+        let rows: Vec<(usize, usize, &str, Option<u32>)> = t
+            .entries
+            .iter()
+            .map(|e| (e.min_bytes, e.max_bytes, e.algo.as_str(), e.ctas))
+            .collect();
+        // 1 KiB and 4 KiB merge; one-shot/two-shot meet at sqrt(4 KiB x 1 MiB) = 64 KiB; the
+        // CTA change at sqrt(1 MiB x 16 MiB) = 4 MiB; NaN samples never win.
+        assert_eq!(
+            rows,
+            vec![
+                (0, 64 << 10, "oneshot", Some(1)),
+                ((64 << 10) + 1, 4 << 20, "twoshot", Some(8)),
+                ((4 << 20) + 1, usize::MAX, "twoshot", Some(16)),
+            ]
+        );
+        assert_eq!(t.entries[2].measured_bytes, 16 << 20);
+        assert_eq!(t.entries[2].time_us, 55.0);
+    }
+
+    #[test]
+    fn lookup_by_world_element_and_size() {
+        let t = table();
+        let algo = |w, e, b| t.lookup(w, e, b).map(|x| x.algo.clone());
+        assert_eq!(algo(2, 2, 8).as_deref(), Some("oneshot"));
+        assert_eq!(algo(2, 2, 64 << 10).as_deref(), Some("oneshot"));
+        assert_eq!(algo(2, 2, (64 << 10) + 2).as_deref(), Some("twoshot"));
+        assert_eq!(t.lookup(2, 2, 1 << 30).unwrap().ctas, Some(16));
+        // Nothing measured for this world or element size: the plan decides.
+        assert!(t.lookup(4, 2, 8).is_none());
+        assert!(t.lookup(2, 4, 8).is_none());
+        assert!(Table::builtin().lookup(2, 2, 8).is_none());
+        assert_eq!(
+            t.lookup(2, 2, 8).unwrap().algorithm(),
+            Some(Algorithm::OneShot)
+        );
+    }
+
+    #[test]
+    fn files_round_trip_and_bad_ones_give_the_defaults() {
+        let dir = std::env::temp_dir().join(format!("ipcreduce-tune-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("tune.json");
+        std::fs::write(&good, table().to_json()).unwrap();
+        let (t, note) = load(Some(&good), &key());
+        assert_eq!((t, note), (table(), None));
+
+        let missing = dir.join("none.json");
+        let (t, note) = load(Some(&missing), &key());
+        assert_eq!(t, Table::builtin());
+        assert_eq!(note, Some(Note::Missing(missing)));
+
+        let other = TuneKey {
+            driver: "590".into(),
+            ..key()
+        };
+        let (t, note) = load(Some(&good), &other);
+        assert_eq!(t, Table::builtin());
+        assert!(matches!(note, Some(Note::Bad(m)) if m.contains("measured on")));
+
+        for (name, text) in [
+            ("garbage", "not json"),
+            ("version", r#"{"version": 9, "key": null, "entries": []}"#),
+            (
+                "algo",
+                r#"{"version": 1, "key": null, "entries": [{"world": 2, "elem_bytes": 2,
+                "min_bytes": 0, "max_bytes": 8, "algo": "ring", "ctas": null, "chunk": null,
+                "time_us": 1.0, "measured_bytes": 8}]}"#,
+            ),
+        ] {
+            let p = dir.join(format!("{name}.json"));
+            std::fs::write(&p, text).unwrap();
+            let (t, note) = load(Some(&p), &key());
+            assert_eq!(t, Table::builtin(), "{name}");
+            assert!(matches!(note, Some(Note::Bad(_))), "{name}: {note:?}");
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn cache_path_order() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(
+            cache_path(env(&[("IPCREDUCE_TUNE_FILE", "/x/t.json"), ("HOME", "/h")])),
+            Some(PathBuf::from("/x/t.json"))
+        );
+        assert_eq!(
+            cache_path(env(&[("XDG_CACHE_HOME", "/c"), ("HOME", "/h")])),
+            Some(PathBuf::from("/c/ipcreduce/tune.json"))
+        );
+        assert_eq!(
+            cache_path(env(&[("HOME", "/h")])),
+            Some(PathBuf::from("/h/.cache/ipcreduce/tune.json"))
+        );
+        assert_eq!(cache_path(env(&[])), None);
+    }
+}
