@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One call on nvidia-h200-x2 (two GPUs over NVLink) that makes everything BENCHMARKS.md needs
-# for the bandwidth work: check at world 2; bench from 8 B to 1 GiB for bf16, f16 and f32,
-# eager and CUDA graph, plain and registered buffers, NCCL beside, every call checked; tune;
-# the training loop (two compute configurations) with NCCL; the plots and the goals table
-# (ipcreduce plot / report, from the JSON of this run); compute-sanitizer if time is left.
+# for the bandwidth work: check at world 2; tune (its table is what `auto` uses afterwards);
+# bench from 8 B to 1 GiB for bf16, f16 and f32, eager and CUDA graph, plain and registered
+# buffers, NCCL beside, every call checked; the training loop in two compute configurations
+# with NCCL; the plots and the goals table (ipcreduce plot / report, from this run's JSON);
+# compute-sanitizer if time is left.
 # Builds nothing: expects target/release/ipcreduce.
 #
 # Usage: scripts/device/nvlink2.sh OUT_DIR
@@ -58,6 +59,13 @@ timeout 120 "$BIN" check --backend cuda --ranks "$WORLD" --cases "$CASES" --seed
   >"$OUT/check.log" 2>&1 || status=1
 tail -n 1 "$OUT/check.log"
 
+# Tune first: the table it writes is what `auto` consults in every run after it.
+export IPCREDUCE_TUNE_FILE="$OUT/tune.json"
+phase "tune (-> $IPCREDUCE_TUNE_FILE)"
+timeout 180 "$BIN" tune --backend cuda --ranks "$WORLD" -e "$BENCH_MAX" --json "$OUT/tune-samples.json" \
+  >"$OUT/tune.log" 2>&1 || { echo "tune: FAILED (auto keeps its built-in rules)"; status=1; }
+grep -A40 "^# world elem" "$OUT/tune.log"
+
 # Iterations budgeted by size: small messages are cheap, 1 GiB calls take milliseconds and
 # their output is read back and checked on the host. One-shot reads every peer's whole
 # message: left out from 64 MiB, where no choice would take it.
@@ -83,13 +91,6 @@ if [ "$MAX" -ge $((64 << 20)) ]; then
 fi
 grep -h -E "bfloat16 .*(auto|nccl)" "$OUT"/bench-bfloat16.log | head -n 200
 grep -h -E "^# rows" "$OUT"/bench-*.log
-
-if "$BIN" tune --help >/dev/null 2>&1 && left 200; then
-  phase "tune"
-  IPCREDUCE_TUNE_FILE="$OUT/tune.json" timeout 150 "$BIN" tune --backend cuda --ranks "$WORLD" \
-    --json "$OUT/tune-measured.json" >"$OUT/tune.log" 2>&1 || { echo "tune: FAILED"; status=1; }
-  tail -n 30 "$OUT/tune.log"
-fi
 
 # Today's configuration (a 2 ms compute phase) and a compute-heavier one (8 ms): in the
 # second, communication can hide behind compute, and what stays exposed is what counts.

@@ -12,6 +12,7 @@ mod overlap;
 mod plot;
 mod report;
 mod topo;
+mod tune;
 
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
@@ -66,6 +67,8 @@ enum Cmd {
     Model(crate::model::ModelArgs),
     /// For every pair of ranks: P2P access, the link (NVML), the mapping test, auto's path
     Topo(crate::topo::TopoArgs),
+    /// Measure this machine and write the tuning table that `auto` consults.
+    Tune(crate::tune::TuneArgs),
     /// Provoke failures (mismatch, timeout, killed rank, create/destroy cycles) and check that
     /// every rank reports them.
     #[command(hide = true)]
@@ -134,6 +137,7 @@ fn main() -> ExitCode {
         Cmd::Overlap(args) => exit(crate::overlap::run(args)),
         Cmd::Plot(args) => exit(crate::plot::run(args)),
         Cmd::Report(args) => exit(crate::report::run(args)),
+        Cmd::Tune(args) => exit(crate::tune::run(args)),
         Cmd::Faults(args) => exit(crate::faults::run(args)),
         Cmd::Model(args) => exit(crate::model::run(args)),
         Cmd::Topo(args) => exit(crate::topo::run(args)),

@@ -353,7 +353,7 @@ fn overlap(args: &OverlapArgs) -> Result<i32> {
             .ok_or_else(|| Error::invalid(rank, "overlap", format!("{algo}: no step was timed")))?;
         let row = Row {
             algo,
-            ran: comm.resolve(algo, plan.buckets[0].bytes),
+            ran: comm.resolve_for(algo, DTYPE, plan.buckets[0].bytes),
             path: path.map(|p| p.name.to_string()),
             ctas: path.map(|p| p.ctas),
             zero_copy: path.map(|p| p.registered),

@@ -18,6 +18,8 @@ pub struct Communicator {
     backend: Box<dyn BackendOps>,
     boot: Bootstrap,
     algo_env: Option<Algorithm>,
+    /// Rank 0's tuning table (see [`crate::tune`]), consulted by `Auto`.
+    tune: crate::tune::Table,
 }
 
 impl Communicator {
@@ -38,10 +40,13 @@ impl Communicator {
             BackendKind::Host => Box::new(backend::host::HostComm::new(&mut boot, &config)?),
             BackendKind::Cuda => Box::new(backend::cuda::CudaComm::new(&mut boot, &config)?),
         };
+        // The tuning hook: every rank uses rank 0's measured table.
+        let tune = crate::tune::agree(&mut boot, backend.device())?;
         Ok(Communicator {
             backend,
             boot,
             algo_env,
+            tune,
         })
     }
 
@@ -111,6 +116,28 @@ impl Communicator {
         )
     }
 
+    /// The algorithm a call of `count` elements of `dtype` runs with `requested`: `Auto`
+    /// takes the tuning table's choice for this world, element size and size when it has one
+    /// (and it can run), else [`Communicator::resolve`]'s size rule.
+    pub fn resolve_for(&self, requested: Algorithm, dtype: DType, bytes: usize) -> Algorithm {
+        if requested == Algorithm::Auto && self.algo_env.is_none() {
+            let tuned = self
+                .tune
+                .lookup(self.world(), dtype.size(), bytes)
+                .and_then(crate::tune::Entry::algorithm)
+                .filter(|a| self.backend.unavailable(*a).is_none());
+            if let Some(a) = tuned {
+                return a;
+            }
+        }
+        self.resolve(requested, bytes)
+    }
+
+    /// The tuning table every rank uses (rank 0's; empty: the built-in rules).
+    pub fn tune_table(&self) -> &crate::tune::Table {
+        &self.tune
+    }
+
     /// All-reduce on raw pointers: device pointers and a `CUstream` (null = the
     /// communicator's stream) for cuda, host pointers for host. This is what language
     /// bindings call. `send == recv` is the in-place form.
@@ -133,7 +160,7 @@ impl Communicator {
         if count == 0 {
             return Ok(());
         }
-        let algo = self.resolve(algo, count * dtype.size());
+        let algo = self.resolve_for(algo, dtype, count * dtype.size());
         self.backend
             .all_reduce_raw(send, recv, count, dtype, op, algo, stream)
     }

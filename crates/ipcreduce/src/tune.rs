@@ -8,7 +8,8 @@
 //! that does not parse or one measured on another machine gives the built-in defaults (no
 //! entries: the plan's rules) and a note saying why.
 //!
-//! Everything here is pure except [`TuneKey::of_machine`] (driver queries).
+//! Everything here is pure except [`TuneKey::of_machine`] (driver queries) and [`agree`]
+//! (the communicator's init hook: file and bootstrap).
 
 use crate::types::Algorithm;
 use serde::{Deserialize, Serialize};
@@ -273,6 +274,53 @@ impl TuneKey {
             driver: crate::backend::cuda::driver::driver_version().unwrap_or_default(),
         })
     }
+}
+
+/// The communicator's init hook (collective): rank 0 loads the table for this machine (cuda
+/// backend on `device`) and every rank takes rank 0's, so every rank's `Auto` decides alike.
+pub(crate) fn agree(
+    boot: &mut crate::bootstrap::Bootstrap,
+    device: Option<usize>,
+) -> crate::error::Result<Table> {
+    let mine = match (boot.rank(), device) {
+        (0, Some(ordinal)) => {
+            let path = cache_path(|k| std::env::var(k).ok());
+            match TuneKey::of_machine(ordinal) {
+                None => {
+                    tracing::warn!("tuning table not used: this machine's key cannot be read");
+                    Table::builtin()
+                }
+                Some(key) => {
+                    let (table, note) = load(path.as_deref(), &key);
+                    match note {
+                        Some(Note::Missing(p)) => tracing::info!(
+                            "no tuning table at {} (run `ipcreduce tune`): built-in choices",
+                            p.display()
+                        ),
+                        Some(Note::Bad(why)) => {
+                            tracing::warn!("tuning table not used: {why}; built-in choices")
+                        }
+                        None => {}
+                    }
+                    table
+                }
+            }
+        }
+        _ => Table::builtin(),
+    };
+    let text = if boot.rank() == 0 {
+        mine.to_json()
+    } else {
+        String::new()
+    };
+    let all = boot.all_gather(text.as_bytes())?;
+    let theirs = String::from_utf8_lossy(all.first().map_or(&[][..], |v| v.as_slice()));
+    Table::from_json(&theirs).map_err(|e| crate::error::Error::Bootstrap {
+        rank: boot.rank(),
+        peer: Some(0),
+        op: "tuning table",
+        detail: format!("rank 0's table does not parse: {e}"),
+    })
 }
 
 #[cfg(test)]

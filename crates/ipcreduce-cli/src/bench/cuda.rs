@@ -310,7 +310,7 @@ impl CudaRunner {
     }
 
     /// One measurement (see the module comment).
-    pub fn measure(&mut self, comm: &mut Communicator, m: &Measure) -> Result<Measured> {
+    pub fn measure(&self, comm: &mut Communicator, m: &Measure) -> Result<Measured> {
         let bytes = m.count * m.dtype.size();
         if bytes > self.capacity {
             return Err(Error::invalid(
