@@ -1,0 +1,331 @@
+//! The `Communicator` class. Every call into the library runs with the GIL released: a
+//! collective waits for the other ranks, and they may need this process's other threads.
+
+use crate::errors::{to_py, InvalidArgumentError};
+use crate::hostbuf::HostBuf;
+use ipcreduce::bootstrap::RankInfo;
+use ipcreduce::{Algorithm, BackendChoice, BackendKind, Config, DType, ReduceOp};
+use pyo3::prelude::*;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+/// One rank's membership in a job. Built by `ipcreduce.init`.
+#[pyclass(frozen, module = "ipcreduce._native")]
+pub struct Communicator {
+    /// None once closed. Locked only with the GIL released.
+    inner: Mutex<Option<ipcreduce::Communicator>>,
+    rank: usize,
+    world: usize,
+    backend: BackendKind,
+}
+
+/// Parses a Python string argument with the library's parser; errors are invalid arguments.
+fn parse<T: std::str::FromStr<Err = String>>(what: &str, s: &str) -> PyResult<T> {
+    s.parse()
+        .map_err(|e| InvalidArgumentError::new_err(format!("{what}: {e}")))
+}
+
+impl Communicator {
+    fn lock(&self) -> MutexGuard<'_, Option<ipcreduce::Communicator>> {
+        // A panic inside the library leaves the communicator as it was; keep using the lock.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn invalid(&self, op: &'static str, detail: impl Into<String>) -> PyErr {
+        to_py(ipcreduce::Error::invalid(self.rank, op, detail))
+    }
+
+    /// Runs `f` on the open communicator with the GIL released.
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        op: &'static str,
+        f: impl FnOnce(&mut ipcreduce::Communicator) -> ipcreduce::Result<T> + Send,
+    ) -> PyResult<T> {
+        let rank = self.rank;
+        py.detach(|| {
+            let mut guard = self.lock();
+            match guard.as_mut() {
+                Some(c) => f(c),
+                None => Err(ipcreduce::Error::invalid(
+                    rank,
+                    op,
+                    "the communicator is closed",
+                )),
+            }
+        })
+        .map_err(to_py)
+    }
+}
+
+#[pymethods]
+impl Communicator {
+    /// Joins a job. Rank and world size come from `ipcreduce launch`'s or torchrun's
+    /// variables unless given; every other knob not given comes from its `IPCREDUCE_*`
+    /// variable (see the README).
+    #[new]
+    #[pyo3(signature = (
+        backend = "auto", timeout = None, *, rank = None, world_size = None, local_rank = None,
+        job_id = None, device = None, algo = None, workspace_bytes = None, with_nccl = false
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        backend: &str,
+        timeout: Option<f64>,
+        rank: Option<usize>,
+        world_size: Option<usize>,
+        local_rank: Option<usize>,
+        job_id: Option<String>,
+        device: Option<usize>,
+        algo: Option<&str>,
+        workspace_bytes: Option<usize>,
+        with_nccl: bool,
+    ) -> PyResult<Communicator> {
+        let timeout = match timeout {
+            Some(t) if !(t.is_finite() && t > 0.0) => {
+                return Err(InvalidArgumentError::new_err(format!(
+                    "timeout: {t} is not a positive number of seconds"
+                )))
+            }
+            t => t.map(Duration::from_secs_f64),
+        };
+        let config = Config {
+            backend: parse::<BackendChoice>("backend", backend)?,
+            timeout,
+            algo: algo.map(|a| parse::<Algorithm>("algo", a)).transpose()?,
+            device,
+            workspace_bytes,
+            with_nccl,
+            ..Config::default()
+        };
+        let info = rank_info(rank, world_size, local_rank, job_id).map_err(to_py)?;
+        let comm = py
+            .detach(|| ipcreduce::Communicator::with_rank_info(info, &config))
+            .map_err(to_py)?;
+        Ok(Communicator {
+            rank: comm.rank(),
+            world: comm.world(),
+            backend: comm.backend(),
+            inner: Mutex::new(Some(comm)),
+        })
+    }
+
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// "cuda" or "host".
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// All-reduce of host buffers (numpy arrays): in place when `recv` is None. Host backend.
+    #[pyo3(signature = (send, recv = None, op = "sum", algo = "auto"))]
+    fn all_reduce_buffer(
+        &self,
+        py: Python<'_>,
+        send: &Bound<'_, PyAny>,
+        recv: Option<&Bound<'_, PyAny>>,
+        op: &str,
+        algo: &str,
+    ) -> PyResult<()> {
+        const OP: &str = "all_reduce";
+        let (op, algo) = (
+            parse::<ReduceOp>("op", op)?,
+            parse::<Algorithm>("algo", algo)?,
+        );
+        if self.backend != BackendKind::Host {
+            return Err(self.invalid(
+                OP,
+                "host arrays need the host backend; on the cuda backend pass torch CUDA tensors",
+            ));
+        }
+        let s = HostBuf::get(send, recv.is_none()).map_err(|d| self.invalid(OP, d))?;
+        let r = recv
+            .map(|r| HostBuf::get(r, true))
+            .transpose()
+            .map_err(|d| self.invalid(OP, d))?;
+        if let Some(r) = &r {
+            if r.dtype != s.dtype || r.count() != s.count() {
+                return Err(self.invalid(
+                    OP,
+                    format!(
+                        "out has {} x {}, the input {} x {}",
+                        r.count(),
+                        r.dtype,
+                        s.count(),
+                        s.dtype
+                    ),
+                ));
+            }
+        }
+        let (sa, ra) = (s.addr(), r.as_ref().map_or(s.addr(), |r| r.addr()));
+        let (count, dtype) = (s.count(), s.dtype);
+        self.with(py, OP, move |c| {
+            // SAFETY: both buffers are held (exported, so neither freed nor resized) until we
+            // return; the library refuses overlapping buffers that are not equal.
+            unsafe {
+                c.all_reduce_raw(
+                    sa as *const c_void,
+                    ra as *mut c_void,
+                    count,
+                    dtype,
+                    op,
+                    algo,
+                    std::ptr::null_mut(),
+                )
+            }
+        })
+    }
+
+    /// All-reduce of raw pointers, as the torch layer calls it: `on_device` says whether they
+    /// are CUDA device pointers (cuda backend; `stream` is the `CUstream`, 0 = the legacy
+    /// default stream) or host pointers (host backend). The caller vouches that both are
+    /// valid for `count` elements of `dtype` until the call has completed on `stream`.
+    #[pyo3(signature = (send, recv, count, dtype, on_device, op = "sum", algo = "auto", stream = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_ptr(
+        &self,
+        py: Python<'_>,
+        send: usize,
+        recv: usize,
+        count: usize,
+        dtype: &str,
+        on_device: bool,
+        op: &str,
+        algo: &str,
+        stream: usize,
+    ) -> PyResult<()> {
+        const OP: &str = "all_reduce";
+        let dtype = parse::<DType>("dtype", dtype)?;
+        let (op, algo) = (
+            parse::<ReduceOp>("op", op)?,
+            parse::<Algorithm>("algo", algo)?,
+        );
+        // Host pointers on the cuda backend, or device pointers on the host backend, would be
+        // dereferenced in the wrong address space: refuse them here.
+        match (on_device, self.backend) {
+            (true, BackendKind::Host) => {
+                return Err(self.invalid(
+                    OP,
+                    "CUDA tensors need the cuda backend (this communicator runs the host one)",
+                ))
+            }
+            (false, BackendKind::Cuda) => {
+                return Err(self.invalid(
+                    OP,
+                    "CPU tensors need the host backend (this communicator runs the cuda one)",
+                ))
+            }
+            _ => {}
+        }
+        self.with(py, OP, move |c| {
+            // SAFETY: the caller's contract above; the library checks null, alignment,
+            // overlap and (cuda) that both pointers are device memory of its GPU.
+            unsafe {
+                c.all_reduce_raw(
+                    send as *const c_void,
+                    recv as *mut c_void,
+                    count,
+                    dtype,
+                    op,
+                    algo,
+                    stream as *mut c_void,
+                )
+            }
+        })
+    }
+
+    /// Waits for the work this communicator enqueued on its own stream and raises an error a
+    /// kernel recorded (timeout, mismatch, peer lost).
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, "synchronize", |c| c.synchronize())
+    }
+
+    /// Raises the error that made the communicator unusable, if any; does not wait.
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        match self.with(py, "check", |c| Ok(c.async_error()))? {
+            Some(e) => Err(to_py(e)),
+            None => Ok(()),
+        }
+    }
+
+    /// Makes the communicator unusable at once (calls in flight stop, later ones raise).
+    #[pyo3(signature = (reason = "aborted by the program"))]
+    fn abort(&self, py: Python<'_>, reason: &str) -> PyResult<()> {
+        // Through the handle, not the lock: another thread may be inside a call.
+        let handle = py.detach(|| self.lock().as_ref().map(|c| c.abort_handle()));
+        if let Some(h) = handle {
+            h.abort(reason);
+        }
+        Ok(())
+    }
+
+    /// Leaves the job (collective and bounded). Later calls raise.
+    fn close(&self, py: Python<'_>) {
+        let comm = py.detach(|| self.lock().take());
+        py.detach(move || drop(comm));
+    }
+
+    /// Facts for reports: the devices, driver and NCCL versions.
+    fn meta(&self, py: Python<'_>) -> PyResult<HashMap<String, String>> {
+        let m = self.with(py, "meta", |c| Ok(c.meta()))?;
+        let mut out = HashMap::new();
+        out.insert("devices".into(), m.devices.join("; "));
+        if let Some(d) = m.driver {
+            out.insert("driver".into(), d);
+        }
+        if let Some(n) = m.nccl_version {
+            out.insert("nccl".into(), n);
+        }
+        Ok(out)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Communicator(rank={}, world_size={}, backend={:?})",
+            self.rank,
+            self.world,
+            self.backend.name()
+        )
+    }
+}
+
+/// Who this rank is: the environment's rank variables, or the explicit values over them
+/// (the job id, socket and secret still come from the environment unless `job_id` is given).
+fn rank_info(
+    rank: Option<usize>,
+    world: Option<usize>,
+    local_rank: Option<usize>,
+    job_id: Option<String>,
+) -> ipcreduce::Result<RankInfo> {
+    if rank.is_none() && world.is_none() && local_rank.is_none() && job_id.is_none() {
+        return RankInfo::from_env();
+    }
+    let (Some(rank), Some(world)) = (rank, world) else {
+        return Err(ipcreduce::Error::Config(
+            "rank and world_size are given together or not at all".into(),
+        ));
+    };
+    let mut set: HashMap<&str, String> = HashMap::new();
+    set.insert("IPCREDUCE_RANK", rank.to_string());
+    set.insert("IPCREDUCE_WORLD_SIZE", world.to_string());
+    set.insert(
+        "IPCREDUCE_LOCAL_RANK",
+        local_rank.unwrap_or(rank).to_string(),
+    );
+    if let Some(j) = job_id {
+        set.insert("IPCREDUCE_JOB_ID", j);
+    }
+    RankInfo::from_lookup(|k| set.get(k).cloned().or_else(|| std::env::var(k).ok()))
+}
