@@ -15,6 +15,7 @@ package; the PyTorch layer is `ipcreduce.torch`.
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any, Optional
 
 from . import _native
@@ -47,6 +48,9 @@ __all__ = [
 # torch dtypes by name, so that this module never imports torch itself.
 _TORCH_DTYPES = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16"}
 
+# Communicators by handle: torch custom ops take ints, not Python objects (ipcreduce.torch).
+_BY_HANDLE: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
+
 
 class Communicator:
     """One rank's membership in a job; see `init`."""
@@ -55,6 +59,9 @@ class Communicator:
         self._native = native
         # Per-communicator state of the torch layer (side streams, staging buffers).
         self._torch_state: dict = {}
+        # A plain int attribute, so torch.compile reads it as a constant.
+        self.handle = id(self)
+        _BY_HANDLE[self.handle] = self
 
     @property
     def rank(self) -> int:

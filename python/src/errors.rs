@@ -27,7 +27,8 @@ create_exception!(
     ipcreduce,
     AbortedError,
     Error,
-    "The communicator was aborted earlier (peer death, timeout, abort()); create a new one."
+    "The communicator was aborted (peer death, timeout, abort(), or a mismatch another rank \
+     found first: the message names the cause); create a new one."
 );
 create_exception!(
     ipcreduce,
