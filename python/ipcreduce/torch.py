@@ -10,8 +10,6 @@
 CUDA tensors need a communicator on the cuda backend, CPU tensors one on the host backend.
 """
 
-from __future__ import annotations
-
 from typing import Any, Optional
 
 import torch
@@ -94,7 +92,8 @@ def _hook_state(state: Any) -> HookState:
                     f"not {type(state).__name__}")
 
 
-def hook(state: Any, bucket: "dist.GradBucket") -> torch.futures.Future:
+# DDP checks these annotations against the real types (so no `from __future__ import annotations`).
+def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: averages the bucket over the ranks (divides by the world size,
     then sums, as DDP's own all-reduce does).
 
