@@ -32,6 +32,9 @@ pub struct CheckArgs {
     /// Algorithms to draw from, comma separated (auto, oneshot, twoshot).
     #[arg(short = 'a', long = "algo", default_value = "auto,oneshot,twoshot")]
     pub algos: String,
+    /// Use registered (zero-copy) buffers (cuda backend).
+    #[arg(long)]
+    pub registered: bool,
     /// Print every case, not only failures.
     #[arg(short, long)]
     pub verbose: bool,
@@ -137,20 +140,31 @@ fn check(args: &CheckArgs) -> Result<(usize, usize)> {
     });
     if rank == 0 {
         println!(
-            "# check: {} cases, seed {}, up to {} bytes, world {}",
+            "# check: {} cases, seed {}, up to {} bytes, world {}{}",
             args.cases,
             args.seed,
             max_bytes,
-            comm.world()
+            comm.world(),
+            if args.registered {
+                ", registered buffers"
+            } else {
+                ""
+            }
         );
     }
-    let bufs = Buffers::new(&mut comm, max_bytes.max(4))?;
+    let bufs = if args.registered {
+        Buffers::registered(&mut comm, max_bytes.max(4))?
+    } else {
+        Buffers::new(&mut comm, max_bytes.max(4))?
+    };
     let mut rng = SmallRng::seed_from_u64(args.seed);
     let (mut passed, mut failed) = (0, 0);
+    // Cases per data path the backend reported (cuda: LL, staged, zero-copy...).
+    let mut paths = std::collections::BTreeMap::<&'static str, usize>::new();
     let started = std::time::Instant::now();
     for i in 0..args.cases {
         let case = draw(&mut rng, i, max_bytes, &algos, args.seed);
-        match run_case(&mut comm, &bufs, &case) {
+        match run_case(&mut comm, &bufs, &case, &mut paths) {
             Ok(None) => {
                 passed += 1;
                 if args.verbose && rank == 0 {
@@ -181,13 +195,22 @@ fn check(args: &CheckArgs) -> Result<(usize, usize)> {
     }
     bufs.free(&mut comm);
     if rank == 0 {
+        if !paths.is_empty() {
+            let list: Vec<String> = paths.iter().map(|(p, n)| format!("{p} {n}")).collect();
+            println!("# paths run: {}", list.join(", "));
+        }
         println!("{passed} passed, {failed} failed");
     }
     Ok((passed, failed))
 }
 
 /// Runs one case on every rank; Some(reason) when it failed anywhere.
-fn run_case(comm: &mut Communicator, bufs: &Buffers, case: &Case) -> Result<Option<String>> {
+fn run_case(
+    comm: &mut Communicator,
+    bufs: &Buffers,
+    case: &Case,
+    paths: &mut std::collections::BTreeMap<&'static str, usize>,
+) -> Result<Option<String>> {
     let call = Call {
         send: bufs.send,
         recv: if case.in_place { bufs.send } else { bufs.recv },
@@ -198,14 +221,24 @@ fn run_case(comm: &mut Communicator, bufs: &Buffers, case: &Case) -> Result<Opti
         offset: case.offset,
     };
     let out = run_checked(comm, &call, case.seed)?;
+    let path = comm.last_path();
+    if let Some(p) = path {
+        *paths.entry(p.name).or_default() += 1;
+    }
+    let on =
+        |p: Option<ipcreduce::PathInfo>| p.map_or(String::new(), |p| format!(" on {}", p.name));
     let wrong = gather_u64(comm, out.wrong as u64)?;
     if let Some((r, w)) = wrong.iter().enumerate().find(|(_, w)| **w > 0) {
-        return Ok(Some(format!("rank {r}: {w} wrong elements or guard bytes")));
+        return Ok(Some(format!(
+            "rank {r}: {w} wrong elements or guard bytes{}",
+            on(path)
+        )));
     }
     let prints = gather_u64(comm, out.fingerprint)?;
     if let Some(r) = prints.iter().position(|p| *p != prints[0]) {
         return Ok(Some(format!(
-            "rank {r}'s output differs bitwise from rank 0's"
+            "rank {r}'s output differs bitwise from rank 0's{}",
+            on(path)
         )));
     }
     // One-shot and two-shot must agree bitwise: rerun with the other one on the same data.
@@ -231,7 +264,9 @@ fn run_case(comm: &mut Communicator, bufs: &Buffers, case: &Case) -> Result<Opti
         )?;
         if let Some(r) = same.iter().position(|s| *s == 0) {
             return Ok(Some(format!(
-                "rank {r}: {other} differs bitwise from {ran}"
+                "rank {r}: {other}{} differs bitwise from {ran}{}",
+                on(comm.last_path()),
+                on(path)
             )));
         }
     }

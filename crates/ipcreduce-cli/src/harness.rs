@@ -36,6 +36,15 @@ impl Buffers {
         })
     }
 
+    /// Registered (zero-copy) buffers: collective.
+    pub fn registered(comm: &mut Communicator, bytes: usize) -> Result<Buffers> {
+        let capacity = bytes + 64 + GUARD;
+        Ok(Buffers {
+            send: comm.test_alloc_registered(capacity)?,
+            recv: comm.test_alloc_registered(capacity)?,
+        })
+    }
+
     pub fn free(self, comm: &mut Communicator) {
         comm.test_free(self.send);
         comm.test_free(self.recv);

@@ -61,6 +61,18 @@ impl Communicator {
         self.backend.async_error()
     }
 
+    /// cuda: the GPU ordinal the communicator runs on (its primary context): where callers
+    /// allocate the buffers they pass. None on the host backend.
+    pub fn cuda_device(&self) -> Option<usize> {
+        self.backend.device()
+    }
+
+    /// cuda: the communicator's own stream (a `CUstream`), for callers without one; work
+    /// on it is waited for at teardown like any call's. None on the host backend.
+    pub fn cuda_stream(&self) -> Option<*mut c_void> {
+        self.backend.own_stream()
+    }
+
     /// A handle another thread (a watchdog) can keep to abort this communicator and see
     /// whether it is aborted.
     pub fn abort_handle(&self) -> AbortHandle {
@@ -329,6 +341,55 @@ impl AbortHandle {
             rank: self.rank,
             reason,
         })
+    }
+}
+
+// --- registered (zero-copy) buffers and path reports (cuda data plane) ---------------------
+
+impl Communicator {
+    /// Collective (every rank, same size, same order): `bytes` of device memory that every peer
+    /// maps. An all-reduce whose send and recv lie in registered buffers (at the same offsets on
+    /// every rank) reads and writes them directly, with no staging copy; this also holds inside
+    /// CUDA graphs. cuda backend only (the host backend's zero-copy buffers: [`Self::host_buffer`]).
+    pub fn alloc(&mut self, bytes: usize) -> Result<crate::RegisteredBuffer> {
+        self.backend.alloc_registered(&mut self.boot, bytes)
+    }
+
+    /// Collective: registers `[ptr, ptr + bytes)` of memory the caller allocated with
+    /// `cuMemCreate` (POSIX fd handle type) and mapped; anything else is refused with an error
+    /// that says how to allocate.
+    ///
+    /// # Safety
+    /// The memory must stay allocated and mapped until the buffer is freed or the communicator
+    /// is dropped.
+    pub unsafe fn register(&mut self, ptr: u64, bytes: usize) -> Result<crate::RegisteredBuffer> {
+        self.backend.register(&mut self.boot, ptr, bytes)
+    }
+
+    /// Collective: waits for this rank's work and for every rank (bounded), then unmaps. Buffers
+    /// not freed are released when the communicator is dropped.
+    pub fn free(&mut self, buf: crate::RegisteredBuffer) -> Result<()> {
+        self.backend.free_registered(&mut self.boot, buf)
+    }
+
+    /// What the last all-reduce issued by this rank ran: path, CTAs, zero-copy or not.
+    pub fn last_path(&self) -> Option<crate::PathInfo> {
+        self.backend.last_path()
+    }
+
+    /// Collective: a registered backend-owned buffer for the benchmark and the checks (used
+    /// like [`Self::test_alloc`]'s; cuda backend).
+    #[cfg(feature = "test-support")]
+    pub fn test_alloc_registered(&mut self, bytes: usize) -> Result<BufId> {
+        let rank = self.rank();
+        match self
+            .backend
+            .as_any_mut()
+            .downcast_mut::<backend::cuda::CudaComm>()
+        {
+            Some(cuda) => cuda.alloc_test_registered(&mut self.boot, bytes),
+            None => Err(backend::needs_cuda(rank, "alloc")),
+        }
     }
 }
 

@@ -36,6 +36,24 @@ impl Sharing {
     }
 }
 
+/// How the cuda backend's kernels reach the other ranks' workspaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// Peer memory: workspaces on the GPUs, mapped across processes (NVLink or PCIe P2P).
+    Peer,
+    /// Every workspace in host memory, registered with every GPU: no peer access needed.
+    Host,
+}
+
+impl Transport {
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Peer => "peer",
+            Transport::Host => "host",
+        }
+    }
+}
+
 /// Everything that shapes a communicator. `None` means "not set here": the environment
 /// variable named on the field decides, else the default. Every rank of a job must end up
 /// with the same values for the knobs marked *(same on every rank)*; init checks it.
@@ -60,6 +78,13 @@ pub struct Config {
     /// cuda: how workspaces are shared. `IPCREDUCE_SHARE` (vmm, ipc, auto); auto tries VMM,
     /// then IPC.
     pub sharing: Option<Sharing>,
+    /// cuda: peer memory or staged through host memory *(same on every rank)*.
+    /// `IPCREDUCE_TRANSPORT` (peer, host, auto); auto takes peer memory when every pair passes
+    /// its checks, else host staging.
+    pub transport: Option<Transport>,
+    /// cuda, tests of `auto`'s fallback: rank R reports that its P2P query for rank P failed.
+    /// `IPCREDUCE_DENY_PEER=R:P`.
+    pub deny_peer: Option<(usize, usize)>,
     /// host: bytes of the zero-copy heap in each arena *(same on every rank)*.
     /// `IPCREDUCE_HOST_HEAP_MB`; 64 MiB.
     pub host_heap_bytes: Option<usize>,
@@ -95,6 +120,8 @@ impl Config {
             blocks: self.blocks.or(from_env.blocks),
             ll_max_bytes: self.ll_max_bytes.or(from_env.ll_max_bytes),
             sharing: self.sharing.or(from_env.sharing),
+            transport: self.transport.or(from_env.transport),
+            deny_peer: self.deny_peer.or(from_env.deny_peer),
             host_heap_bytes: self.host_heap_bytes.or(from_env.host_heap_bytes),
             device: self.device.or(from_env.device),
             with_nccl: self.with_nccl,
@@ -138,6 +165,29 @@ impl Config {
                 }
             },
         };
+        let transport = match var("IPCREDUCE_TRANSPORT") {
+            None => None,
+            Some(v) => match v.trim().to_ascii_lowercase().as_str() {
+                "auto" => None,
+                "peer" => Some(Transport::Peer),
+                "host" => Some(Transport::Host),
+                _ => {
+                    return Err(Error::Config(format!(
+                        "IPCREDUCE_TRANSPORT={v}: expected peer, host or auto"
+                    )))
+                }
+            },
+        };
+        let deny_peer = var("IPCREDUCE_DENY_PEER")
+            .map(|v| {
+                let bad = || Error::Config(format!("IPCREDUCE_DENY_PEER={v}: expected RANK:PEER"));
+                let (r, p) = v.trim().split_once(':').ok_or_else(bad)?;
+                match (r.parse::<usize>(), p.parse::<usize>()) {
+                    (Ok(r), Ok(p)) if r != p => Ok((r, p)),
+                    _ => Err(bad()),
+                }
+            })
+            .transpose()?;
         let nccl_shared_gpu = var("IPCREDUCE_NCCL_SHARED_GPU")
             .map(|v| parse_bool("IPCREDUCE_NCCL_SHARED_GPU", &v))
             .transpose()?;
@@ -149,6 +199,8 @@ impl Config {
             blocks: int("IPCREDUCE_BLOCKS")?,
             ll_max_bytes: int("IPCREDUCE_LL_MAX")?,
             sharing,
+            transport,
+            deny_peer,
             host_heap_bytes: times("IPCREDUCE_HOST_HEAP_MB", 1 << 20)?,
             device: int("IPCREDUCE_DEVICE")?,
             with_nccl: false,
@@ -257,6 +309,8 @@ mod tests {
                 ("IPCREDUCE_HOST_HEAP_MB", "8"),
                 ("IPCREDUCE_DEVICE", "3"),
                 ("IPCREDUCE_NCCL_SHARED_GPU", "1"),
+                ("IPCREDUCE_TRANSPORT", "host"),
+                ("IPCREDUCE_DENY_PEER", "1:0"),
             ]))
             .unwrap();
         assert_eq!(c.timeout(), Duration::from_millis(1500));
@@ -268,6 +322,8 @@ mod tests {
         assert_eq!(c.host_heap_bytes(), 8 << 20);
         assert_eq!(c.device, Some(3));
         assert!(c.nccl_shared_gpu());
+        assert_eq!(c.transport, Some(Transport::Host));
+        assert_eq!(c.deny_peer, Some((1, 0)));
     }
 
     #[test]
@@ -283,6 +339,7 @@ mod tests {
             .resolve_with(env(&[
                 ("IPCREDUCE_TIMEOUT_MS", ""),
                 ("IPCREDUCE_SHARE", "auto"),
+                ("IPCREDUCE_TRANSPORT", "auto"),
             ]))
             .unwrap();
         assert_eq!(c, Config::default());
@@ -304,6 +361,12 @@ mod tests {
             ("IPCREDUCE_HOST_HEAP_MB", "99999999999999999999"),
             ("IPCREDUCE_DEVICE", "gpu0"),
             ("IPCREDUCE_NCCL_SHARED_GPU", "maybe"),
+            ("IPCREDUCE_TRANSPORT", "nvlink"),
+            ("IPCREDUCE_TRANSPORT", "shm"),
+            ("IPCREDUCE_DENY_PEER", "1"),
+            ("IPCREDUCE_DENY_PEER", "1:1"),
+            ("IPCREDUCE_DENY_PEER", "a:0"),
+            ("IPCREDUCE_DENY_PEER", "1:0:2"),
         ] {
             let msg = config_error(&[(k, v)]);
             assert!(msg.contains(k), "{k}={v}: {msg}");

@@ -50,6 +50,126 @@ pub fn choose(
     }
 }
 
+/// What a call ran, as [`crate::Communicator::last_path`] reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct PathInfo {
+    /// "oneshot-ll", "oneshot-staged", "twoshot-staged", "oneshot-reg", "twoshot-reg", "nccl".
+    pub name: &'static str,
+    /// CTAs of the kernel (0 for NCCL: its own choice).
+    pub ctas: u32,
+    /// Whether the call read and wrote registered buffers directly (zero-copy).
+    pub registered: bool,
+}
+
+/// The cuda backend's data paths (kernels, see backend/cuda/kernels/allreduce.cu).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CudaPath {
+    /// Data and flags pushed together into every peer's LL area; no barrier.
+    OneShotLl,
+    /// Input copied into the shared workspace, every rank's copy read.
+    OneShotStaged,
+    /// Input copied into the workspace, reduce-scatter by loads, all-gather by stores.
+    TwoShotStaged,
+    /// Registered buffers: every rank's input read where it is.
+    OneShotReg,
+    /// Registered buffers: reduce-scatter by loads, all-gather by stores into every output.
+    TwoShotReg,
+}
+
+impl CudaPath {
+    pub const ALL: [CudaPath; 5] = [
+        CudaPath::OneShotLl,
+        CudaPath::OneShotStaged,
+        CudaPath::TwoShotStaged,
+        CudaPath::OneShotReg,
+        CudaPath::TwoShotReg,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CudaPath::OneShotLl => "oneshot-ll",
+            CudaPath::OneShotStaged => "oneshot-staged",
+            CudaPath::TwoShotStaged => "twoshot-staged",
+            CudaPath::OneShotReg => "oneshot-reg",
+            CudaPath::TwoShotReg => "twoshot-reg",
+        }
+    }
+
+    pub fn registered(self) -> bool {
+        matches!(self, CudaPath::OneShotReg | CudaPath::TwoShotReg)
+    }
+
+    /// Code stamped with the call's arguments: ranks on different paths fail with a mismatch.
+    pub fn code(self) -> u32 {
+        match self {
+            CudaPath::OneShotLl | CudaPath::OneShotStaged => 1,
+            CudaPath::TwoShotStaged => 2,
+            CudaPath::OneShotReg => 4,
+            CudaPath::TwoShotReg => 5,
+        }
+    }
+}
+
+/// The cuda backend's grid limits, agreed by every rank at init.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GridLimits {
+    /// Largest message for the low-latency one-shot (0 = off).
+    pub ll_max: usize,
+    /// Most CTAs a kernel may use (every CTA of every rank sharing a GPU must be resident).
+    pub cap: usize,
+    /// `IPCREDUCE_BLOCKS`: one CTA count for every SM path, overriding the size rule.
+    pub fixed: Option<usize>,
+}
+
+/// Default CTA counts by message size. DEFAULTS, first guesses from the kernels' design (8
+/// 16-byte loads in flight per thread, 512 threads, ~65 GB/s per CTA on NVLink for zero-copy;
+/// the staged path also copies through HBM): to be replaced by the measured table.
+fn default_ctas(path: CudaPath, bytes: usize) -> usize {
+    const K: usize = 1 << 10;
+    const M: usize = 1 << 20;
+    match path {
+        CudaPath::OneShotLl => bytes.div_ceil(8).div_ceil(512),
+        CudaPath::OneShotReg | CudaPath::TwoShotReg => match bytes {
+            0..=262_144 => 4,
+            _ if bytes <= M => 8,
+            _ if bytes <= 4 * M => 12,
+            _ => 16,
+        },
+        CudaPath::OneShotStaged | CudaPath::TwoShotStaged => match bytes {
+            _ if bytes <= 256 * K => 8,
+            _ if bytes <= 2 * M => 16,
+            _ if bytes <= 16 * M => 32,
+            _ => 64,
+        },
+    }
+}
+
+/// The path and CTA count of one cuda call. `algo` is resolved (one-shot or two-shot);
+/// `registered`: send and recv both lie in registered buffers. Every rank computes the same
+/// answer from the same arguments, which the kernels' barrier protocol relies on.
+pub fn cuda_path(
+    algo: Algorithm,
+    bytes: usize,
+    registered: bool,
+    in_place: bool,
+    lim: &GridLimits,
+) -> (CudaPath, u32) {
+    let path = match (algo, registered) {
+        (Algorithm::OneShot, _) if bytes <= lim.ll_max => CudaPath::OneShotLl,
+        // One-shot in place would let a peer read an element this rank already overwrote.
+        (Algorithm::OneShot, true) if !in_place => CudaPath::OneShotReg,
+        (_, true) => CudaPath::TwoShotReg,
+        (Algorithm::OneShot, false) => CudaPath::OneShotStaged,
+        (_, false) => CudaPath::TwoShotStaged,
+    };
+    let ctas = match (path, lim.fixed) {
+        (CudaPath::OneShotLl, Some(f)) => default_ctas(path, bytes).min(f),
+        (_, Some(f)) => f,
+        _ => default_ctas(path, bytes),
+    };
+    (path, ctas.clamp(1, lim.cap.max(1)) as u32)
+}
+
 /// A half-open element range `[start, end)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Span {
@@ -109,6 +229,74 @@ mod tests {
         assert_eq!(
             choose(Algorithm::Auto, None, b, 1, 1 << 30),
             Algorithm::OneShot
+        );
+    }
+
+    #[test]
+    fn cuda_paths_follow_size_registration_and_overrides() {
+        let lim = GridLimits {
+            ll_max: 64 << 10,
+            cap: 64,
+            fixed: None,
+        };
+        let one = Algorithm::OneShot;
+        let two = Algorithm::TwoShot;
+        assert_eq!(
+            cuda_path(one, 4096, false, false, &lim).0,
+            CudaPath::OneShotLl
+        );
+        assert_eq!(
+            cuda_path(one, 4096, true, false, &lim).0,
+            CudaPath::OneShotLl
+        );
+        assert_eq!(
+            cuda_path(one, 1 << 20, false, false, &lim).0,
+            CudaPath::OneShotStaged
+        );
+        assert_eq!(
+            cuda_path(one, 1 << 20, true, false, &lim).0,
+            CudaPath::OneShotReg
+        );
+        assert_eq!(
+            cuda_path(one, 1 << 20, true, true, &lim).0,
+            CudaPath::TwoShotReg
+        );
+        assert_eq!(
+            cuda_path(two, 4096, false, true, &lim).0,
+            CudaPath::TwoShotStaged
+        );
+        assert_eq!(
+            cuda_path(two, 1 << 30, true, false, &lim),
+            (CudaPath::TwoShotReg, 16)
+        );
+        // More CTAs for bigger staged messages, never above the cap.
+        let small = cuda_path(two, 64 << 10, false, false, &lim).1;
+        let big = cuda_path(two, 1 << 30, false, false, &lim).1;
+        assert!(small < big && big <= 64, "{small} {big}");
+        let capped = GridLimits { cap: 12, ..lim };
+        assert_eq!(cuda_path(two, 1 << 30, false, false, &capped).1, 12);
+        let fixed = GridLimits {
+            fixed: Some(40),
+            ..lim
+        };
+        assert_eq!(cuda_path(two, 1 << 30, true, false, &fixed).1, 40);
+        assert_eq!(cuda_path(two, 100, false, false, &fixed).1, 40);
+        // LL: one thread per 8 bytes, the override only caps it.
+        assert_eq!(cuda_path(one, 8, false, false, &fixed).1, 1);
+        assert_eq!(cuda_path(one, 64 << 10, false, false, &fixed).1, 16);
+        let codes: std::collections::HashSet<_> = [
+            CudaPath::OneShotStaged,
+            CudaPath::TwoShotStaged,
+            CudaPath::OneShotReg,
+            CudaPath::TwoShotReg,
+        ]
+        .iter()
+        .map(|p| p.code())
+        .collect();
+        assert_eq!(
+            codes.len(),
+            4,
+            "staged and zero-copy paths must stamp differently"
         );
     }
 

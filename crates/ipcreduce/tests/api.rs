@@ -171,3 +171,10 @@ fn library_sources_never_set_environment_variables() {
         }
     }
 }
+
+#[test]
+fn the_host_backend_has_no_device_and_no_stream() {
+    let comm = single_rank();
+    assert_eq!(comm.cuda_device(), None);
+    assert!(comm.cuda_stream().is_none());
+}

@@ -218,7 +218,7 @@ fn rank_chain() -> i32 {
             let order: Vec<Algorithm> = (0..algos.len())
                 .map(|k| algos[(lead + k) % algos.len()])
                 .collect();
-            let steps = chain::steps(len, chain::max_steps(dtype), &order);
+            let steps = chain::steps(len, chain::max_steps(dtype, world), &order);
             let mut buf = Buf::new(len * dtype.size());
             buf.bytes_mut()
                 .copy_from_slice(&chain::input(dtype, rank, len));
@@ -564,8 +564,8 @@ fn multi_mib_messages_cross_default_chunks() {
 #[test]
 fn stale_data_chains_in_place_every_algorithm_and_dtype() {
     play_rank_if_child();
-    let steps: usize = DType::ALL.iter().map(|d| chain::max_steps(*d)).sum();
     for world in [2, 3, 4] {
+        let steps: usize = DType::ALL.iter().map(|d| chain::max_steps(*d, world)).sum();
         let job = Job::new("ht", &format!("chain{world}"));
         // 16 KiB slots: the whole buffer crosses several chunks, its small prefixes do not.
         let extra = [

@@ -6,6 +6,7 @@ pub mod host;
 
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
+use crate::plan::PathInfo;
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use std::ffi::c_void;
 
@@ -24,6 +25,42 @@ pub struct Call {
     /// Bytes from the start of both buffers where the data begins (a multiple of the element
     /// size): exercises pointers that are not 16-byte aligned.
     pub offset: usize,
+}
+
+/// A buffer every rank registered together ([`crate::Communicator::alloc`] or `register`):
+/// all-reduce calls whose send and recv lie in registered buffers read and write them directly,
+/// with no staging copy. Freed by [`crate::Communicator::free`] (collective) or when the
+/// communicator is dropped.
+#[derive(Debug, PartialEq, Eq)]
+pub struct RegisteredBuffer {
+    ptr: u64,
+    bytes: usize,
+    id: u64,
+}
+
+impl RegisteredBuffer {
+    pub(crate) fn new(ptr: u64, bytes: usize, id: u64) -> Self {
+        RegisteredBuffer { ptr, bytes, id }
+    }
+    /// Device address of the buffer in this process.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+}
+
+/// The error of the registered-buffer calls on a backend without them.
+pub(crate) fn needs_cuda(rank: usize, op: &'static str) -> Error {
+    Error::invalid(
+        rank,
+        op,
+        "registered device buffers need the cuda backend (the host backend's zero-copy buffers come from host_buffer)",
+    )
 }
 
 /// Facts about a backend for reports.
@@ -72,9 +109,44 @@ pub trait BackendOps: Send {
     /// without waiting (as `ncclCommGetAsyncError`).
     fn async_error(&self) -> Option<Error>;
 
+    /// cuda: the GPU ordinal this communicator runs on.
+    fn device(&self) -> Option<usize> {
+        None
+    }
+
+    /// cuda: the communicator's own stream (a `CUstream`), for callers that have none.
+    fn own_stream(&self) -> Option<*mut c_void> {
+        None
+    }
+
     /// Collective part of leaving the job, run before the backend is dropped (with the
     /// bootstrap still connected). Bounded; never fails (problems are logged).
     fn leave(&mut self, _boot: &mut Bootstrap) {}
+
+    // --- registered (zero-copy) buffers: collective, `boot` reaches every rank -----------
+    fn alloc_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<RegisteredBuffer> {
+        let _ = bytes;
+        Err(needs_cuda(boot.rank(), "alloc"))
+    }
+    /// # Safety
+    /// `[ptr, ptr + bytes)` must stay allocated until the buffer is freed.
+    unsafe fn register(
+        &mut self,
+        boot: &mut Bootstrap,
+        ptr: u64,
+        bytes: usize,
+    ) -> Result<RegisteredBuffer> {
+        let _ = (ptr, bytes);
+        Err(needs_cuda(boot.rank(), "register"))
+    }
+    fn free_registered(&mut self, boot: &mut Bootstrap, buf: RegisteredBuffer) -> Result<()> {
+        let _ = buf;
+        Err(needs_cuda(boot.rank(), "free"))
+    }
+    /// The path of the last call issued, where the backend has several.
+    fn last_path(&self) -> Option<PathInfo> {
+        None
+    }
 }
 
 /// Backend-owned buffers and timing, for the benchmark and the correctness sweeps: not part

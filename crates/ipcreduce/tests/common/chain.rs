@@ -18,11 +18,15 @@ pub struct Step {
     pub algo: Algorithm,
 }
 
-/// Steps a chain of `dtype` may have, so that every value stays exact.
-pub fn max_steps(dtype: DType) -> usize {
+/// Steps a chain of `dtype` at `world` ranks may have, so that every value stays exact and in
+/// range: after m steps an element is at most 3 * world^m, and f16 ends at 65504.
+pub fn max_steps(dtype: DType, world: usize) -> usize {
     match dtype {
         DType::F32 => 10,
-        DType::F16 => 6,
+        DType::F16 => (1..=6usize)
+            .take_while(|m| 3.0 * (world as f64).powi(*m as i32) <= 65504.0)
+            .last()
+            .unwrap_or(1),
         _ => 4,
     }
 }

@@ -2,7 +2,8 @@
 //! once per process for the device's compute capability, and the table of their entry points.
 
 use crate::error::{Error, Result};
-use crate::types::{Algorithm, DType, ReduceOp};
+use crate::plan::CudaPath;
+use crate::types::{DType, ReduceOp};
 
 /// Source of the all-reduce kernels.
 pub const ALLREDUCE_SOURCE: &str = include_str!("kernels/allreduce.cu");
@@ -24,9 +25,14 @@ pub const LL_MAX_BYTES: usize = 256 * 1024;
 /// bytes) from every rank.
 pub const LL_BYTES: usize = 2 * MAX_RANKS * (LL_MAX_BYTES / 8) * 16;
 
-/// Name of the low-latency one-shot kernel for one (dtype, op).
-pub fn ll_kernel_name(dtype: DType, op: ReduceOp) -> String {
-    kernel_name(Algorithm::OneShot, dtype, op).replace("oneshot", "oneshotll")
+/// The compile-time world-size bound (`-DIPCR_W`) of the module that serves `world` ranks: it
+/// sets the reduction's unroll (8 / W packs per rank in flight per thread).
+pub fn world_class(world: usize) -> usize {
+    match world {
+        0..=2 => 2,
+        3..=4 => 4,
+        _ => 8,
+    }
 }
 
 /// Error codes the kernels leave in the error record.
@@ -35,10 +41,10 @@ pub const ERR_ABORTED: u32 = 2;
 pub const ERR_MISMATCH: u32 = 3;
 
 /// The arguments a call stamps into its peers' signal area (see allreduce.cu): ranks whose
-/// stamps differ fail with a mismatch.
-pub fn stamp(count: usize, dtype: DType, op: ReduceOp, algo: Algorithm) -> u64 {
+/// stamps differ fail with a mismatch. `path` is [`CudaPath::code`].
+pub fn stamp(count: usize, dtype: DType, op: ReduceOp, path: u32) -> u64 {
     ((count as u64 & 0xFF_FFFF_FFFF) << 24)
-        | ((algo.code() as u64) << 16)
+        | ((path as u64 & 0xFF) << 16)
         | ((dtype.code() as u64) << 8)
         | op.code() as u64
 }
@@ -50,7 +56,15 @@ pub fn describe_stamp_difference(mine: u64, theirs: u64) -> String {
     let (mc, ma, md, mo) = fields(mine);
     let (tc, ta, td, to) = fields(theirs);
     let name = |table: &[&str], v: u64| table.get(v as usize).copied().unwrap_or("?").to_string();
-    let algos = ["auto", "oneshot", "twoshot", "nccl"];
+    // Indexed by CudaPath::code (0 and 3 unused by kernels).
+    let algos = [
+        "auto",
+        "oneshot",
+        "twoshot",
+        "nccl",
+        "oneshot-reg",
+        "twoshot-reg",
+    ];
     let dtypes = ["float", "half", "bfloat16"];
     let ops = ["sum", "max", "min"];
     if theirs == 0 {
@@ -89,19 +103,22 @@ pub fn describe_stamp_difference(mine: u64, theirs: u64) -> String {
     }
 }
 
-/// Name of the kernel for one (algorithm, dtype, op).
-pub fn kernel_name(algo: Algorithm, dtype: DType, op: ReduceOp) -> String {
-    let a = match algo {
-        Algorithm::OneShot => "oneshot",
-        Algorithm::TwoShot => "twoshot",
-        other => panic!("no kernel for algorithm {other}"),
-    };
+/// Name of the kernel of `path` for one (dtype, op), in the module compiled for world-size
+/// class `w` (see [`world_class`]).
+pub fn kernel_name(path: CudaPath, w: usize, dtype: DType, op: ReduceOp) -> String {
     let d = match dtype {
         DType::F32 => "f32",
         DType::F16 => "f16",
         DType::Bf16 => "bf16",
     };
-    format!("ipcr_{a}_{d}_{}", op.name())
+    let p = match path {
+        CudaPath::OneShotLl => return format!("ipcr_oneshotll_{d}_{}", op.name()),
+        CudaPath::OneShotStaged => "oneshot",
+        CudaPath::TwoShotStaged => "twoshot",
+        CudaPath::OneShotReg => "oneshotreg",
+        CudaPath::TwoShotReg => "twoshotreg",
+    };
+    format!("ipcr_{p}_w{w}_{d}_{}", op.name())
 }
 
 /// Whether NVRTC can be loaded in this process.
@@ -143,10 +160,17 @@ fn compile_source(
     })
 }
 
-/// Compiles the all-reduce kernels to PTX for `arch` (e.g. "sm_90"). Needs only NVRTC, no GPU.
-pub fn compile(arch: &str) -> Result<cudarc::nvrtc::Ptx> {
+/// Compiles the all-reduce kernels for world-size class `w` ([`world_class`]) to PTX for `arch`
+/// (e.g. "sm_90"). Needs only NVRTC, no GPU.
+pub fn compile(arch: &str, w: usize) -> Result<cudarc::nvrtc::Ptx> {
     // Keep adds and multiplies separate so every build rounds the same way.
-    compile_source("allreduce.cu", ALLREDUCE_SOURCE, arch, &["--fmad=false"])
+    let class = format!("-DIPCR_W={w}");
+    compile_source(
+        "allreduce.cu",
+        ALLREDUCE_SOURCE,
+        arch,
+        &["--fmad=false", &class],
+    )
 }
 
 /// Compiles the compute kernel of `ipcreduce overlap` ([`COMPUTE_SOURCE`]) to PTX for `arch`.
@@ -202,17 +226,28 @@ mod tests {
 
     #[test]
     fn stamps_tell_what_differs() {
-        let a = stamp(100, DType::F32, ReduceOp::Sum, Algorithm::OneShot);
-        let b = stamp(200, DType::Bf16, ReduceOp::Sum, Algorithm::OneShot);
+        let one = CudaPath::OneShotStaged.code();
+        let a = stamp(100, DType::F32, ReduceOp::Sum, one);
+        let b = stamp(200, DType::Bf16, ReduceOp::Sum, one);
         assert_ne!(a, b);
         assert_eq!(
             describe_stamp_difference(a, b),
             "count 100 vs 200, dtype float vs bfloat16"
         );
-        let c = stamp(100, DType::F32, ReduceOp::Max, Algorithm::TwoShot);
+        let c = stamp(
+            100,
+            DType::F32,
+            ReduceOp::Max,
+            CudaPath::TwoShotStaged.code(),
+        );
         assert_eq!(
             describe_stamp_difference(a, c),
             "algorithm oneshot vs twoshot, op sum vs max"
+        );
+        let d = stamp(100, DType::F32, ReduceOp::Sum, CudaPath::TwoShotReg.code());
+        assert_eq!(
+            describe_stamp_difference(a, d),
+            "algorithm oneshot vs twoshot-reg"
         );
         let unknown = describe_stamp_difference(a, 0);
         assert!(unknown.contains("100 x float sum, oneshot"), "{unknown}");
@@ -220,20 +255,30 @@ mod tests {
 
     #[test]
     fn every_kernel_name_is_defined_in_the_source() {
-        for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
-            for dtype in DType::ALL {
-                for op in ReduceOp::ALL {
-                    let name = kernel_name(algo, dtype, op);
-                    let (a, rest) = name.trim_start_matches("ipcr_").split_once('_').unwrap();
-                    let (d, o) = rest.split_once('_').unwrap();
-                    assert!(
-                        ALLREDUCE_SOURCE.contains(&format!("KERNELS({d}, {o},")),
-                        "{name}"
-                    );
-                    assert!(["oneshot", "twoshot"].contains(&a));
-                }
+        for dtype in DType::ALL {
+            for op in ReduceOp::ALL {
+                let name = kernel_name(CudaPath::TwoShotReg, 4, dtype, op);
+                let rest = name.trim_start_matches("ipcr_twoshotreg_w4_");
+                let (d, o) = rest.split_once('_').unwrap();
+                assert!(
+                    ALLREDUCE_SOURCE.contains(&format!("KERNELS({d}, {o},")),
+                    "{name}"
+                );
             }
         }
+        for path in CudaPath::ALL {
+            let stem = kernel_name(path, 2, DType::F32, ReduceOp::Sum)
+                .trim_start_matches("ipcr_")
+                .split('_')
+                .next()
+                .unwrap()
+                .to_string();
+            assert!(
+                ALLREDUCE_SOURCE.contains(&format!("ipcr_{stem}_")),
+                "{path:?}: no ipcr_{stem}_ entry point"
+            );
+        }
+        assert_eq!([1, 2, 3, 4, 5, 8].map(world_class), [2, 2, 4, 4, 8, 8]);
     }
 
     /// Compiles every kernel with NVRTC. Needs libnvrtc but no GPU; CI installs NVRTC and sets
@@ -243,21 +288,16 @@ mod tests {
         if !nvrtc_for_tests() {
             return;
         }
-        for arch in ["sm_80", "sm_90"] {
-            let ptx = compile(arch).unwrap_or_else(|e| panic!("{e}"));
+        for (arch, w) in [("sm_80", 8), ("sm_90", 2), ("sm_90", 4)] {
+            let ptx = compile(arch, w).unwrap_or_else(|e| panic!("{e}"));
             let text = ptx.to_src();
-            for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
+            for path in CudaPath::ALL {
                 for dtype in DType::ALL {
                     for op in ReduceOp::ALL {
-                        let name = kernel_name(algo, dtype, op);
+                        let name = kernel_name(path, w, dtype, op);
                         assert!(
                             text.contains(&format!(".entry {name}")),
                             "{arch}: {name} missing"
-                        );
-                        let ll = ll_kernel_name(dtype, op);
-                        assert!(
-                            text.contains(&format!(".entry {ll}")),
-                            "{arch}: {ll} missing"
                         );
                     }
                 }

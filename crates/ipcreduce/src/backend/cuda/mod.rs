@@ -11,17 +11,22 @@ pub mod kernels;
 pub mod memory;
 mod nccl;
 mod peers;
+mod registry;
 mod streams;
 mod teardown;
 #[cfg(feature = "test-support")]
 mod testbufs;
 mod workspace;
+// Workspaces over peer memory or staged through host memory (IPCREDUCE_TRANSPORT).
+mod host_staged;
+mod transport;
 
 use crate::abort::AbortState;
-use crate::backend::{BackendMeta, BackendOps};
+use crate::backend::{BackendMeta, BackendOps, RegisteredBuffer};
 use crate::bootstrap::Bootstrap;
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::plan::{CudaPath, GridLimits, PathInfo};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use cudarc::driver::{safe as cs, sys};
 use driver::ck;
@@ -29,12 +34,13 @@ use kernels::{
     ERR_MISMATCH, ERR_TIMEOUT, LL_BYTES, LL_MAX_BYTES, MAX_BLOCKS, MAX_RANKS, SIG_BYTES,
 };
 use memory::{DeviceAlloc, MappedHostWords};
-use peers::{check_peer_access, device_uuid};
+use peers::device_uuid;
+use registry::Registry;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Weak};
-use workspace::Workspaces;
+use transport::SharedWorkspaces;
 
 /// Default bytes of one data slot (the workspace holds two). Larger messages are chunked.
 const DEFAULT_SLOT_BYTES: usize = 16 << 20;
@@ -42,12 +48,15 @@ const DEFAULT_SLOT_BYTES: usize = 16 << 20;
 const DATA_OFFSET: u64 = (SIG_BYTES + LL_BYTES) as u64;
 /// Threads per block of the all-reduce kernels (their `__launch_bounds__`).
 const THREADS: u32 = 512;
-/// Default blocks per kernel: fixed per communicator (the protocol relies on it).
-const DEFAULT_BLOCKS: usize = 32;
+/// Most CTAs a kernel uses by default on a GPU of its own; ranks sharing a GPU share this
+/// (every CTA of every rank must be resident at once: two 512-thread CTAs fit per SM).
+const DEFAULT_CTA_CAP: usize = 64;
+const SHARED_GPU_CTAS: usize = 192;
 
 // Words of the host-mapped area shared with the kernels.
 const W_ABORT: usize = 0;
-const W_ERR: usize = 1; // {code, peer, block, barrier, their stamp (2 words), ours (2 words)}
+// {code, peer, block, barrier, their stamp (2 words), ours (2 words), call number (2 words)}
+const W_ERR: usize = 1;
 
 /// Kernel arguments; must match `struct Args` in kernels/allreduce.cu field by field.
 #[repr(C)]
@@ -59,6 +68,8 @@ struct KernelArgs {
     data: [u64; MAX_RANKS],
     ll: [u64; MAX_RANKS],
     sig: [u64; MAX_RANKS],
+    rsend: [u64; MAX_RANKS],
+    rrecv: [u64; MAX_RANKS],
     counters: u64,
     abort_flag: u64,
     err: u64,
@@ -66,8 +77,10 @@ struct KernelArgs {
     slot_bytes: u64,
     timeout_ns: u64,
     stamp: u64,
+    seq: u64,
     rank: i32,
     world: i32,
+    aligned: i32,
 }
 
 /// Whether this process can use the cuda backend (driver, a GPU, NVRTC).
@@ -98,8 +111,13 @@ pub struct CudaComm {
     rank: usize,
     world: usize,
     ordinal: usize,
+    device: sys::CUdevice,
     #[cfg(feature = "test-support")]
-    bufs: Vec<Option<DeviceAlloc>>,
+    bufs: Vec<Option<testbufs::TestBuf>>,
+    /// Registered (zero-copy) buffers; freed in Drop unless work may still run on them.
+    registry: ManuallyDrop<Registry>,
+    next_region: u64,
+    last_path: Option<PathInfo>,
     nccl: std::result::Result<nccl::Nccl, String>,
     /// Stream order and what teardown waits for (see streams.rs).
     streams: streams::Tracker,
@@ -108,14 +126,13 @@ pub struct CudaComm {
     words: ManuallyDrop<Arc<MappedHostWords>>,
     /// Private device state: counters[MAX_BLOCKS][2], then the error word.
     state: ManuallyDrop<DeviceAlloc>,
-    ws: ManuallyDrop<Workspaces>,
+    ws: ManuallyDrop<SharedWorkspaces>,
     /// Set by teardown: what must not be freed.
     leak: teardown::Leak,
     /// Whether teardown ran (else Drop waits for our work itself).
     left: bool,
-    blocks: usize,
+    limits: GridLimits,
     slot_bytes: usize,
-    ll_max: usize,
     timeout: std::time::Duration,
     abort: Arc<AbortState>,
     devices: Vec<String>,
@@ -132,20 +149,19 @@ pub struct CudaComm {
 struct Loaded {
     ctx: Arc<cs::CudaContext>,
     _module: Arc<cs::CudaModule>,
-    funcs: HashMap<(Algorithm, DType, ReduceOp), cs::CudaFunction>,
-    /// Low-latency one-shot kernels.
-    ll_funcs: HashMap<(DType, ReduceOp), cs::CudaFunction>,
+    funcs: HashMap<(CudaPath, DType, ReduceOp), cs::CudaFunction>,
 }
 
 impl Loaded {
-    fn get(ordinal: usize, rank: usize) -> Result<Arc<Loaded>> {
-        static CACHE: std::sync::OnceLock<std::sync::Mutex<HashMap<usize, Arc<Loaded>>>> =
-            std::sync::OnceLock::new();
+    /// The module for GPU `ordinal` and world-size class `w` ([`kernels::world_class`]).
+    fn get(ordinal: usize, w: usize, rank: usize) -> Result<Arc<Loaded>> {
+        type Cache = HashMap<(usize, usize), Arc<Loaded>>;
+        static CACHE: std::sync::OnceLock<std::sync::Mutex<Cache>> = std::sync::OnceLock::new();
         let mut cache = CACHE
             .get_or_init(Default::default)
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        if let Some(l) = cache.get(&ordinal) {
+        if let Some(l) = cache.get(&(ordinal, w)) {
             return Ok(l.clone());
         }
         let cuda = |op: &str, e: cudarc::driver::DriverError| driver::from_cudarc(rank, op, e);
@@ -153,7 +169,7 @@ impl Loaded {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| cuda("compute capability query", e))?;
-        let ptx = kernels::compile(&format!("sm_{major}{minor}")).map_err(|e| match e {
+        let ptx = kernels::compile(&format!("sm_{major}{minor}"), w).map_err(|e| match e {
             Error::Cuda { op, detail, .. } => Error::Cuda { rank, op, detail },
             Error::CudaDriver {
                 op, code, detail, ..
@@ -169,34 +185,33 @@ impl Loaded {
             .load_module(ptx)
             .map_err(|e| cuda("loading the NVRTC module", e))?;
         let mut funcs = HashMap::new();
-        for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
+        let mut regs = Vec::new();
+        for path in CudaPath::ALL {
             for dtype in DType::ALL {
                 for op in ReduceOp::ALL {
-                    let kname = kernels::kernel_name(algo, dtype, op);
+                    let kname = kernels::kernel_name(path, w, dtype, op);
                     let f = module
                         .load_function(&kname)
                         .map_err(|e| cuda(&format!("loading kernel {kname}"), e))?;
-                    funcs.insert((algo, dtype, op), f);
+                    if dtype == DType::Bf16 && op == ReduceOp::Sum {
+                        regs.push(format!("{} {}", path.name(), kernel_resources(&f)));
+                    }
+                    funcs.insert((path, dtype, op), f);
                 }
             }
         }
-        let mut ll_funcs = HashMap::new();
-        for dtype in DType::ALL {
-            for op in ReduceOp::ALL {
-                let kname = kernels::ll_kernel_name(dtype, op);
-                let f = module
-                    .load_function(&kname)
-                    .map_err(|e| cuda(&format!("loading kernel {kname}"), e))?;
-                ll_funcs.insert((dtype, op), f);
-            }
-        }
+        // What the compiler made of the kernels (the budget: 64 registers, no local memory).
+        tracing::info!(
+            rank,
+            "kernels for world class {w}, bf16 sum: {}",
+            regs.join(", ")
+        );
         let l = Arc::new(Loaded {
             ctx,
             _module: module,
             funcs,
-            ll_funcs,
         });
-        cache.insert(ordinal, l.clone());
+        cache.insert((ordinal, w), l.clone());
         Ok(l)
     }
 }
@@ -220,7 +235,7 @@ impl CudaComm {
             boot.info().local_rank,
             count as usize,
         )?;
-        let gpu = Loaded::get(ordinal, rank)?;
+        let gpu = Loaded::get(ordinal, kernels::world_class(world), rank)?;
         let ctx = gpu.ctx.clone();
         ctx.bind_to_thread()
             .map_err(|e| cuda("binding the context", e))?;
@@ -236,12 +251,19 @@ impl CudaComm {
             .map(|a| uuids.iter().filter(|b| *b == a).count())
             .max()
             .unwrap_or(1);
-        let blocks = config.blocks.unwrap_or(DEFAULT_BLOCKS.min(96 / sharing));
-        if blocks > MAX_BLOCKS {
+        // Config::blocks / IPCREDUCE_BLOCKS: one CTA count for every SM path (tuning); else
+        // the count follows the message size (plan::cuda_path), up to the cap.
+        let fixed = config.blocks;
+        if fixed.is_some_and(|b| b == 0 || b > MAX_BLOCKS) {
             return Err(Error::Config(format!(
-                "blocks {blocks} (Config::blocks or IPCREDUCE_BLOCKS): at most {MAX_BLOCKS}"
+                "blocks {} (Config::blocks or IPCREDUCE_BLOCKS): 1 to {MAX_BLOCKS}",
+                fixed.unwrap_or(0)
             )));
         }
+        let cap = match fixed {
+            Some(_) => MAX_BLOCKS,
+            None => DEFAULT_CTA_CAP.min(SHARED_GPU_CTAS / sharing),
+        };
         let slot_bytes = config.workspace_bytes.map_or(DEFAULT_SLOT_BYTES, |b| b / 2);
         let slot_bytes = (slot_bytes.max(64 << 10) / 256) * 256;
         // Messages up to this size take the low-latency one-shot (0 disables it).
@@ -252,11 +274,17 @@ impl CudaComm {
                  at most {LL_MAX_BYTES}"
             )));
         }
-        // Every rank must use the same grid and slot size: the protocol pairs block b with
-        // block b and alternates slots by chunk count.
-        let mine = [blocks as u64, slot_bytes as u64, ll_max as u64]
-            .map(u64::to_le_bytes)
-            .concat();
+        let limits = GridLimits { ll_max, cap, fixed };
+        // Every rank must compute the same grid for every call and use the same slot size: the
+        // protocol pairs block b with block b and alternates slots by chunk count.
+        let mine = [
+            cap as u64,
+            fixed.unwrap_or(0) as u64,
+            slot_bytes as u64,
+            ll_max as u64,
+        ]
+        .map(u64::to_le_bytes)
+        .concat();
         let all = boot.all_gather(&mine)?;
         if let Some(peer) = all.iter().position(|v| v != &mine) {
             return Err(Error::Mismatch {
@@ -264,17 +292,14 @@ impl CudaComm {
                 peer,
                 op: "init".into(),
                 seq: 0,
-                detail: "IPCREDUCE_BLOCKS / IPCREDUCE_SLOT_BYTES / IPCREDUCE_LL_MAX differ between ranks"
+                detail: "IPCREDUCE_BLOCKS / IPCREDUCE_SLOT_BYTES / IPCREDUCE_LL_MAX (or the GPU sharing) differ between ranks"
                     .into(),
             });
         }
 
-        let ws = Workspaces::create(
-            boot,
-            device,
-            SIG_BYTES + LL_BYTES + 2 * slot_bytes,
-            config.sharing,
-        )?;
+        // Also checks every pair (P2P query, mapping, cross-process read) for the transport.
+        let bytes = SIG_BYTES + LL_BYTES + 2 * slot_bytes;
+        let ws = SharedWorkspaces::open(boot, device, bytes, &uuids, config)?;
         if ws.size < SIG_BYTES + LL_BYTES + 2 * slot_bytes {
             return Err(Error::Cuda {
                 rank,
@@ -290,11 +315,7 @@ impl CudaComm {
         let words = Arc::new(MappedHostWords::new(16, rank)?);
         // SAFETY: zeroing memory we own (signal area of our workspace, private state).
         unsafe {
-            ck(
-                sys::cuMemsetD8_v2(ws.base(rank), 0, SIG_BYTES + LL_BYTES),
-                rank,
-                || "clearing the signal and LL areas".into(),
-            )?;
+            ws.clear(rank, SIG_BYTES + LL_BYTES)?;
             ck(sys::cuMemsetD8_v2(state.ptr, 0, state.bytes), rank, || {
                 "clearing the protocol state".into()
             })?;
@@ -309,19 +330,23 @@ impl CudaComm {
         }));
 
         let devices: Vec<String> = {
-            let names = boot.all_gather(format!("{name} (GPU {ordinal})").as_bytes())?;
+            let via = ws.note(); // the transport, so results say how they were made
+            let names = boot.all_gather(format!("{name} (GPU {ordinal}{via})").as_bytes())?;
             names
                 .iter()
                 .map(|n| String::from_utf8_lossy(n).into_owned())
                 .collect()
         };
-        check_peer_access(rank, device, &uuids)?;
 
         let own = stream.cu_stream() as streams::Key;
         let mut comm = CudaComm {
             rank,
             world,
             ordinal,
+            device,
+            registry: ManuallyDrop::new(Registry::default()),
+            next_region: 0,
+            last_path: None,
             ctx,
             stream,
             gpu,
@@ -332,9 +357,8 @@ impl CudaComm {
             words: ManuallyDrop::new(words),
             leak: teardown::Leak::Nothing,
             left: false,
-            blocks,
+            limits,
             slot_bytes,
-            ll_max,
             timeout: config.timeout(),
             abort,
             nccl: Err("not requested".into()),
@@ -343,7 +367,8 @@ impl CudaComm {
             devices,
             seq: 0,
         };
-        comm.cross_process_check(boot)?;
+        // Every rank's signal area is cleared before any kernel writes into it.
+        boot.barrier()?;
 
         let shared_gpu = (0..world).any(|i| (0..i).any(|j| uuids[i] == uuids[j]));
         if config.with_nccl {
@@ -366,12 +391,14 @@ impl CudaComm {
         let code = self.words.get(W_ERR);
         if code != 0 {
             let peer = self.words.get(W_ERR + 1) as usize;
+            // The call that failed, as the kernel recorded it (not the latest one issued).
+            let seq = self.words.get(W_ERR + 8) as u64 | (self.words.get(W_ERR + 9) as u64) << 32;
             let err = match code {
                 ERR_TIMEOUT => Error::Timeout {
                     rank: self.rank,
                     peer,
                     op: "all_reduce (kernel barrier)".into(),
-                    seq: self.seq,
+                    seq,
                     waited: self.timeout,
                 },
                 ERR_MISMATCH => {
@@ -384,7 +411,7 @@ impl CudaComm {
                         rank: self.rank,
                         peer,
                         op: "all_reduce".into(),
-                        seq: self.seq,
+                        seq,
                         detail: kernels::describe_stamp_difference(mine, theirs),
                     }
                 }
@@ -408,7 +435,15 @@ impl CudaComm {
         Ok(())
     }
 
-    fn kernel_args(&self, send: u64, recv: u64, count: usize, stamp: u64) -> KernelArgs {
+    /// `zero_copy`: every rank's send and recv as mapped here (registered buffers).
+    fn kernel_args(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        stamp: u64,
+        zero_copy: Option<([u64; MAX_RANKS], [u64; MAX_RANKS])>,
+    ) -> KernelArgs {
         let mut data = [0u64; MAX_RANKS];
         let mut ll = [0u64; MAX_RANKS];
         let mut sig = [0u64; MAX_RANKS];
@@ -417,6 +452,8 @@ impl CudaComm {
             ll[r] = self.ws.base(r) + SIG_BYTES as u64;
             data[r] = self.ws.base(r) + DATA_OFFSET;
         }
+        let (rsend, rrecv) = zero_copy.unwrap_or(([0; MAX_RANKS], [0; MAX_RANKS]));
+        let all16 = |v: &[u64; MAX_RANKS]| v[..self.world].iter().all(|p| p % 16 == 0);
         KernelArgs {
             send,
             recv,
@@ -424,6 +461,8 @@ impl CudaComm {
             data,
             ll,
             sig,
+            rsend,
+            rrecv,
             counters: self.state.ptr,
             abort_flag: self.words.device + 4 * W_ABORT as u64,
             err: self.state.ptr + (MAX_BLOCKS * 2 * 4) as u64,
@@ -431,9 +470,28 @@ impl CudaComm {
             slot_bytes: self.slot_bytes as u64,
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
             stamp,
+            seq: self.seq,
             rank: self.rank as i32,
             world: self.world as i32,
+            aligned: all16(&rsend) as i32 | (all16(&rrecv) as i32) << 1,
         }
+    }
+
+    /// Every rank's send and recv as mapped here, when both lie in registered buffers.
+    fn zero_copy(
+        &self,
+        send: u64,
+        recv: u64,
+        bytes: usize,
+    ) -> Option<([u64; MAX_RANKS], [u64; MAX_RANKS])> {
+        let (rs, so) = self.registry.lookup(send, bytes)?;
+        let (rr, ro) = self.registry.lookup(recv, bytes)?;
+        let (mut s, mut r) = ([0u64; MAX_RANKS], [0u64; MAX_RANKS]);
+        for p in 0..self.world {
+            s[p] = rs.peers[p] + so;
+            r[p] = rr.peers[p] + ro;
+        }
+        Some((s, r))
     }
 
     /// Rejects device pointers that belong to another GPU.
@@ -526,6 +584,11 @@ impl CudaComm {
         self.check_health()?;
         self.seq += 1;
         if algo == Algorithm::Nccl {
+            self.last_path = Some(PathInfo {
+                name: "nccl",
+                ctas: 0,
+                registered: false,
+            });
             let rank = self.rank;
             let nccl = self.nccl.as_mut().map_err(|why| {
                 Error::invalid(rank, "all_reduce", format!("NCCL unavailable: {why}"))
@@ -543,20 +606,18 @@ impl CudaComm {
             };
         }
         let bytes = count * dtype.size();
-        let (f, grid) = if algo == Algorithm::OneShot && bytes <= self.ll_max {
-            // One thread per 8-byte unit; the grid may be smaller than the fixed one (the LL
-            // protocol does not pair blocks).
-            let units = bytes.div_ceil(8);
-            let grid = units.div_ceil(THREADS as usize).clamp(1, self.blocks);
-            (self.gpu.ll_funcs[&(dtype, op)].cu_function(), grid)
-        } else {
-            (
-                self.gpu.funcs[&(algo, dtype, op)].cu_function(),
-                self.blocks,
-            )
-        };
-        let stamp = kernels::stamp(count, dtype, op, algo);
-        let mut args = self.kernel_args(send, recv, count, stamp);
+        let zero_copy = self.zero_copy(send, recv, bytes);
+        let (path, grid) =
+            crate::plan::cuda_path(algo, bytes, zero_copy.is_some(), send == recv, &self.limits);
+        let f = self.gpu.funcs[&(path, dtype, op)].cu_function();
+        self.last_path = Some(PathInfo {
+            name: path.name(),
+            ctas: grid,
+            registered: path.registered(),
+        });
+        let stamp = kernels::stamp(count, dtype, op, path.code());
+        let zero_copy = zero_copy.filter(|_| path.registered());
+        let mut args = self.kernel_args(send, recv, count, stamp, zero_copy);
         let mut params = [(&mut args as *mut KernelArgs).cast::<c_void>()];
         let rank = self.rank;
         // SAFETY: the kernel reads `args` (copied at launch) and only touches the buffers in it,
@@ -565,7 +626,7 @@ impl CudaComm {
             unsafe {
                 sys::cuLaunchKernel(
                     f,
-                    grid as u32,
+                    grid,
                     1,
                     1,
                     THREADS,
@@ -578,7 +639,12 @@ impl CudaComm {
                 )
             },
             rank,
-            || format!("launching the {algo} kernel ({count} x {dtype} {op})"),
+            || {
+                format!(
+                    "launching the {} kernel ({count} x {dtype} {op})",
+                    path.name()
+                )
+            },
         )
     }
 }
@@ -605,8 +671,12 @@ impl BackendOps for CudaComm {
         self.ctx
             .bind_to_thread()
             .map_err(|e| self.cuda_err("binding the context".into(), e))?;
-        self.check_pointer(send as u64, "send")?;
-        if recv as u64 != send as u64 {
+        let bytes = count * dtype.size();
+        // Registered buffers are known to be ours; anything else is asked of the driver.
+        if self.registry.lookup(send as u64, bytes).is_none() {
+            self.check_pointer(send as u64, "send")?;
+        }
+        if recv as u64 != send as u64 && self.registry.lookup(recv as u64, bytes).is_none() {
             self.check_pointer(recv as u64, "recv")?;
         }
         // CUDA's meaning: 0 is the legacy default stream.
@@ -630,17 +700,114 @@ impl BackendOps for CudaComm {
     }
 
     fn synchronize(&mut self) -> Result<()> {
-        self.wait_all("synchronize")?;
-        self.check_health()
+        let waited = self.wait_all("synchronize");
+        // What a kernel recorded explains a failed wait better than the wait does.
+        self.check_health()?;
+        waited
     }
 
     fn async_error(&self) -> Option<Error> {
         self.check_health().err()
     }
 
+    fn device(&self) -> Option<usize> {
+        Some(self.ordinal)
+    }
+
+    fn own_stream(&self) -> Option<*mut c_void> {
+        Some(self.stream.cu_stream().cast())
+    }
+
     fn leave(&mut self, boot: &mut Bootstrap) {
         self.teardown(boot)
     }
+
+    fn alloc_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<RegisteredBuffer> {
+        self.bind()?;
+        self.require_peer_memory("alloc", bytes)?;
+        let id = self.next_region;
+        let region = registry::alloc(boot, self.device, bytes, id)?;
+        self.next_region += 1;
+        let buf = RegisteredBuffer::new(region.base, region.bytes, id);
+        self.registry.insert(region, self.rank)?;
+        Ok(buf)
+    }
+
+    unsafe fn register(
+        &mut self,
+        boot: &mut Bootstrap,
+        ptr: u64,
+        bytes: usize,
+    ) -> Result<RegisteredBuffer> {
+        self.bind()?;
+        self.require_peer_memory("register", bytes)?;
+        let id = self.next_region;
+        let region = registry::register(boot, self.device, ptr, bytes, id)?;
+        self.next_region += 1;
+        let buf = RegisteredBuffer::new(region.base, region.bytes, id);
+        self.registry.insert(region, self.rank)?;
+        Ok(buf)
+    }
+
+    fn free_registered(&mut self, boot: &mut Bootstrap, buf: RegisteredBuffer) -> Result<()> {
+        // Our work on every stream that may touch it is done (bounded), then every peer's.
+        self.wait_all("free")?;
+        boot.barrier()?;
+        self.registry.remove(buf.id()).map(drop).ok_or_else(|| {
+            Error::invalid(
+                self.rank,
+                "free",
+                format!("buffer {:#x} is not registered here", buf.ptr()),
+            )
+        })
+    }
+
+    fn last_path(&self) -> Option<PathInfo> {
+        self.last_path
+    }
+}
+
+impl CudaComm {
+    /// Registered buffers are read and written by the peers' kernels: they need the peer
+    /// transport (every rank takes the same transport, so all refuse together).
+    fn require_peer_memory(&self, op: &'static str, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Err(Error::invalid(self.rank, op, "zero bytes"));
+        }
+        if self.ws.sharing().is_none() {
+            return Err(Error::invalid(
+                self.rank,
+                op,
+                "registered buffers need peer memory, and this communicator stages through \
+                 host memory (IPCREDUCE_TRANSPORT=host, or peer access failed at start)",
+            ));
+        }
+        Ok(())
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| self.cuda_err("binding the context".into(), e))
+    }
+}
+
+/// "N regs, M B local" of a loaded kernel, for the log.
+fn kernel_resources(f: &cs::CudaFunction) -> String {
+    use sys::CUfunction_attribute::{
+        CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES as LOCAL, CU_FUNC_ATTRIBUTE_NUM_REGS as REGS,
+    };
+    let get = |attr| {
+        let mut v = 0;
+        // SAFETY: writes one int for a loaded function.
+        let res = unsafe { sys::cuFuncGetAttribute(&mut v, attr, f.cu_function()) };
+        if res == sys::CUresult::CUDA_SUCCESS {
+            v.to_string()
+        } else {
+            "?".into()
+        }
+    };
+    format!("{} regs, {} B local", get(REGS), get(LOCAL))
 }
 
 /// The device of the CUDA context current on this thread, if there is one: a caller that
@@ -681,7 +848,7 @@ mod tests {
         if !kernels::nvrtc_for_tests() {
             return;
         }
-        let ptx = kernels::compile("sm_90").unwrap().to_src();
+        let ptx = kernels::compile("sm_90", 2).unwrap().to_src();
         let want = format!("_param_0[{}]", std::mem::size_of::<KernelArgs>());
         assert!(ptx.contains(&want), "PTX parameter is not {want}");
     }

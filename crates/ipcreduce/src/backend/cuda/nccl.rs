@@ -173,7 +173,9 @@ impl Nccl {
     /// Waits (bounded by the timeout, and by our abort flag) until the communicator's last
     /// operation has left NCCL's "in progress" state.
     fn settle(&mut self, op: &str) -> Result<()> {
-        let deadline = Instant::now() + self.timeout;
+        const SPIN_BEFORE_SLEEP: Duration = Duration::from_millis(2);
+        let started = Instant::now();
+        let deadline = started + self.timeout;
         loop {
             let mut state = ns::ncclResult_t::ncclSuccess;
             // SAFETY: our communicator; writes one result.
@@ -190,7 +192,14 @@ impl Nccl {
                     format!("still in progress after {:?}", self.timeout)
                 }
                 ns::ncclResult_t::ncclInProgress => {
-                    std::thread::sleep(Duration::from_micros(50));
+                    // A collective usually settles within microseconds: spin (yielding) first,
+                    // so a non-blocking communicator costs an eager call no sleep, and only
+                    // sleep once the wait is long.
+                    if started.elapsed() < SPIN_BEFORE_SLEEP {
+                        std::thread::yield_now();
+                    } else {
+                        std::thread::sleep(Duration::from_micros(50));
+                    }
                     continue;
                 }
                 other => describe(other),

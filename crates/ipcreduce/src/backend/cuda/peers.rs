@@ -2,65 +2,66 @@
 //! peers on other GPUs, and a cross-process write/read through every mapping.
 
 use super::driver::ck;
-use super::{CudaComm, DATA_OFFSET};
+use super::DATA_OFFSET;
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use cudarc::driver::{safe as cs, sys};
 use std::collections::HashMap;
 
-impl CudaComm {
-    /// Writes a rank-specific pattern into our workspace, then reads every peer's through its
-    /// mapping: the real cross-process test that P2P queries alone cannot give.
-    pub(super) fn cross_process_check(&mut self, boot: &mut Bootstrap) -> Result<()> {
-        let rank = self.rank;
-        let pattern = |r: usize| -> [u8; 16] {
-            let mut p = [0u8; 16];
-            for (i, b) in p.iter_mut().enumerate() {
-                *b = (0xA5 ^ (r as u8).wrapping_mul(31) ^ (i as u8).wrapping_mul(7)) | 1;
-            }
-            p
-        };
-        let probe = self.ws.base(rank) + DATA_OFFSET;
-        let mine = pattern(rank);
-        // SAFETY: 16 bytes inside our own data area.
-        ck(
-            unsafe { sys::cuMemcpyHtoD_v2(probe, mine.as_ptr().cast(), 16) },
-            rank,
-            || "writing the cross-process probe".into(),
-        )?;
-        // The copy may return before its DMA lands: wait before telling the peers.
-        // SAFETY: no arguments.
+/// The cross-process test that P2P queries alone cannot give: every rank writes a pattern of
+/// its own into its workspace's data area, then reads every rank's through its mapping
+/// (`base(rank)`). Collective: every rank passes both barriers whatever it saw; returns the
+/// first failure `(peer, why)` this rank saw.
+pub(super) fn mapping_test(
+    boot: &mut Bootstrap,
+    base: impl Fn(usize) -> sys::CUdeviceptr,
+    what: &str,
+) -> Result<Option<(usize, String)>> {
+    let rank = boot.rank();
+    let pattern = |r: usize| -> [u8; 16] {
+        let mut p = [0u8; 16];
+        for (i, b) in p.iter_mut().enumerate() {
+            *b = (0xA5 ^ (r as u8).wrapping_mul(31) ^ (i as u8).wrapping_mul(7)) | 1;
+        }
+        p
+    };
+    let mine = pattern(rank);
+    // SAFETY: 16 bytes inside our own data area. The copy may return before its DMA lands:
+    // synchronize before telling the peers.
+    let wrote = ck(
+        unsafe { sys::cuMemcpyHtoD_v2(base(rank) + DATA_OFFSET, mine.as_ptr().cast(), 16) },
+        rank,
+        || "writing the cross-process probe".into(),
+    )
+    .and_then(|_| {
         ck(unsafe { sys::cuCtxSynchronize() }, rank, || {
             "cuCtxSynchronize".into()
-        })?;
-        boot.barrier()?;
-        for peer in 0..self.world {
-            let mut got = [0u8; 16];
-            let addr = self.ws.base(peer) + DATA_OFFSET;
-            // SAFETY: 16 bytes inside the peer's mapped data area.
-            let res = unsafe { sys::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), addr, 16) };
-            ck(res, rank, || format!("reading rank {peer}'s probe")).map_err(|e| {
-                Error::PeerAccess {
-                    rank,
-                    peer,
-                    op: "cross-process read",
-                    detail: e.to_string(),
-                }
-            })?;
-            if got != pattern(peer) {
-                return Err(Error::PeerAccess {
-                    rank,
-                    peer,
-                    op: "cross-process read",
-                    detail: format!(
-                        "read back {got:02x?} instead of the peer's pattern through the {} mapping",
-                        self.ws.mode.name()
-                    ),
-                });
-            }
+        })
+    });
+    boot.barrier()?;
+    let mut seen = wrote.err().map(|e| (rank, e.to_string()));
+    for peer in 0..boot.world() {
+        if seen.is_some() {
+            break;
         }
-        boot.barrier()
+        let mut got = [0u8; 16];
+        // SAFETY: 16 bytes inside the peer's mapped data area.
+        let res =
+            unsafe { sys::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), base(peer) + DATA_OFFSET, 16) };
+        if let Err(e) = ck(res, rank, || {
+            format!("reading rank {peer}'s probe through {what}")
+        }) {
+            seen = Some((peer, e.to_string()));
+        } else if got != pattern(peer) {
+            seen = Some((
+                peer,
+                format!("read back {got:02x?} instead of the peer's pattern through {what}"),
+            ));
+        }
     }
+    // Nobody writes into a data area again before every rank has read the probes.
+    boot.barrier()?;
+    Ok(seen)
 }
 
 pub(super) fn device_uuid(device: sys::CUdevice, rank: usize) -> Result<Vec<u8>> {

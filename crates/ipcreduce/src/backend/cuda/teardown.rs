@@ -38,7 +38,7 @@ impl CudaComm {
         }
         if let Err(e) = boot.barrier() {
             tracing::info!(rank = self.rank, "no teardown barrier: {e}");
-            if self.ws.mode == Sharing::Ipc {
+            if self.ws.sharing() == Some(Sharing::Ipc) {
                 self.leak = Leak::Workspace;
             }
         }
@@ -91,6 +91,9 @@ impl Drop for CudaComm {
                 ManuallyDrop::drop(&mut self.ws);
             }
             if self.leak < Leak::All {
+                // Registered memory is cuMem memory: a peer's mapping keeps it alive, so only
+                // our own unfinished work keeps it from being released.
+                ManuallyDrop::drop(&mut self.registry);
                 ManuallyDrop::drop(&mut self.state);
                 ManuallyDrop::drop(&mut self.words);
             }

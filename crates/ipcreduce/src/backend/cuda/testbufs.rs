@@ -3,7 +3,8 @@
 
 use super::memory::DeviceAlloc;
 use super::{driver::ck, CudaComm};
-use crate::backend::{BackendOps, BufId, Call, TestBuffers};
+use crate::backend::{BackendOps, BufId, Call, RegisteredBuffer, TestBuffers};
+use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
 
@@ -13,20 +14,25 @@ impl TestBuffers for CudaComm {
             .bind_to_thread()
             .map_err(|e| self.cuda_err("binding the context".into(), e))?;
         let buf = DeviceAlloc::new(bytes, self.rank)?;
-        self.bufs.push(Some(buf));
+        self.bufs.push(Some(TestBuf::Plain(buf)));
         Ok(self.bufs.len() - 1)
     }
 
     fn free(&mut self, id: BufId) {
-        if let Some(slot) = self.bufs.get_mut(id) {
-            *slot = None;
+        let Some(TestBuf::Registered(buf)) = self.bufs.get_mut(id).and_then(Option::take) else {
+            return;
+        };
+        // Not collective: a peer's mapping keeps the memory alive until it drops it. Our own
+        // kernels must be done with it first; if they are not, it stays until teardown.
+        match self.wait_all("freeing a registered test buffer") {
+            Ok(()) => drop(self.registry.remove(buf.id())),
+            Err(e) => tracing::warn!(rank = self.rank, "{e}: the buffer stays registered"),
         }
     }
 
     fn write(&mut self, id: BufId, data: &[u8]) -> Result<()> {
-        let buf = self.buf(id)?;
-        assert!(data.len() <= buf.bytes);
-        let ptr = buf.ptr;
+        let (ptr, bytes) = self.buf(id)?;
+        assert!(data.len() <= bytes);
         // On our stream, then waited for: a plain cuMemcpyHtoD from pageable memory may return
         // before its DMA lands, and our (non-blocking) stream would not wait for it.
         // SAFETY: in bounds of our allocation; `data` outlives the synchronize below.
@@ -47,9 +53,8 @@ impl TestBuffers for CudaComm {
 
     fn read(&mut self, id: BufId, out: &mut [u8]) -> Result<()> {
         self.synchronize()?;
-        let buf = self.buf(id)?;
-        assert!(out.len() <= buf.bytes);
-        let ptr = buf.ptr;
+        let (ptr, bytes) = self.buf(id)?;
+        assert!(out.len() <= bytes);
         // SAFETY: in bounds of our allocation; `out` outlives the synchronize below.
         ck(
             unsafe {
@@ -69,10 +74,10 @@ impl TestBuffers for CudaComm {
     fn run(&mut self, call: &Call) -> Result<()> {
         let (s, r) = (self.buf(call.send)?, self.buf(call.recv)?);
         let end = call.offset + call.count * call.dtype.size();
-        if end > s.bytes || end > r.bytes {
+        if end > s.1 || end > r.1 {
             return Err(Error::invalid(self.rank, "run", "call exceeds its buffers"));
         }
-        let (s, r) = (s.ptr + call.offset as u64, r.ptr + call.offset as u64);
+        let (s, r) = (s.0 + call.offset as u64, r.0 + call.offset as u64);
         // The path of a caller's call (stream order included), on our own stream.
         let stream = self.stream.cu_stream();
         self.enqueue(s, r, call.count, call.dtype, call.op, call.algo, stream)
@@ -159,10 +164,33 @@ impl TestBuffers for CudaComm {
 }
 
 impl CudaComm {
-    fn buf(&self, id: BufId) -> Result<&DeviceAlloc> {
+    fn buf(&self, id: BufId) -> Result<(u64, usize)> {
         self.bufs
             .get(id)
             .and_then(|b| b.as_ref())
+            .map(TestBuf::ptr_bytes)
             .ok_or_else(|| Error::invalid(self.rank, "buffer", format!("no buffer #{id}")))
+    }
+
+    /// A registered (zero-copy) test buffer: collective, like [`BackendOps::alloc_registered`].
+    pub fn alloc_test_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<BufId> {
+        let buf = self.alloc_registered(boot, bytes)?;
+        self.bufs.push(Some(TestBuf::Registered(buf)));
+        Ok(self.bufs.len() - 1)
+    }
+}
+
+/// A test/benchmark buffer: plain device memory, or registered (zero-copy) memory.
+pub(super) enum TestBuf {
+    Plain(DeviceAlloc),
+    Registered(RegisteredBuffer),
+}
+
+impl TestBuf {
+    fn ptr_bytes(&self) -> (u64, usize) {
+        match self {
+            TestBuf::Plain(a) => (a.ptr, a.bytes),
+            TestBuf::Registered(b) => (b.ptr(), b.bytes()),
+        }
     }
 }

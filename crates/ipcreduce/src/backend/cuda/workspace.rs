@@ -17,8 +17,8 @@ use crate::error::{Error, Result};
 use cudarc::driver::sys;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-/// A mapping of one rank's workspace into this process (own or a peer's).
-enum Mapping {
+/// A mapping of one rank's shared memory into this process (own or a peer's).
+pub(super) enum Mapping {
     /// VMM: reserved range + mapped handle.
     Vmm {
         ptr: sys::CUdeviceptr,
@@ -32,7 +32,7 @@ enum Mapping {
 }
 
 impl Mapping {
-    fn ptr(&self) -> sys::CUdeviceptr {
+    pub(super) fn ptr(&self) -> sys::CUdeviceptr {
         match self {
             Mapping::Vmm { ptr, .. } | Mapping::Owned { ptr } | Mapping::Opened { ptr } => *ptr,
         }
@@ -191,7 +191,13 @@ fn map_handle(
     }
 }
 
-fn export_vmm(device: sys::CUdevice, bytes: usize, rank: usize) -> Result<(Mapping, OwnedFd)> {
+/// Creates `bytes` (rounded up to the granularity) of device memory that can be exported as a
+/// POSIX fd, maps it here, and returns the mapping and the fd.
+pub(super) fn export_vmm(
+    device: sys::CUdevice,
+    bytes: usize,
+    rank: usize,
+) -> Result<(Mapping, OwnedFd)> {
     let prop = vmm_prop(device);
     let size = bytes.div_ceil(granularity(&prop, rank)?) * granularity(&prop, rank)?;
     let mut handle = 0;
@@ -270,27 +276,7 @@ fn import_all(
                         detail: "short message".into(),
                     }
                 })?) as usize;
-                let mut handle = 0;
-                // SAFETY: imports the peer's allocation from its fd (the driver dups it).
-                let res = unsafe {
-                    sys::cuMemImportFromShareableHandle(
-                        &mut handle,
-                        peer_fd.as_raw_fd() as usize as *mut std::ffi::c_void,
-                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                    )
-                };
-                ck(res, rank, || {
-                    format!("cuMemImportFromShareableHandle of rank {peer}'s workspace")
-                })
-                .map_err(|e| peer_access(rank, peer, "import", e))?;
-                let m = map_handle(
-                    handle,
-                    peer_size,
-                    device,
-                    rank,
-                    &format!("rank {peer}'s workspace"),
-                )
-                .map_err(|e| peer_access(rank, peer, "map", e))?;
+                let m = import_vmm(peer_fd, peer_size, device, rank, peer, "workspace")?;
                 maps[peer] = Some(m);
             }
         }
@@ -337,6 +323,33 @@ fn import_all(
         size,
         mode,
     })
+}
+
+/// Imports a peer's allocation of `size` bytes from its fd and maps it here (`what` names it in
+/// errors, e.g. "workspace").
+pub(super) fn import_vmm(
+    fd: &OwnedFd,
+    size: usize,
+    device: sys::CUdevice,
+    rank: usize,
+    peer: usize,
+    what: &str,
+) -> Result<Mapping> {
+    let mut handle = 0;
+    // SAFETY: imports the peer's allocation from its fd (the driver dups it).
+    let res = unsafe {
+        sys::cuMemImportFromShareableHandle(
+            &mut handle,
+            fd.as_raw_fd() as usize as *mut std::ffi::c_void,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        )
+    };
+    ck(res, rank, || {
+        format!("cuMemImportFromShareableHandle of rank {peer}'s {what}")
+    })
+    .map_err(|e| peer_access(rank, peer, "import", e))?;
+    map_handle(handle, size, device, rank, &format!("rank {peer}'s {what}"))
+        .map_err(|e| peer_access(rank, peer, "map", e))
 }
 
 fn peer_access(rank: usize, peer: usize, op: &'static str, e: Error) -> Error {

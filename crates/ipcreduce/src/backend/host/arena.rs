@@ -300,14 +300,33 @@ impl Drop for Mapping {
 /// Creates this rank's arena: a sealed-size memfd, mapped, header written, control area and
 /// slots pre-faulted. Returns the fd (to share with the peers) and our mapping.
 pub(crate) fn create(layout: &Layout, world: usize, rank: usize) -> Result<(OwnedFd, Mapping)> {
+    let fd = sealed_memfd(c"ipcreduce-host", layout.total())?;
+    let map = Mapping::map(&fd, "mapping our arena")?;
+    // The heap stays sparse: its pages are only allocated when a user buffer touches them.
+    map.populate(0, layout.heap_off(), true);
+    let h = &map.control().header;
+    h.world.store(world as u32, Ordering::Relaxed);
+    h.rank.store(rank as u64, Ordering::Relaxed);
+    h.version.store(VERSION, Ordering::Relaxed);
+    h.slot_bytes
+        .store(layout.slot_bytes as u64, Ordering::Relaxed);
+    h.heap_bytes
+        .store(layout.heap_bytes as u64, Ordering::Relaxed);
+    h.magic.store(MAGIC, Ordering::Release);
+    Ok((fd, map))
+}
+
+/// A new memfd of `len` bytes (zero-filled) whose size is sealed: peers that map it could
+/// otherwise shrink it under our mapping and make us SIGBUS. Used by the host backend's arenas
+/// and the cuda backend's host-staged workspaces.
+pub(crate) fn sealed_memfd(name: &std::ffi::CStr, len: usize) -> Result<OwnedFd> {
     use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
     let fd = memfd_create(
-        c"ipcreduce-host",
+        name,
         MemFdCreateFlag::MFD_CLOEXEC | MemFdCreateFlag::MFD_ALLOW_SEALING,
     )
     .map_err(|e| io("memfd_create", e))?;
-    let len = i64::try_from(layout.total())
-        .map_err(|_| io("arena size", nix::errno::Errno::EOVERFLOW))?;
+    let len = i64::try_from(len).map_err(|_| io("arena size", nix::errno::Errno::EOVERFLOW))?;
     nix::unistd::ftruncate(&fd, len).map_err(|e| io("ftruncate of the arena", e))?;
     // Peers could otherwise shrink our file under our mapping and make us SIGBUS.
     // SAFETY: plain fcntl on an fd we own.
@@ -324,19 +343,7 @@ pub(crate) fn create(layout: &Layout, world: usize, rank: usize) -> Result<(Owne
             std::io::Error::last_os_error(),
         ));
     }
-    let map = Mapping::map(&fd, "mapping our arena")?;
-    // The heap stays sparse: its pages are only allocated when a user buffer touches them.
-    map.populate(0, layout.heap_off(), true);
-    let h = &map.control().header;
-    h.world.store(world as u32, Ordering::Relaxed);
-    h.rank.store(rank as u64, Ordering::Relaxed);
-    h.version.store(VERSION, Ordering::Relaxed);
-    h.slot_bytes
-        .store(layout.slot_bytes as u64, Ordering::Relaxed);
-    h.heap_bytes
-        .store(layout.heap_bytes as u64, Ordering::Relaxed);
-    h.magic.store(MAGIC, Ordering::Release);
-    Ok((fd, map))
+    Ok(fd)
 }
 
 fn io(what: &str, e: nix::errno::Errno) -> Error {

@@ -15,7 +15,7 @@
 //! synchronisation. Only zero-copy calls (input in the symmetric heap, which the user may
 //! overwrite as soon as the call returns) end with a `done` barrier.
 
-mod arena;
+pub(crate) mod arena;
 #[cfg(feature = "test-support")]
 mod buffers;
 mod failure;

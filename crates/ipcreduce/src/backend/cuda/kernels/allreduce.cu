@@ -1,6 +1,8 @@
-// ipcreduce all-reduce kernels: one-shot and two-shot through peer memory.
+// ipcreduce all-reduce kernels through peer memory: staged one-shot and two-shot (user buffers
+// copied through the shared workspace), zero-copy one-shot and two-shot (registered buffers, read
+// and written where they are), and the low-latency one-shot (LL) for small messages.
 //
-// Compiled at run time by NVRTC (see ../module.rs) for the device's compute capability. No CUDA
+// Compiled at run time by NVRTC (see ../kernels.rs) for the device's compute capability. No CUDA
 // headers are needed: half and bfloat16 conversions are single PTX instructions.
 //
 // Memory layout of one rank's workspace (one cuMemCreate allocation, mapped by every peer):
@@ -9,31 +11,59 @@
 //                                    flags[b][p] of this rank to say "I arrived at barrier number
 //                                    F"; only this rank reads them.
 //   [FLAG_BYTES, SIG_BYTES)          stamps[2][MAX_BLOCKS][MAX_RANKS] (u64): the call's arguments
-//                                    (count, dtype, op, algorithm), written by peer p's block b
+//                                    (count, dtype, op, path), written by peer p's block b
 //                                    before its first flag of each call, so ranks that called with
 //                                    different arguments all fail at once instead of hanging or
 //                                    reading out of bounds. Indexed by the barrier's parity: a
 //                                    peer may run one barrier ahead and stamp its next call.
 //   LL area (LL_BYTES)               lines[2][MAX_RANKS][LL_LINES] of 16 bytes, for the low-latency
 //                                    one-shot (see one_shot_ll): peer p pushes its input into
-//                                    lines[parity][p] of every other rank, 8 data bytes and two
-//                                    copies of the call's flag per line, so the receiver polls
-//                                    its own memory and needs no barrier at all.
-//   data area (2 * slot_bytes)       two slots (double buffering by chunk parity).
+//                                    lines[parity][p] of every other rank, 8 data bytes, the
+//                                    call's 32-bit sequence number and a hash of its arguments per
+//                                    line, so the receiver polls its own memory and needs no
+//                                    barrier at all.
+//   data area (2 * slot_bytes)       two slots for the staged kernels (alternating by chunk).
 //
-// Per-rank private state (device memory, not shared): counters[MAX_BLOCKS][2] = {F, L} per block,
-// then one error word, then {LL sequence number, LL blocks done} at word 2*MAX_BLOCKS+4:
-// F = barriers passed, L = chunks processed. All state lives on the device and is advanced on the
-// device, so calls can be captured in a CUDA graph and replayed.
+// Per-rank private state (device memory, not shared), in u32 words:
+//   [2b]                 F of block b: barriers block b has passed (word 2b+1 unused)
+//   [2*MAX_BLOCKS]       error word (first failure code, claimed atomically)
+//   [2*MAX_BLOCKS+4..6)  LL {sequence number of the last call, blocks done}
+//   [2*MAX_BLOCKS+8..10) staged {chunks processed so far (slot parity), blocks done}
+// All state lives on the device and is advanced on the device, so calls can be captured in a CUDA
+// graph and replayed.
 //
-// Protocol invariants (why no end barrier is needed):
-// - Every block of every rank takes part in every barrier; block b only ever syncs with block b
-//   of the peers, and the grid size is fixed per communicator, so F and L agree across ranks.
-// - Chunk k of the communicator's life uses slot (k & 1). Before a rank writes a slot for chunk k,
-//   it has passed a barrier of chunk k-1, which every peer entered only after finishing all its
-//   reads of chunk k-2 (the previous use of that slot).
-// - Peers are summed in rank order 0..world-1 with f32 accumulation and one final rounding, so all
-//   ranks, and one-shot and two-shot, produce bitwise the same result.
+// Protocol invariants.
+// (1) Barriers. Block b only ever syncs with block b of the peers (flag slot flags[b][p]). The
+//     grid may differ from call to call, but every rank computes it the same way from (size,
+//     world, path, the communicator's agreed cap), so every rank runs the same sequence of grids
+//     and F of block b advances identically on every rank: the flag values block b waits for are
+//     the ones block b of the peer writes. A peer whose arguments (and so grid) differ is caught
+//     by the stamp check in the first barrier of the call, which every block of both grids takes.
+// (2) Zero-copy kernels (registered buffers) touch no workspace data: "inputs ready" barrier, read
+//     every rank's send, write, "done" barrier. The done barrier makes the peers' stores into our
+//     recv visible before we return and guarantees no peer still reads our send, so the next
+//     call (or the caller) may overwrite either. Two-shot touches element i of every buffer only
+//     from the thread of the shard's owner that reads it and then writes it, so send == recv is
+//     safe; one-shot in place is not (a peer may read our element after we wrote the sum), and
+//     the host never sends an in-place call there.
+// (3) Staged slots with a variable grid. Within one call the grid is fixed and the bytes of a slot
+//     a block touches are fixed too: pieces and shards are cut from the call's chunk frame
+//     (min(count, chunk elements)), not from the chunk's actual length, so the short last chunk
+//     touches a subset of the same bytes. Before block b writes slot parity P for chunk k it has
+//     passed a barrier of chunk k-1 with block b of every peer, entered by that block only after
+//     its reads of chunk k-2 (the previous use of P in this call) were done.
+//     Across calls the parity continues from a rank-wide chunk counter (not a per-block one), so
+//     the first chunk of call Y uses the other parity than the last chunk of call X, which peers
+//     may still be reading (one-shot has no end barrier). The previous use of Y's first parity was
+//     finished by every block of every peer before our X completed (X's barriers), and Y's second
+//     chunk passes a barrier of Y first, which the peer enters only after its X completed. Two-shot
+//     staged stores reduced shards into every rank's slot between its two barriers and reads only
+//     its own slot after the second, so nothing of it crosses a call boundary at all.
+// (4) Rank order. Peers are summed in rank order 0..world-1 with f32 accumulation and one final
+//     rounding, so all ranks, and every path, produce bitwise the same result.
+// (5) Loads in flight. The reduction loads U packs (16 bytes each) from each of W ranks before
+//     using any of them (U * W = 8 uint4 registers), so a 512-thread block keeps 64 KiB in
+//     flight; kernels are compiled for two blocks per SM (<= 64 registers).
 
 #define MAX_RANKS 8
 #define MAX_BLOCKS 128
@@ -42,6 +72,10 @@
 #define LL_BYTES (2 * MAX_RANKS * LL_LINES * 16)
 #define FLAG_BYTES (MAX_BLOCKS * MAX_RANKS * 4)
 #define SIG_BYTES (FLAG_BYTES + 2 * MAX_BLOCKS * MAX_RANKS * 8)
+#define STATE_LL (2 * MAX_BLOCKS + 4)
+#define STATE_STAGED (2 * MAX_BLOCKS + 8)
+#define LOADS_IN_FLIGHT 8
+#define COPY_UNROLL 4
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -54,16 +88,20 @@ struct Args {
     char *data[MAX_RANKS];       // data area of every rank's workspace (own included), mapped
     char *ll[MAX_RANKS];         // LL area of every rank's workspace, mapped
     u32 *sig[MAX_RANKS];         // signal area of every rank's workspace, mapped
-    u32 *counters;               // this rank's private {F, L} per block
+    const char *rsend[MAX_RANKS];// zero-copy: every rank's send buffer as mapped here
+    char *rrecv[MAX_RANKS];      // zero-copy: every rank's recv buffer as mapped here
+    u32 *counters;               // this rank's private state (see above)
     volatile u32 *abort_flag;    // host-mapped: non-zero = communicator aborted by the host
     u32 *err;                    // device: first failure code (0 = none), claimed atomically
     volatile u32 *host_err;      // host-mapped failure record {code, peer, block, barrier,
-                                 // their stamp (2 words), our stamp (2 words)}
+                                 // their stamp (2 words), our stamp (2 words), call (2 words)}
     u64 slot_bytes;              // bytes per data slot (multiple of 16 * world * MAX_BLOCKS)
     u64 timeout_ns;              // bound on every wait
     u64 stamp;                   // this call's arguments, compared with every peer's
+    u64 seq;                     // this call's number on this rank (named in errors)
     int rank;
     int world;
+    int aligned;                 // zero-copy: bit 0 all rsend 16-byte aligned, bit 1 all rrecv
 };
 
 enum { ERR_NONE = 0, ERR_TIMEOUT = 1, ERR_ABORTED = 2, ERR_MISMATCH = 3 };
@@ -160,6 +198,8 @@ __device__ void report(const Args &a, u32 code, u32 peer, u32 barrier_no, u64 th
         a.host_err[5] = (u32)(theirs >> 32);
         a.host_err[6] = (u32)a.stamp;
         a.host_err[7] = (u32)(a.stamp >> 32);
+        a.host_err[8] = (u32)a.seq;
+        a.host_err[9] = (u32)(a.seq >> 32);
         __threadfence_system();
         a.host_err[0] = code; // written last: the host reads the record once this is non-zero
         __threadfence_system();
@@ -221,8 +261,8 @@ __device__ bool barrier(const Args &a, u32 &F, bool check_stamp = false) {
 // ---------------------------------------------------------------------------------------------
 // Element-range helpers. Ranges are in elements and start on whole 16-byte packs.
 
-// Loads bypass L1 (.cg) everywhere: peers rewrite slot memory every other chunk, and a line
-// cached in L1 by a neighbouring block before the peer's write would be stale.
+// Loads bypass L1 (.cg) everywhere: peers rewrite slot and registered memory between calls, and
+// a line cached in L1 by a neighbouring block before the peer's write would be stale.
 template <typename D> __device__ __forceinline__ void copy_elem_cg(char *dst, const char *src) {
     if (D::SIZE == 4) *(u32 *)dst = __ldcg((const unsigned int *)src);
     else *(u16 *)dst = __ldcg((const unsigned short *)src);
@@ -262,41 +302,8 @@ __device__ __forceinline__ void store_pack(char *base, u64 p, u64 end, bool alig
 
 __device__ __forceinline__ bool aligned16(const void *p) { return (((u64)p) & 15u) == 0; }
 
-// Copies elements [begin, end) from src to dst. A non-empty range starts on a whole pack; an
-// empty one may not (a piece starting at the message's odd end), hence the early return: its
-// pack belongs to another block.
-template <typename D>
-__device__ __forceinline__ void copy_range(char *dst, const char *src, u64 begin, u64 end) {
-    const int N = Pack<D>::N;
-    if (begin >= end) return;
-    bool sa = aligned16(src), da = aligned16(dst);
-    for (u64 p = begin / N + threadIdx.x; p * N < end; p += blockDim.x)
-        store_pack<D>(dst, p, end, da, load_pack<D>(src, p, end, sa));
-}
-
-// out[i] = op over ranks 0..world-1 of the slot element i, for i in [begin, end) (chunk-relative
-// element indices); also written to `extra` (if non-null) at the same indices.
-template <typename D, typename Op>
-__device__ __forceinline__ void reduce_range(const Args &a, u64 slot_off, char *out, char *extra,
-                                             u64 begin, u64 end) {
-    const int N = Pack<D>::N;
-    if (begin >= end) return; // see copy_range
-    bool oa = aligned16(out);
-    for (u64 p = begin / N + threadIdx.x; p * N < end; p += blockDim.x) {
-        Pack<D> acc, x;
-        unpack<D>(load_pack<D>(a.data[0] + slot_off, p, end, true), acc);
-        for (int r = 1; r < a.world; r++) {
-            unpack<D>(load_pack<D>(a.data[r] + slot_off, p, end, true), x);
-#pragma unroll
-            for (int k = 0; k < N; k++) acc.v[k] = Op::apply(acc.v[k], x.v[k]);
-        }
-        uint4 w = repack<D>(acc);
-        store_pack<D>(out, p, end, oa, w);
-        if (extra) store_pack<D>(extra, p, end, true, w);
-    }
-}
-
-// Splits [0, n) elements into `parts` pieces aligned to whole 16-byte packs; returns piece `i`.
+// Splits [0, n) elements into `parts` pieces aligned to whole 16-byte packs; returns piece `i`
+// as [base + b, base + e).
 template <typename D>
 __device__ __forceinline__ void piece(u64 base, u64 n, int parts, int i, u64 &b, u64 &e) {
     const u64 N = Pack<D>::N;
@@ -306,73 +313,270 @@ __device__ __forceinline__ void piece(u64 base, u64 n, int parts, int i, u64 &b,
     e = base + min(n, (u64)(i + 1) * per * N);
 }
 
-// ---------------------------------------------------------------------------------------------
-// Kernels. Grid = the communicator's fixed block count; block b owns "lane" b of every chunk.
-
-template <typename D, typename Op> __device__ void one_shot(const Args &a) {
-    u32 *ctr = a.counters + 2 * blockIdx.x;
-    u32 F = ctr[0], L = ctr[1];
-    const u64 chunk = a.slot_bytes / D::SIZE;
-    for (u64 c0 = 0; c0 < a.count; c0 += chunk) {
-        u64 n = min(chunk, a.count - c0);
-        u64 slot_off = (u64)(L & 1u) * a.slot_bytes;
-        L++;
-        u64 b, e;
-        piece<D>(0, n, gridDim.x, blockIdx.x, b, e);
-        copy_range<D>(a.data[a.rank] + slot_off, a.send + c0 * D::SIZE, b, e);
-        if (!barrier(a, F, c0 == 0)) return;
-        reduce_range<D, Op>(a, slot_off, a.recv + c0 * D::SIZE, nullptr, b, e);
-    }
-    if (threadIdx.x == 0) { ctr[0] = F; ctr[1] = L; }
+// Block `blockIdx.x`'s piece of shard `s` of a chunk frame of `frame` elements, clipped to the
+// chunk's actual length `n` (<= frame). Cut from the frame so that every chunk of a call touches
+// the same bytes per block (invariant 3).
+template <typename D>
+__device__ __forceinline__ void shard_piece(u64 frame, u64 n, int shards, int s, u64 &b, u64 &e) {
+    u64 sb, se;
+    piece<D>(0, frame, shards, s, sb, se);
+    piece<D>(sb, se - sb, gridDim.x, blockIdx.x, b, e);
+    b = min(b, n);
+    e = min(e, n);
 }
 
-template <typename D, typename Op> __device__ void two_shot(const Args &a) {
-    u32 *ctr = a.counters + 2 * blockIdx.x;
-    u32 F = ctr[0], L = ctr[1];
-    const u64 chunk = a.slot_bytes / D::SIZE;
-    for (u64 c0 = 0; c0 < a.count; c0 += chunk) {
-        u64 n = min(chunk, a.count - c0);
-        u64 slot_off = (u64)(L & 1u) * a.slot_bytes;
-        L++;
-        // Copy in sub-range b of every shard, so block b of each peer can reduce its shard's
-        // sub-range b after one barrier with us.
-        for (int s = 0; s < a.world; s++) {
-            u64 sb, se, b, e;
-            piece<D>(0, n, a.world, s, sb, se);
-            piece<D>(sb, se - sb, gridDim.x, blockIdx.x, b, e);
-            copy_range<D>(a.data[a.rank] + slot_off, a.send + c0 * D::SIZE, b, e);
+// Copies elements [begin, end) from src to dst, U packs per thread in flight. A non-empty range
+// starts on a whole pack; an empty one may not, hence the early return. Whole packs at aligned
+// addresses take the unrolled 16-byte path; the rest (unaligned user pointers, the tail pack)
+// goes element by element.
+template <typename D, int U>
+__device__ __forceinline__ void copy_range(char *dst, const char *src, u64 begin, u64 end) {
+    const int N = Pack<D>::N;
+    if (begin >= end) return;
+    const u64 step = blockDim.x;
+    u64 p = begin / N + threadIdx.x;
+    if (aligned16(src) && aligned16(dst)) {
+        const u64 full = end / N;
+        for (; p + (U - 1) * step < full; p += step * U) {
+            uint4 v[U];
+#pragma unroll
+            for (int u = 0; u < U; u++) v[u] = ld_cg16(src + (p + u * step) * 16);
+#pragma unroll
+            for (int u = 0; u < U; u++) *(uint4 *)(dst + (p + u * step) * 16) = v[u];
         }
-        if (!barrier(a, F, c0 == 0)) return;
-        u64 sb, se, b, e;
-        piece<D>(0, n, a.world, a.rank, sb, se);
-        piece<D>(sb, se - sb, gridDim.x, blockIdx.x, b, e);
-        // Reduce our shard: into our output and into our slot, where peers gather it from.
-        reduce_range<D, Op>(a, slot_off, a.recv + c0 * D::SIZE, a.data[a.rank] + slot_off, b, e);
-        if (!barrier(a, F)) return;
-        for (int k = 1; k < a.world; k++) {
-            int s = (a.rank + k) % a.world; // rotated so peers' links are loaded evenly
-            u64 psb, pse, pb, pe;
-            piece<D>(0, n, a.world, s, psb, pse);
-            piece<D>(psb, pse - psb, gridDim.x, blockIdx.x, pb, pe);
-            copy_range<D>(a.recv + c0 * D::SIZE, a.data[s] + slot_off, pb, pe);
+        for (; p < full; p += step) *(uint4 *)(dst + p * 16) = ld_cg16(src + p * 16);
+    }
+    for (; p * N < end; p += step)
+        store_pack<D>(dst, p, end, false, load_pack<D>(src, p, end, false));
+}
+
+// Where a reduction reads rank r's elements (index 0 = the range's origin) and where it writes
+// the result. Functors over the rank keep the pointers in the kernel's parameter space.
+struct SlotSrc {
+    const Args &a;
+    u64 off;
+    __device__ const char *operator()(int r) const { return a.data[r] + off; }
+};
+struct SendSrc {
+    const Args &a;
+    __device__ const char *operator()(int r) const { return a.rsend[r]; }
+};
+// One destination (one-shot: our own output).
+struct OwnDst {
+    char *out;
+    bool aligned;
+    __device__ bool is_aligned() const { return aligned; }
+    template <typename D, int W> __device__ void store(u64 p, u64 end, int, const uint4 &w) const {
+        store_pack<D>(out, p, end, false, w);
+    }
+    template <int W> __device__ void store16(u64 p, int, const uint4 &w) const {
+        *(uint4 *)(out + p * 16) = w;
+    }
+};
+// Every rank's staged slot (two-shot staged: the reduced shard pushed by stores).
+struct AllSlotsDst {
+    const Args &a;
+    u64 off;
+    __device__ bool is_aligned() const { return true; }
+    template <typename D, int W> __device__ void store(u64 p, u64 end, int world, const uint4 &w) const {
+#pragma unroll
+        for (int r = 0; r < W; r++)
+            if (r < world) store_pack<D>(a.data[r] + off, p, end, false, w);
+    }
+    template <int W> __device__ void store16(u64 p, int world, const uint4 &w) const {
+#pragma unroll
+        for (int r = 0; r < W; r++)
+            if (r < world) *(uint4 *)(a.data[r] + off + p * 16) = w;
+    }
+};
+// Every rank's registered output (two-shot zero-copy: all-gather by stores).
+struct AllRecvDst {
+    const Args &a;
+    __device__ bool is_aligned() const { return (a.aligned & 2) != 0; }
+    template <typename D, int W> __device__ void store(u64 p, u64 end, int world, const uint4 &w) const {
+#pragma unroll
+        for (int r = 0; r < W; r++)
+            if (r < world) store_pack<D>(a.rrecv[r], p, end, false, w);
+    }
+    template <int W> __device__ void store16(u64 p, int world, const uint4 &w) const {
+#pragma unroll
+        for (int r = 0; r < W; r++)
+            if (r < world) *(uint4 *)(a.rrecv[r] + p * 16) = w;
+    }
+};
+
+// Reduces one pack from `world` raw packs in rank order (f32 accumulation, one rounding).
+template <typename D, typename Op, int W>
+__device__ __forceinline__ uint4 reduce_pack(const uint4 (&v)[W], int world) {
+    Pack<D> acc, x;
+    unpack<D>(v[0], acc);
+#pragma unroll
+    for (int r = 1; r < W; r++) {
+        if (r < world) {
+            unpack<D>(v[r], x);
+#pragma unroll
+            for (int k = 0; k < Pack<D>::N; k++) acc.v[k] = Op::apply(acc.v[k], x.v[k]);
         }
     }
-    if (threadIdx.x == 0) { ctr[0] = F; ctr[1] = L; }
+    return repack<D>(acc);
+}
+
+// out = op over ranks 0..world-1 (in rank order, f32) of elements [begin, end), for world <= W.
+// Whole packs with every pointer aligned take the fast path: each thread issues all its loads (U
+// packs from each rank) before it uses any of them. The rest goes pack by pack, element-wise.
+template <typename D, typename Op, int W, typename Src, typename Dst>
+__device__ __forceinline__ void reduce_range(const Src &src, const Dst &dst, int world, u64 begin,
+                                             u64 end, bool src_aligned) {
+    const int N = Pack<D>::N;
+    const int U = LOADS_IN_FLIGHT / W;
+    if (begin >= end) return;
+    const u64 step = blockDim.x;
+    u64 p = begin / N + threadIdx.x;
+    if (src_aligned && dst.is_aligned()) {
+        const u64 full = end / N;
+        for (; p < full; p += step * U) {
+            uint4 v[U][W];
+#pragma unroll
+            for (int u = 0; u < U; u++)
+#pragma unroll
+                for (int r = 0; r < W; r++)
+                    if (r < world && p + u * step < full) v[u][r] = ld_cg16(src(r) + (p + u * step) * 16);
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                if (p + u * step < full) dst.template store16<W>(p + u * step, world, reduce_pack<D, Op, W>(v[u], world));
+        }
+        // This thread's first pack at or past `full` (p is one of its packs, and p >= full).
+        p = full + (p - full) % step;
+    }
+    for (; p * N < end; p += step) {
+        uint4 v[W];
+#pragma unroll
+        for (int r = 0; r < W; r++)
+            if (r < world) v[r] = load_pack<D>(src(r), p, end, false);
+        dst.template store<D, W>(p, end, world, reduce_pack<D, Op, W>(v, world));
+    }
+}
+
+// The last block of the grid to get here stores `value` into st[0] (st[1] counts blocks). Every
+// block reads st[0] at its start, before it counts itself here, so no block sees the new value.
+__device__ __forceinline__ void publish_when_all_done(u32 *st, u32 value) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&st[1], 1u) == gridDim.x - 1) {
+            st[1] = 0u;
+            st[0] = value;
+            __threadfence();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Staged kernels (unregistered user buffers): copy into our slot, barrier, reduce from every
+// rank's slot. Chunked by the slot size; slot parity from the rank-wide chunk counter.
+
+template <typename D, typename Op, int W> __device__ void one_shot(const Args &a) {
+    u32 *ctr = a.counters + 2 * blockIdx.x;
+    u32 *st = a.counters + STATE_STAGED;
+    u32 F = ctr[0];
+    const u32 L0 = *(volatile u32 *)&st[0];
+    const u64 chunk = a.slot_bytes / D::SIZE;
+    const u64 frame = min(chunk, a.count);
+    u32 L = L0;
+    for (u64 c0 = 0; c0 < a.count; c0 += chunk) {
+        const u64 n = min(chunk, a.count - c0);
+        const u64 slot_off = (u64)(L & 1u) * a.slot_bytes;
+        L++;
+        u64 b, e;
+        shard_piece<D>(frame, n, 1, 0, b, e);
+        copy_range<D, COPY_UNROLL>(a.data[a.rank] + slot_off, a.send + c0 * D::SIZE, b, e);
+        if (!barrier(a, F, c0 == 0)) break;
+        char *out = a.recv + c0 * D::SIZE;
+        reduce_range<D, Op, W>(SlotSrc{a, slot_off}, OwnDst{out, aligned16(out)}, a.world, b, e, true);
+    }
+    if (threadIdx.x == 0) ctr[0] = F;
+    publish_when_all_done(st, L0 + (u32)((a.count + chunk - 1) / chunk));
+}
+
+template <typename D, typename Op, int W> __device__ void two_shot(const Args &a) {
+    u32 *ctr = a.counters + 2 * blockIdx.x;
+    u32 *st = a.counters + STATE_STAGED;
+    u32 F = ctr[0];
+    const u32 L0 = *(volatile u32 *)&st[0];
+    const u64 chunk = a.slot_bytes / D::SIZE;
+    const u64 frame = min(chunk, a.count);
+    u32 L = L0;
+    for (u64 c0 = 0; c0 < a.count; c0 += chunk) {
+        const u64 n = min(chunk, a.count - c0);
+        const u64 slot_off = (u64)(L & 1u) * a.slot_bytes;
+        char *mine = a.data[a.rank] + slot_off;
+        L++;
+        // Copy in piece b of every shard, so block b of each peer can reduce its shard's piece b
+        // after one barrier with us.
+        for (int s = 0; s < a.world; s++) {
+            u64 b, e;
+            shard_piece<D>(frame, n, a.world, s, b, e);
+            copy_range<D, COPY_UNROLL>(mine, a.send + c0 * D::SIZE, b, e);
+        }
+        if (!barrier(a, F, c0 == 0)) break;
+        u64 b, e;
+        shard_piece<D>(frame, n, a.world, a.rank, b, e);
+        // Reduce our shard's piece and store it into every rank's slot (ours included), in place
+        // of the inputs: only this thread reads and writes these elements there.
+        reduce_range<D, Op, W>(SlotSrc{a, slot_off}, AllSlotsDst{a, slot_off}, a.world, b, e, true);
+        if (!barrier(a, F)) break;
+        // Every shard's reduced piece b is now in our slot: copy it out (local memory only).
+        for (int s = 0; s < a.world; s++) {
+            shard_piece<D>(frame, n, a.world, s, b, e);
+            copy_range<D, COPY_UNROLL>(a.recv + c0 * D::SIZE, mine, b, e);
+        }
+    }
+    if (threadIdx.x == 0) ctr[0] = F;
+    publish_when_all_done(st, L0 + (u32)((a.count + chunk - 1) / chunk));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Zero-copy kernels (registered buffers, see invariant 2): no workspace data, no chunks.
+
+template <typename D, typename Op, int W> __device__ void one_shot_reg(const Args &a) {
+    u32 *ctr = a.counters + 2 * blockIdx.x;
+    u32 F = ctr[0];
+    if (barrier(a, F, true)) { // inputs ready
+        u64 b, e;
+        piece<D>(0, a.count, gridDim.x, blockIdx.x, b, e);
+        reduce_range<D, Op, W>(SendSrc{a}, OwnDst{a.recv, aligned16(a.recv)}, a.world, b, e,
+                               (a.aligned & 1) != 0);
+        barrier(a, F); // done reading every send
+    }
+    if (threadIdx.x == 0) ctr[0] = F;
+}
+
+template <typename D, typename Op, int W> __device__ void two_shot_reg(const Args &a) {
+    u32 *ctr = a.counters + 2 * blockIdx.x;
+    u32 F = ctr[0];
+    if (barrier(a, F, true)) { // inputs ready
+        u64 b, e;
+        shard_piece<D>(a.count, a.count, a.world, a.rank, b, e);
+        // Reduce-scatter by loads from every rank, all-gather by stores into every rank's recv.
+        reduce_range<D, Op, W>(SendSrc{a}, AllRecvDst{a}, a.world, b, e, (a.aligned & 1) != 0);
+        barrier(a, F); // every shard stored everywhere, every send read
+    }
+    if (threadIdx.x == 0) ctr[0] = F;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Low-latency one-shot (LL) for messages up to LL_MAX_BYTES: every rank pushes each 8-byte unit of
-// its input into every peer's LL area as one 16-byte line {data.lo, flag, data.hi, flag}, then
-// reduces by polling its OWN LL area, in rank order. No barrier, no remote reads. The flag holds
-// the call's sequence number (high 16 bits) and a hash of the call's arguments (low 16 bits, odd
-// so a flag is never 0): a line from two calls ago cannot pass, and a peer that called with other
-// arguments is seen at once. Buffer parity alternates by call; a peer cannot start writing parity p
-// again before this rank has finished reading it, since the call in between needs this rank's data.
+// its input into every peer's LL area as one 16-byte line {data.lo, seq, data.hi, tag}, then
+// reduces by polling its OWN LL area, in rank order. No barrier, no remote reads. `seq` is the
+// call's full 32-bit sequence number and `tag` a hash of the call's arguments (odd, so never 0):
+// both must match, so a line left from any earlier call (even 2^16 calls back) cannot pass, and a
+// peer that called with other arguments (same seq, other tag) is seen at once. Buffer parity
+// alternates by call; a peer cannot start writing parity p again before this rank has finished
+// reading it, since the call in between needs this rank's data.
 
-__device__ __forceinline__ u32 ll_flag(u32 seq, u64 stamp) {
+__device__ __forceinline__ u32 ll_tag(u64 stamp) {
     u32 h = (u32)(stamp ^ (stamp >> 32));
-    h = (h * 0x9E3779B1u) >> 16;
-    return ((seq & 0xFFFFu) << 16) | h | 1u;
+    return (h * 0x9E3779B1u) | 1u;
 }
 
 __device__ __forceinline__ uint4 *ll_line(const Args &a, int owner, u32 parity, int from, u64 i) {
@@ -400,7 +604,7 @@ __device__ __forceinline__ void store_unit(char *dst, u64 i, u64 total, uint2 w)
 }
 
 // Waits for peer `from`'s line i of this call; false on timeout, abort, mismatch or another failure.
-__device__ bool ll_poll(const Args &a, u32 parity, int from, u64 i, u32 flag, uint2 &out) {
+__device__ bool ll_poll(const Args &a, u32 parity, int from, u64 i, u32 seq, u32 tag, uint2 &out) {
     const uint4 *line = ll_line(a, a.rank, parity, from, i);
     u64 deadline = 0;
     u32 spins = 0;
@@ -409,24 +613,26 @@ __device__ bool ll_poll(const Args &a, u32 parity, int from, u64 i, u32 flag, ui
         asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
                      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                      : "l"(line));
-        if (v.y == flag && v.w == flag) {
+        if (v.y == seq && v.w == tag) {
             out = make_uint2(v.x, v.z);
             return true;
         }
-        if ((v.y >> 16) == (flag >> 16) && v.y != flag) {
-            report(a, ERR_MISMATCH, from, flag);
-            return false;
-        }
         if ((++spins & 1023u) == 0u) {
+            // Our sequence number with another tag, still there 1024 reads later (not a line
+            // caught half written): the peer called with other arguments.
+            if (v.y == seq) {
+                report(a, ERR_MISMATCH, from, seq);
+                return false;
+            }
             u64 now = globaltimer();
             if (deadline == 0) deadline = now + a.timeout_ns;
             if (*a.abort_flag != 0u) {
-                report(a, ERR_ABORTED, from, flag);
+                report(a, ERR_ABORTED, from, seq);
                 return false;
             }
             if (*(volatile u32 *)a.err != 0u) return false;
             if (now > deadline) {
-                report(a, ERR_TIMEOUT, from, flag);
+                report(a, ERR_TIMEOUT, from, seq);
                 return false;
             }
         }
@@ -434,9 +640,9 @@ __device__ bool ll_poll(const Args &a, u32 parity, int from, u64 i, u32 flag, ui
 }
 
 template <typename D, typename Op> __device__ void one_shot_ll(const Args &a) {
-    u32 *ll_state = a.counters + 2 * MAX_BLOCKS + 4; // {last sequence number, blocks done}
+    u32 *ll_state = a.counters + STATE_LL; // {last sequence number, blocks done}
     const u32 seq = *(volatile u32 *)&ll_state[0] + 1;
-    const u32 flag = ll_flag(seq, a.stamp);
+    const u32 tag = ll_tag(a.stamp);
     const u32 parity = seq & 1u;
     const u64 total = a.count * D::SIZE;
     const u64 units = (total + 7) / 8;
@@ -448,7 +654,7 @@ template <typename D, typename Op> __device__ void one_shot_ll(const Args &a) {
         for (int k = 1; k < a.world; k++) {
             int r = (a.rank + k) % a.world;
             asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(ll_line(a, r, parity, a.rank, i)),
-                         "r"(v.x), "r"(flag), "r"(v.y), "r"(flag)
+                         "r"(v.x), "r"(seq), "r"(v.y), "r"(tag)
                          : "memory");
         }
     }
@@ -461,7 +667,7 @@ template <typename D, typename Op> __device__ void one_shot_ll(const Args &a) {
         for (int r = 0; r < a.world; r++) {
             uint2 x;
             if (r == a.rank) x = load_unit(a.send, i, total);
-            else if (!ll_poll(a, parity, r, i, flag, x)) { ok = false; break; }
+            else if (!ll_poll(a, parity, r, i, seq, tag, x)) { ok = false; break; }
             const char *xb = (const char *)&x;
 #pragma unroll
             for (int k = 0; k < N; k++) {
@@ -478,22 +684,28 @@ template <typename D, typename Op> __device__ void one_shot_ll(const Args &a) {
         }
     }
     // The last block to finish publishes the sequence number for the next call.
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(&ll_state[1], 1u) == gridDim.x - 1) {
-            ll_state[1] = 0u;
-            ll_state[0] = seq;
-            __threadfence();
-        }
-    }
+    publish_when_all_done(ll_state, seq);
 }
 
+// Kernel entry points: ipcr_<path>_w<W>_<dtype>_<op> for the staged and zero-copy paths, and
+// ipcr_oneshotll_<dtype>_<op>. W, the compile-time bound on the world size that sets the unroll
+// (2, 4 or 8), comes from -DIPCR_W: one module per world-size class keeps NVRTC's time down.
+#ifndef IPCR_W
+#define IPCR_W 8
+#endif
+#define SM_KERNELS(DT, OPN, D, OP, W)                                                         \
+    extern "C" __global__ void __launch_bounds__(512, 2)                                      \
+        ipcr_oneshot_w##W##_##DT##_##OPN(const Args a) { one_shot<D, OP, W>(a); }             \
+    extern "C" __global__ void __launch_bounds__(512, 2)                                      \
+        ipcr_twoshot_w##W##_##DT##_##OPN(const Args a) { two_shot<D, OP, W>(a); }             \
+    extern "C" __global__ void __launch_bounds__(512, 2)                                      \
+        ipcr_oneshotreg_w##W##_##DT##_##OPN(const Args a) { one_shot_reg<D, OP, W>(a); }      \
+    extern "C" __global__ void __launch_bounds__(512, 2)                                      \
+        ipcr_twoshotreg_w##W##_##DT##_##OPN(const Args a) { two_shot_reg<D, OP, W>(a); }
+#define SM_KERNELS_FOR(DT, OPN, D, OP, W) SM_KERNELS(DT, OPN, D, OP, W)
+
 #define KERNELS(DT, OPN, D, OP)                                                               \
-    extern "C" __global__ void __launch_bounds__(512)                                         \
-        ipcr_oneshot_##DT##_##OPN(const Args a) { one_shot<D, OP>(a); }                       \
-    extern "C" __global__ void __launch_bounds__(512)                                         \
-        ipcr_twoshot_##DT##_##OPN(const Args a) { two_shot<D, OP>(a); }                       \
+    SM_KERNELS_FOR(DT, OPN, D, OP, IPCR_W)                                                    \
     extern "C" __global__ void __launch_bounds__(512)                                         \
         ipcr_oneshotll_##DT##_##OPN(const Args a) { one_shot_ll<D, OP>(a); }
 

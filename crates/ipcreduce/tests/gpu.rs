@@ -1,0 +1,731 @@
+//! The cuda backend on a real GPU: `cargo test --release -p ipcreduce --features gpu --test gpu`
+//! (compiled only with the `gpu` feature). Ranks are processes (this test binary again, as in
+//! tests/host_allreduce.rs); several share one GPU under MPS (scripts/device/gpu-tests.sh).
+//!
+//! - every dtype, op and algorithm through `all_reduce_raw` at world 2, 4 and 8;
+//! - stale-data chains `x <- all_reduce(x)` on a stream without host synchronization;
+//! - CUDA graph replays with inputs that change between replays;
+//! - streams: handle 0 is the legacy default stream; calls that switch streams stay ordered;
+//! - teardown with work in flight, in both sharing modes;
+//! - the low-latency wrap: more than 200,000 LL one-shot calls, every result checked, built so
+//!   that a sequence number kept in 16 bits accepts a line left 65,536 calls earlier.
+
+mod common;
+
+use common::chain::{self, Expect};
+use common::{say, Job, Rank, Spawn};
+use cudarc::driver::sys;
+use ipcreduce::backend::cuda::memory::DeviceAlloc;
+use ipcreduce::{
+    reference, Algorithm, BackendChoice, Communicator, Config, DType, ReduceOp, Sharing,
+};
+use std::ffi::c_void;
+use std::io::Write;
+use std::time::Duration;
+
+const ROLE: &str = "IPCREDUCE_GPU_ROLE";
+
+// ---------------------------------------------------------------------------------------
+// Rank side
+
+fn play_rank_if_child() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let code = match role.as_str() {
+        "sweep" => rank_sweep(),
+        "chain" => rank_chain(),
+        "graph" => rank_graph(),
+        "streams" => rank_streams(),
+        "teardown" => rank_teardown(),
+        "llwrap" => rank_ll_wrap(),
+        "device" => rank_device(),
+        other => panic!("unknown role {other}"),
+    };
+    let _ = std::io::stdout().flush();
+    std::process::exit(code);
+}
+
+fn ck(res: sys::CUresult, what: &str) {
+    assert_eq!(res, sys::CUresult::CUDA_SUCCESS, "{what}");
+}
+
+fn config(sharing: Option<Sharing>) -> Config {
+    Config {
+        backend: BackendChoice::Cuda,
+        // Small slots: large messages cross several chunks.
+        workspace_bytes: Some(4 << 20),
+        sharing,
+        ..Config::default()
+    }
+}
+
+fn join() -> Communicator {
+    Communicator::init(&config(None)).expect("cuda communicator")
+}
+
+/// A non-blocking stream of the caller's own.
+struct Stream(sys::CUstream);
+
+impl Stream {
+    fn new() -> Stream {
+        let mut s = std::ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: creates one stream, destroyed in Drop.
+        ck(
+            unsafe { sys::cuStreamCreate(&mut s, flags) },
+            "cuStreamCreate",
+        );
+        Stream(s)
+    }
+    fn ptr(&self) -> *mut c_void {
+        self.0.cast()
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: ours, destroyed once.
+        unsafe { sys::cuStreamDestroy_v2(self.0) };
+    }
+}
+
+fn sync(stream: sys::CUstream) {
+    // SAFETY: a live stream (or 0, the legacy default stream).
+    ck(
+        unsafe { sys::cuStreamSynchronize(stream) },
+        "cuStreamSynchronize",
+    );
+}
+
+fn upload(dst: &DeviceAlloc, data: &[u8], stream: sys::CUstream) {
+    assert!(data.len() <= dst.bytes);
+    // SAFETY: in bounds; synchronized before `data` can go away.
+    ck(
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst.ptr, data.as_ptr().cast(), data.len(), stream) },
+        "upload",
+    );
+    sync(stream);
+}
+
+fn download(src: u64, out: &mut [u8], stream: sys::CUstream) {
+    // SAFETY: the caller passes a live device range of out.len() bytes.
+    ck(
+        unsafe { sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), src, out.len(), stream) },
+        "download",
+    );
+    sync(stream);
+}
+
+/// `count` elements, `send` and `recv` device pointers, on `stream`.
+#[allow(clippy::too_many_arguments)]
+fn reduce(
+    c: &mut Communicator,
+    send: u64,
+    recv: u64,
+    count: usize,
+    dtype: DType,
+    op: ReduceOp,
+    algo: Algorithm,
+    stream: *mut c_void,
+) {
+    // SAFETY: device buffers of this rank's GPU holding `count` elements.
+    unsafe {
+        c.all_reduce_raw(
+            send as *const c_void,
+            recv as *mut c_void,
+            count,
+            dtype,
+            op,
+            algo,
+            stream,
+        )
+    }
+    .unwrap_or_else(|e| panic!("{count} x {dtype} {op} {algo}: {e}"));
+}
+
+/// Every rank's fingerprint must be rank 0's.
+fn same_everywhere(c: &mut Communicator, out: &[u8], what: &str) {
+    let fp = reference::fingerprint(out).to_le_bytes();
+    let all = c.bootstrap().all_gather(&fp).expect("all_gather");
+    assert!(all.iter().all(|f| f[..] == fp), "{what}: ranks differ");
+}
+
+/// Every dtype, op and algorithm, sizes from 1 element to several chunks, out of place and
+/// in place, checked against the float64 reference and bitwise across ranks.
+fn rank_sweep() -> i32 {
+    let mut c = join();
+    let (rank, world) = (c.rank(), c.world());
+    let s = Stream::new();
+    let sizes = [1usize, 7, 1000, 16384, 65537, (3 << 20) + 5];
+    let max = sizes.iter().max().unwrap() * 4;
+    let (send, recv) = (
+        DeviceAlloc::new(max, rank).unwrap(),
+        DeviceAlloc::new(max, rank).unwrap(),
+    );
+    let mut checked = 0;
+    for dtype in DType::ALL {
+        for op in ReduceOp::ALL {
+            for algo in [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Auto] {
+                for (k, &count) in sizes.iter().enumerate() {
+                    let bytes = count * dtype.size();
+                    let seed = (checked as u64) << 8 | k as u64;
+                    let mut input = vec![0u8; bytes];
+                    reference::fill_input(dtype, seed, rank, &mut input);
+                    let in_place = k % 2 == 1;
+                    upload(&send, &input, s.0);
+                    let out_ptr = if in_place { send.ptr } else { recv.ptr };
+                    if !in_place {
+                        upload(&recv, &vec![0xFF; bytes], s.0);
+                    }
+                    reduce(&mut c, send.ptr, out_ptr, count, dtype, op, algo, s.ptr());
+                    let mut out = vec![0u8; bytes];
+                    download(out_ptr, &mut out, s.0);
+                    let what = format!("{count} x {dtype} {op} {algo} in_place={in_place}");
+                    let wrong = reference::count_wrong(dtype, op, seed, world, &out);
+                    assert_eq!(wrong, 0, "rank {rank}: {what}: {wrong} wrong");
+                    same_everywhere(&mut c, &out, &what);
+                    checked += 1;
+                }
+            }
+        }
+    }
+    say(format!("DONE {checked}"));
+    0
+}
+
+/// Chains of in-place calls on one stream with no host synchronization; each step's result
+/// is copied aside on the same stream and all are checked at the end.
+fn rank_chain() -> i32 {
+    let mut c = join();
+    let s = Stream::new();
+    // 4.8 MB of f32: the whole buffer crosses the 2 MB slots, its small prefixes do not.
+    let len = 1_200_007;
+    let mut checked = 0;
+    for dtype in DType::ALL {
+        for lead in 0..3 {
+            let algos = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Auto];
+            let order: Vec<_> = (0..3).map(|k| algos[(lead + k) % 3]).collect();
+            let steps = chain::steps(len, chain::max_steps(dtype, c.world()), &order);
+            checked += run_chain(&mut c, dtype, &steps, &[s.0], |_, _| {});
+        }
+    }
+    say(format!("DONE {checked}"));
+    0
+}
+
+/// Runs `steps` in place, step k on `streams[k % len]` after `before(k, stream)`, snapshots
+/// each step's buffer on its stream, synchronizes once at the end and checks every snapshot.
+/// Returns the steps checked.
+fn run_chain(
+    c: &mut Communicator,
+    dtype: DType,
+    steps: &[chain::Step],
+    streams: &[sys::CUstream],
+    mut before: impl FnMut(usize, sys::CUstream),
+) -> usize {
+    let (rank, world) = (c.rank(), c.world());
+    let len = steps.iter().map(|s| s.count).max().unwrap();
+    let bytes = len * dtype.size();
+    let x = DeviceAlloc::new(bytes, rank).unwrap();
+    let snaps = DeviceAlloc::new(bytes * steps.len(), rank).unwrap();
+    upload(&x, &chain::input(dtype, rank, len), streams[0]);
+    for (k, step) in steps.iter().enumerate() {
+        let st = streams[k % streams.len()];
+        before(k, st);
+        reduce(
+            c,
+            x.ptr,
+            x.ptr,
+            step.count,
+            dtype,
+            ReduceOp::Sum,
+            step.algo,
+            st.cast(),
+        );
+        // SAFETY: both ranges inside our allocations, on the step's stream.
+        ck(
+            unsafe { sys::cuMemcpyDtoDAsync_v2(snaps.ptr + (k * bytes) as u64, x.ptr, bytes, st) },
+            "snapshot",
+        );
+    }
+    c.synchronize().expect("synchronize");
+    for st in streams {
+        sync(*st);
+    }
+    let mut all = vec![0u8; bytes * steps.len()];
+    download(snaps.ptr, &mut all, streams[0]);
+    let mut want = Expect::new(dtype, world, rank, len);
+    for (k, step) in steps.iter().enumerate() {
+        want.apply(step);
+        let what = format!("{dtype} step {k} {step:?} on stream {}", k % streams.len());
+        want.check(&all[k * bytes..(k + 1) * bytes], &what)
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+    steps.len()
+}
+
+/// CUDA graphs: two calls (two algorithms, two outputs) captured once, replayed with a new
+/// input each time; both outputs checked after every replay.
+fn rank_graph() -> i32 {
+    let mut c = join();
+    let (rank, world) = (c.rank(), c.world());
+    let s = Stream::new();
+    let mut checked = 0;
+    let pairs = [
+        (1000usize, Algorithm::OneShot, Algorithm::TwoShot),
+        (16384, Algorithm::OneShot, Algorithm::Auto),
+        (300_001, Algorithm::TwoShot, Algorithm::OneShot),
+        ((2 << 20) + 3, Algorithm::Auto, Algorithm::TwoShot),
+    ];
+    for dtype in DType::ALL {
+        for &(count, a, b) in &pairs {
+            let bytes = count * dtype.size();
+            let send = DeviceAlloc::new(bytes, rank).unwrap();
+            let (ra, rb) = (
+                DeviceAlloc::new(bytes, rank).unwrap(),
+                DeviceAlloc::new(bytes, rank).unwrap(),
+            );
+            let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+            // SAFETY: capture on our stream; ended below.
+            ck(
+                unsafe { sys::cuStreamBeginCapture_v2(s.0, mode) },
+                "begin capture",
+            );
+            reduce(
+                &mut c,
+                send.ptr,
+                ra.ptr,
+                count,
+                dtype,
+                ReduceOp::Sum,
+                a,
+                s.ptr(),
+            );
+            reduce(
+                &mut c,
+                send.ptr,
+                rb.ptr,
+                count,
+                dtype,
+                ReduceOp::Sum,
+                b,
+                s.ptr(),
+            );
+            let mut graph = std::ptr::null_mut();
+            // SAFETY: ends the capture begun above.
+            ck(
+                unsafe { sys::cuStreamEndCapture(s.0, &mut graph) },
+                "end capture",
+            );
+            let mut exec = std::ptr::null_mut();
+            // SAFETY: instantiates the captured graph.
+            ck(
+                unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
+                "instantiate",
+            );
+            for replay in 0..12u64 {
+                let seed = replay << 32 | count as u64;
+                let mut input = vec![0u8; bytes];
+                reference::fill_input(dtype, seed, rank, &mut input);
+                upload(&send, &input, s.0);
+                // SAFETY: launches our instantiated graph on our stream.
+                ck(unsafe { sys::cuGraphLaunch(exec, s.0) }, "graph launch");
+                for (out, algo) in [(&ra, a), (&rb, b)] {
+                    let mut got = vec![0u8; bytes];
+                    download(out.ptr, &mut got, s.0);
+                    let wrong = reference::count_wrong(dtype, ReduceOp::Sum, seed, world, &got);
+                    assert_eq!(
+                        wrong, 0,
+                        "rank {rank}: graph replay {replay}: {count} x {dtype} {algo}"
+                    );
+                    checked += 1;
+                }
+            }
+            // SAFETY: ours, destroyed once, after the last replay finished (synchronized).
+            unsafe {
+                sys::cuGraphExecDestroy(exec);
+                sys::cuGraphDestroy(graph);
+            }
+        }
+    }
+    if let Some(e) = c.async_error() {
+        panic!("after the graphs: {e}");
+    }
+    say(format!("DONE {checked}"));
+    0
+}
+
+/// Enqueues ~`mib` MiB of memset on `stream`: work that delays what follows on it.
+fn delay(scratch: &DeviceAlloc, mib: usize, stream: sys::CUstream) {
+    let words = (mib << 20).min(scratch.bytes) / 4;
+    // SAFETY: inside our scratch allocation.
+    ck(
+        unsafe { sys::cuMemsetD32Async(scratch.ptr, 0x1234_5678, words, stream) },
+        "delay memset",
+    );
+}
+
+fn rank_streams() -> i32 {
+    let mut c = join();
+    let (rank, world) = (c.rank(), c.world());
+    let scratch = DeviceAlloc::new(512 << 20, rank).unwrap();
+    let mut checked = 0;
+
+    // 1. Handle 0 is the legacy default stream: the input is written there, behind slow work,
+    //    and the call on handle 0 must see it (on a private stream it would race).
+    let count = 1 << 16;
+    let (send, recv) = (
+        DeviceAlloc::new(count * 4, rank).unwrap(),
+        DeviceAlloc::new(count * 4, rank).unwrap(),
+    );
+    for round in 0..20u32 {
+        let value = (rank as u32 + 1 + round) as f32;
+        delay(&scratch, 512, std::ptr::null_mut());
+        // SAFETY: inside `send`, on the legacy default stream.
+        ck(
+            unsafe {
+                sys::cuMemsetD32Async(send.ptr, value.to_bits(), count, std::ptr::null_mut())
+            },
+            "input memset",
+        );
+        reduce(
+            &mut c,
+            send.ptr,
+            recv.ptr,
+            count,
+            DType::F32,
+            ReduceOp::Sum,
+            Algorithm::Auto,
+            std::ptr::null_mut(),
+        );
+        let mut out = vec![0u8; count * 4];
+        download(recv.ptr, &mut out, std::ptr::null_mut());
+        let want: f32 = (0..world).map(|r| (r as u32 + 1 + round) as f32).sum();
+        let got: &[f32] = bytemuck::cast_slice(&out);
+        let bad = got.iter().filter(|v| **v != want).count();
+        assert_eq!(
+            bad, 0,
+            "rank {rank}: round {round} on stream 0: {bad} wrong (want {want})"
+        );
+        checked += 1;
+    }
+
+    // 2. Calls that switch between streams stay in call order: every other step is delayed
+    //    on its own stream, so without ordering the next step (another stream) would overtake.
+    let (a, b) = (Stream::new(), Stream::new());
+    let streams = [a.0, b.0, std::ptr::null_mut()];
+    for dtype in [DType::F32, DType::Bf16] {
+        let algos = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Auto];
+        let steps = chain::steps(200_003, chain::max_steps(dtype, c.world()), &algos);
+        checked += run_chain(&mut c, dtype, &steps, &streams, |k, st| {
+            if k % 2 == 0 {
+                delay(&scratch, 256, st);
+            }
+        });
+    }
+    say(format!("DONE {checked}"));
+    0
+}
+
+/// Communicators dropped with work still in flight (on a caller's stream and on stream 0),
+/// in both sharing modes; rank 0 leaves first. After Drop the work must be complete and
+/// right, and nothing may crash.
+fn rank_teardown() -> i32 {
+    let base = ipcreduce::bootstrap::RankInfo::from_env().unwrap();
+    // The stream outlives every communicator, so it needs a context of its own first: the
+    // device's primary context, the one the communicators then find current and use.
+    let count = cudarc::driver::safe::CudaContext::device_count().unwrap() as usize;
+    let ctx = cudarc::driver::safe::CudaContext::new(base.local_rank % count).unwrap();
+    ctx.bind_to_thread().unwrap();
+    let s = Stream::new();
+    let mut checked = 0;
+    for cycle in 0..6usize {
+        let sharing = [Sharing::Vmm, Sharing::Ipc][cycle % 2];
+        let stream = if cycle % 3 == 2 {
+            std::ptr::null_mut()
+        } else {
+            s.0
+        };
+        let info = ipcreduce::bootstrap::RankInfo::new(
+            base.rank,
+            base.world,
+            base.socket.with_file_name(format!("t{cycle}.sock")),
+            format!("teardown{cycle}"),
+            base.secret.clone(),
+        )
+        .unwrap();
+        let mut c = Communicator::with_rank_info(info, &config(Some(sharing))).unwrap();
+        let (rank, world) = (c.rank(), c.world());
+        let dtype = DType::F32;
+        let steps = chain::steps(
+            100_003,
+            chain::max_steps(dtype, world),
+            &[Algorithm::OneShot, Algorithm::TwoShot],
+        );
+        let len = steps.iter().map(|s| s.count).max().unwrap();
+        let x = DeviceAlloc::new(len * 4, rank).unwrap();
+        upload(&x, &chain::input(dtype, rank, len), stream);
+        for step in &steps {
+            reduce(
+                &mut c,
+                x.ptr,
+                x.ptr,
+                step.count,
+                dtype,
+                ReduceOp::Sum,
+                step.algo,
+                stream.cast(),
+            );
+        }
+        if rank != 0 {
+            // Rank 0 leaves first: its teardown must wait for ours (the barrier).
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        drop(c);
+        // SAFETY: queries a live stream.
+        let res = unsafe { sys::cuStreamQuery(stream) };
+        assert_eq!(
+            res,
+            sys::CUresult::CUDA_SUCCESS,
+            "cycle {cycle} ({sharing:?}): work still pending on the stream after Drop"
+        );
+        let mut out = vec![0u8; len * 4];
+        download(x.ptr, &mut out, stream);
+        let mut want = Expect::new(dtype, world, rank, len);
+        for step in &steps {
+            want.apply(step);
+        }
+        want.check(&out, &format!("teardown cycle {cycle} ({sharing:?})"))
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        checked += 1;
+    }
+    say(format!("DONE {checked}"));
+    0
+}
+
+/// Elements of call `i` of the LL wrap test: a 64 KiB call at every multiple of 65,536, calls
+/// of at most 16 KiB between them (so the large call's tail lines are not overwritten), the
+/// same sizes every 65,536 calls.
+fn ll_count(i: usize) -> usize {
+    let j = i % 65_536;
+    if j == 0 {
+        16_384
+    } else {
+        1 + (j.wrapping_mul(2_654_435_761) >> 7) % 4096
+    }
+}
+
+fn rank_ll_wrap() -> i32 {
+    let mut c = join();
+    let (rank, world) = (c.rank(), c.world());
+    let calls: usize = std::env::var("GPU_TEST_LL_CALLS").map_or(200_704, |v| {
+        v.parse()
+            .unwrap_or_else(|_| panic!("GPU_TEST_LL_CALLS={v} is not a number"))
+    });
+    let s = Stream::new();
+    let (send, recv) = (
+        DeviceAlloc::new(64 << 10, rank).unwrap(),
+        DeviceAlloc::new(64 << 10, rank).unwrap(),
+    );
+    let dtype = DType::F32;
+    let mut input = vec![0u8; 64 << 10];
+    let mut out = vec![0u8; 64 << 10];
+    for i in 0..calls {
+        let count = ll_count(i);
+        let bytes = count * 4;
+        // A fresh input every call: a stale line carries the data of 65,536 calls ago.
+        let seed = i as u64;
+        reference::fill_input(dtype, seed, rank, &mut input[..bytes]);
+        upload(&send, &input[..bytes], s.0);
+        if i % 65_536 == 0 && rank != 0 {
+            // Let rank 0 reach our lines before we write them: a check of 16 bits of the
+            // sequence accepts what the large call 65,536 calls ago left there.
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        reduce(
+            &mut c,
+            send.ptr,
+            recv.ptr,
+            count,
+            dtype,
+            ReduceOp::Sum,
+            Algorithm::OneShot,
+            s.ptr(),
+        );
+        download(recv.ptr, &mut out[..bytes], s.0);
+        let wrong = reference::count_wrong(dtype, ReduceOp::Sum, seed, world, &out[..bytes]);
+        assert_eq!(
+            wrong, 0,
+            "rank {rank}: LL call {i} ({bytes} bytes): {wrong} wrong elements"
+        );
+        if (i + 1) % 50_000 == 0 && rank == 0 {
+            eprintln!("LL wrap: {} calls checked", i + 1);
+        }
+    }
+    say(format!("DONE {calls}"));
+    0
+}
+
+/// The device is the caller's: the CUDA context current on the thread (made on another GPU
+/// than local_rank % count picks, where there are several), else the configured one.
+fn rank_device() -> i32 {
+    let base = ipcreduce::bootstrap::RankInfo::from_env().unwrap();
+    let count = cudarc::driver::safe::CudaContext::device_count().unwrap() as usize;
+    let current = (base.local_rank + 1) % count;
+    // Makes device `current`'s primary context current on this thread.
+    let _ctx = cudarc::driver::safe::CudaContext::new(current).unwrap();
+    let mut checked = 0;
+    for (cycle, chosen) in [None, Some(count - 1)].into_iter().enumerate() {
+        let info = ipcreduce::bootstrap::RankInfo::new(
+            base.rank,
+            base.world,
+            base.socket.with_file_name(format!("d{cycle}.sock")),
+            format!("device{cycle}"),
+            base.secret.clone(),
+        )
+        .unwrap();
+        let cfg = Config {
+            device: chosen,
+            ..config(None)
+        };
+        let mut c = Communicator::with_rank_info(info, &cfg).unwrap();
+        let want = chosen.unwrap_or(current);
+        assert_eq!(
+            c.cuda_device(),
+            Some(want),
+            "config {chosen:?}, current {current}"
+        );
+        // A call on its own stream works there.
+        let x = DeviceAlloc::new(4096, c.rank()).unwrap();
+        let stream = c.cuda_stream().expect("a cuda stream");
+        reduce(
+            &mut c,
+            x.ptr,
+            x.ptr,
+            1024,
+            DType::F32,
+            ReduceOp::Sum,
+            Algorithm::Auto,
+            stream,
+        );
+        c.synchronize().unwrap();
+        checked += 1;
+    }
+    say(format!("DONE {checked}"));
+    0
+}
+
+// ---------------------------------------------------------------------------------------
+// Parent side
+
+/// Generous: graph and sweep runs compile nothing but move gigabytes under MPS.
+const T: Duration = Duration::from_secs(600);
+
+/// Runs `role` at each world size; every rank must report `DONE n` with n > 0.
+fn run_role(test: &str, role: &str, worlds: &[usize], extra: &[(&str, &str)]) {
+    // One job on the GPU at a time, even when the harness runs tests in parallel: the ranks
+    // of two jobs would compete for the SMs their kernels need resident together.
+    static ONE_JOB: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE_JOB.lock().unwrap_or_else(|e| e.into_inner());
+    for &world in worlds {
+        let job = Job::new("gpu", &format!("{role}{world}"));
+        let spec = Spawn {
+            test,
+            role_var: ROLE,
+            role,
+            world,
+            extra,
+            hold: false,
+        };
+        let mut ranks: Vec<Rank> = common::spawn_world(&spec, &job);
+        let mut counts = Vec::new();
+        for r in &mut ranks {
+            let m = r.next(T);
+            let n: usize = m
+                .strip_prefix("DONE ")
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("{m}: {}", r.diag()));
+            assert!(n > 0, "rank {} checked nothing", r.rank);
+            counts.push(n);
+        }
+        for r in &mut ranks {
+            r.wait_ok(T);
+        }
+        assert!(
+            counts.iter().all(|n| *n == counts[0]),
+            "{role} world {world}: {counts:?}"
+        );
+        eprintln!("{role} world {world}: {} checked per rank", counts[0]);
+    }
+}
+
+#[test]
+fn every_dtype_op_and_algorithm_at_worlds_2_4_8() {
+    play_rank_if_child();
+    run_role(
+        "every_dtype_op_and_algorithm_at_worlds_2_4_8",
+        "sweep",
+        &[2, 4, 8],
+        &[],
+    );
+}
+
+#[test]
+fn stale_data_chains_without_synchronizing() {
+    play_rank_if_child();
+    run_role(
+        "stale_data_chains_without_synchronizing",
+        "chain",
+        &[2, 4, 8],
+        &[],
+    );
+}
+
+#[test]
+fn graph_replays_with_changing_inputs() {
+    play_rank_if_child();
+    run_role("graph_replays_with_changing_inputs", "graph", &[2, 4], &[]);
+}
+
+#[test]
+fn default_stream_and_switching_streams() {
+    play_rank_if_child();
+    run_role(
+        "default_stream_and_switching_streams",
+        "streams",
+        &[2, 4],
+        &[],
+    );
+}
+
+#[test]
+fn teardown_with_work_in_flight() {
+    play_rank_if_child();
+    run_role("teardown_with_work_in_flight", "teardown", &[2, 4], &[]);
+}
+
+#[test]
+fn the_device_is_the_callers() {
+    play_rank_if_child();
+    run_role("the_device_is_the_callers", "device", &[2], &[]);
+}
+
+#[test]
+fn low_latency_sequence_wrap() {
+    play_rank_if_child();
+    run_role("low_latency_sequence_wrap", "llwrap", &[2], &[]);
+}
+
+#[test]
+fn ll_wrap_sizes_are_built_to_catch_a_16_bit_sequence() {
+    // Pure: the call sizes the LL wrap test relies on.
+    assert_eq!(ll_count(0) * 4, 64 << 10);
+    for i in 1..65_536 {
+        assert!(ll_count(i) * 4 <= 16 << 10, "call {i}");
+        assert_eq!(ll_count(i), ll_count(i + 65_536));
+    }
+    assert_eq!(ll_count(65_536), ll_count(0));
+    let distinct: std::collections::HashSet<_> = (1..65_536).map(ll_count).collect();
+    assert!(distinct.len() > 1000, "sizes vary: {}", distinct.len());
+}

@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# The cuda data plane on a GPU machine, in one call: correctness of every path (staged and
+# registered/zero-copy; LL, one-shot, two-shot; odd grids, small slots, unaligned pointers), the
+# kernels' register use, compute-sanitizer on the new kernels, and a bandwidth sweep with CTA
+# variations (NCCL beside it when two GPUs are present). Builds nothing: expects
+# target/release/ipcreduce.
+#
+# Usage: scripts/device/kernels.sh OUT_DIR
+# Each phase fits one 10-minute call; run them one per call into the same OUT_DIR, e.g.
+#   PHASES=nvlink scripts/device/kernels.sh OUT; PHASES=bench ...; PHASES=sanitize ...;
+#   PHASES=mps ... (one GPU is enough for mps and sanitize).
+# Knobs: CASES=800 (main sweeps), VCASES=200 (variants), PHASES="nvlink mps sanitize bench",
+#        BENCH_MAX=1G, BLOCKS_SWEEP="8 16 24 32 48 64 96", WORLDS="2 4 8".
+# Layout of OUT_DIR: env.txt, resources.txt, check-*.log, sanitizer.log, bench-*.{log,json},
+# summary.txt (one line per step: PASS/FAIL and the last line of its output).
+set -u
+OUT=${1:?usage: kernels.sh OUT_DIR}
+BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
+CASES=${CASES:-800}
+VCASES=${VCASES:-200}
+PHASES=${PHASES:-nvlink mps sanitize bench}
+BENCH_MAX=${BENCH_MAX:-1G}
+BLOCKS_SWEEP=${BLOCKS_SWEEP:-8 16 24 32 48 64 96}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+# Never NVLink multicast.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+SUMMARY="$OUT/summary.txt"
+: >>"$SUMMARY"
+status=0
+
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv
+  [ "$NGPU" -ge 2 ] && nvidia-smi topo -m
+  "$BIN" --version
+  echo "GPUs: $NGPU"
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+# step NAME TIMEOUT CMD...: runs CMD into OUT/NAME.log, records PASS/FAIL and its last line.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name"
+  local t0=$SECONDS
+  if timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; then
+    echo "PASS $name ($((SECONDS - t0)) s): $(grep -v WARN "$OUT/$name.log" | tail -n 1)" | tee -a "$SUMMARY"
+  else
+    echo "FAIL $name (exit $?, $((SECONDS - t0)) s): $(grep -v WARN "$OUT/$name.log" | tail -n 1)" | tee -a "$SUMMARY"
+    grep -E "FAIL|error|panicked" "$OUT/$name.log" | head -n 5
+    status=1
+  fi
+  grep -E "^# paths run" "$OUT/$name.log" | tail -n 1
+}
+
+# check NAME RANKS CASES [ARGS...] [-- ENV...]: the correctness sweep.
+check() {
+  local name=$1 ranks=$2 cases=$3
+  shift 3
+  step "check-$name" 300 env "${ENVS[@]}" "$BIN" check --backend cuda --ranks "$ranks" \
+    --cases "$cases" --seed "$ranks" "$@"
+}
+
+# Every path at world $1: staged and registered, then the variants that stress the protocol:
+# odd and tiny grids (pieces that do not divide), small slots (many chunks, slot parity across
+# calls with a changing grid), LL off (small messages through the SM kernels), one-shot only
+# and two-shot only.
+check_world() {
+  local w=$1 tag=$2
+  ENVS=()
+  check "$tag-w$w-staged" "$w" "$CASES"
+  check "$tag-w$w-registered" "$w" "$CASES" --registered
+  ENVS=(IPCREDUCE_BLOCKS=5)
+  check "$tag-w$w-staged-blocks5" "$w" "$VCASES" --max-bytes 64M
+  check "$tag-w$w-registered-blocks5" "$w" "$VCASES" --max-bytes 64M --registered
+  ENVS=(IPCREDUCE_SLOT_BYTES=262144 IPCREDUCE_LL_MAX=0)
+  check "$tag-w$w-staged-smallslot-noll" "$w" "$VCASES" --max-bytes 16M
+  ENVS=(IPCREDUCE_LL_MAX=0)
+  check "$tag-w$w-registered-noll-oneshot" "$w" "$VCASES" --max-bytes 4M -a oneshot --registered
+  check "$tag-w$w-registered-noll-twoshot" "$w" "$VCASES" --max-bytes 64M -a twoshot --registered
+  ENVS=()
+}
+
+# --- kernel resources (registers, local memory) as the driver reports them ------------------
+IPCREDUCE_LOG=info timeout 300 "$BIN" check --backend cuda --ranks 2 --cases 1 >"$OUT/resources.log" 2>&1
+grep -E "kernels for world class" "$OUT/resources.log" | head -n 2 | tee "$OUT/resources.txt"
+
+# --- two GPUs over NVLink ------------------------------------------------------------------
+if [ "$NGPU" -ge 2 ] && [[ " $PHASES " == *" nvlink "* ]]; then
+  check_world 2 nvlink
+fi
+
+# --- compute-sanitizer at world 2 (no MPS: it does not run under it) -------------------------
+if [[ " $PHASES " == *" sanitize "* ]]; then
+  SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  # Each rank under its own sanitizer; on one GPU the ranks time-slice, so keep it small.
+  SCASES=8 SMAX=256K
+  [ "$NGPU" -ge 2 ] && SCASES=40 SMAX=2M
+  for tool in memcheck racecheck synccheck; do
+    for reg in "" --registered; do
+      step "sanitize-$tool${reg:+-registered}" 150 env IPCREDUCE_TIMEOUT_MS=120000 \
+        "$BIN" launch -n 2 -- "$SAN" --tool "$tool" --error-exitcode 99 \
+        "$BIN" check --backend cuda --cases "$SCASES" --max-bytes "$SMAX" --seed 7 $reg
+      grep -E "ERROR SUMMARY" "$OUT/sanitize-$tool${reg:+-registered}.log" | sort | uniq -c
+    done
+  done
+fi
+
+# --- bandwidth sweep: every path, eager and graph; CTA variations for tuning ------------------
+# bench's own --registered (zero-copy buffers) is used when this binary has it.
+REGFLAG=""
+"$BIN" bench --help 2>&1 | grep -q -- "--registered" && REGFLAG=--registered
+if [[ " $PHASES " == *" bench "* ]]; then
+  if [ "$NGPU" -ge 2 ]; then
+    ALGOS=all
+    RANKS=2
+  else
+    ALGOS=auto,oneshot,twoshot # NCCL refuses two ranks on one GPU; no NVLink figures here
+    RANKS=2
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+    nvidia-cuda-mps-control -d && MPS_ON=1
+  fi
+  bench() { # NAME ENV... -- ARGS...
+    local name=$1
+    shift
+    local envs=()
+    while [ "$1" != "--" ]; do envs+=("$1"); shift; done
+    shift
+    step "bench-$name" 300 env "${envs[@]}" "$BIN" bench --backend cuda --ranks "$RANKS" \
+      -d bfloat16 -n 20 -w 5 -G 10 --json "$OUT/bench-$name.json" "$@"
+    grep -E "bfloat16" "$OUT/bench-$name.log" | head -n 80
+  }
+  bench staged -- -a "$ALGOS" -b 8 -e "$BENCH_MAX" -f 4
+  [ -n "$REGFLAG" ] && bench registered -- -a auto,oneshot,twoshot -b 8 -e "$BENCH_MAX" -f 4 $REGFLAG
+  for b in $BLOCKS_SWEEP; do
+    bench "staged-blocks$b" IPCREDUCE_BLOCKS=$b -- -a oneshot,twoshot -b 256K -e "$BENCH_MAX" -f 4
+    [ -n "$REGFLAG" ] && bench "registered-blocks$b" IPCREDUCE_BLOCKS=$b -- \
+      -a oneshot,twoshot -b 256K -e "$BENCH_MAX" -f 4 $REGFLAG
+  done
+  if [ -n "${MPS_ON:-}" ]; then echo quit | nvidia-cuda-mps-control; MPS_ON=; fi
+fi
+
+# --- worlds 2, 4, 8 under MPS on one GPU -----------------------------------------------------
+if [[ " $PHASES " == *" mps "* ]]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  export CUDA_VISIBLE_DEVICES=0
+  for w in ${WORLDS:-2 4 8}; do
+    check_world "$w" mps
+  done
+fi
+
+echo "== summary"
+cat "$SUMMARY"
+exit $status
