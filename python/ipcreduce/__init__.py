@@ -43,7 +43,10 @@ __all__ = [
     "InvalidArgumentError",
     "UnavailableError",
     "ConfigError",
+    "RegisteredBuffer",
 ]
+
+RegisteredBuffer = _native.RegisteredBuffer
 
 # torch dtypes by name, so that this module never imports torch itself.
 _TORCH_DTYPES = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16"}
@@ -134,8 +137,29 @@ class Communicator:
         """Makes the communicator unusable now: calls in flight stop, later calls raise."""
         self._native.abort(reason)
 
+    def alloc(self, nbytes: int) -> "_native.RegisteredBuffer":
+        """Collective (every rank, same size, same order): `nbytes` of device memory that every
+        rank maps (cuda backend). All-reduces whose input and output lie in such buffers, at
+        the same offsets on every rank, read and write them directly (no staging copy), eagerly
+        and inside CUDA graphs. Exposes `ptr`, `bytes` and `__cuda_array_interface__`;
+        `ipcreduce.torch.empty` makes tensors over it."""
+        return self._native.alloc(nbytes)
+
+    def free(self, buf: "_native.RegisteredBuffer") -> None:
+        """Collective: releases a buffer from `alloc` (after this rank's work on it is done).
+        Tensors over it must not be used afterwards."""
+        self._native.free(buf)
+
+    def last_path(self):
+        """(path, CTAs, zero-copy) of the last all-reduce this rank issued (cuda), or None."""
+        return self._native.last_path()
+
     def close(self) -> None:
-        """Leaves the job (every rank calls it; bounded by the timeout)."""
+        """Leaves the job (every rank calls it; bounded by the timeout). The DDP hook's
+        registered staging buffers are freed first; other registered buffers must have been
+        freed (`free`), else this raises."""
+        for hook_state in self._torch_state.pop("hooks", []):
+            hook_state.release()
         self._native.close()
 
     def meta(self) -> dict:

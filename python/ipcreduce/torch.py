@@ -4,20 +4,25 @@
   `ipcreduce::all_reduce` (out of place) and `ipcreduce::all_reduce_inplace`, with fake
   implementations, so that `torch.compile` traces them and CUDA graphs capture them (the kernel
   runs on the current stream and keeps its protocol state on the device).
+- `empty(shape, dtype, comm)`: a tensor in registered memory (zero-copy all-reduces).
 - `hook`: a DDP communication hook that averages gradient buckets:
-  `ddp.register_comm_hook(comm, ipcreduce.torch.hook)`.
+  `ddp.register_comm_hook(comm, ipcreduce.torch.hook)`. On the cuda backend it divides each
+  bucket into a registered staging tensor (the division DDP needs anyway) and all-reduces that
+  in place, zero-copy; DDP then copies the result into the gradients as it always does.
 
 CUDA tensors need a communicator on the cuda backend, CPU tensors one on the host backend.
 """
 
-from typing import Any, Optional
+import contextlib
+import math
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from . import _BY_HANDLE, Communicator
 
-__all__ = ["all_reduce", "all_reduce_", "hook", "HookState"]
+__all__ = ["all_reduce", "all_reduce_", "empty", "free", "hook", "HookState"]
 
 def _comm(handle: int) -> Communicator:
     comm = _BY_HANDLE.get(handle)
@@ -59,16 +64,50 @@ def all_reduce_(x: torch.Tensor, comm: Communicator, op: str = "sum") -> torch.T
     return x
 
 
+def empty(shape: Union[int, Sequence[int]], dtype: torch.dtype, comm: Communicator) -> torch.Tensor:
+    """Collective (every rank, same shape and dtype, same order): an uninitialized contiguous
+    tensor in memory registered with every rank, on the current CUDA device. All-reduces of
+    such tensors (in place, or into another such tensor) are zero-copy. The memory stays
+    registered until `free(t, comm)` or `comm.close()`; the tensor keeps its buffer object
+    alive, never the other way round."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = comm.alloc(max(nbytes, 1))
+    raw = torch.as_tensor(buf, device=torch.device("cuda", torch.cuda.current_device()))
+    t = raw[:nbytes].view(dtype).view(shape)
+    comm._torch_state.setdefault("buffers", {})[t.data_ptr()] = buf
+    return t
+
+
+def free(t: torch.Tensor, comm: Communicator) -> None:
+    """Collective: releases the registered memory of a tensor from `empty` (after this rank's
+    work on it). The tensor and its views must not be used afterwards."""
+    buf = comm._torch_state.get("buffers", {}).pop(t.data_ptr(), None)
+    if buf is None:
+        raise ValueError("ipcreduce.torch.free: not a tensor from ipcreduce.torch.empty on this "
+                         "communicator (or freed already)")
+    comm.free(buf)
+
+
 class HookState:
-    """State of the DDP hook for one communicator: the stream its all-reduces run on, so that
-    they overlap the rest of the backward pass as NCCL's do.
+    """State of the DDP hook for one communicator.
 
-    `side_stream=False` runs them on the backward pass's own stream instead."""
+    side_stream: run the all-reduces on a stream of their own, so that they overlap the rest of
+    the backward pass as NCCL's do (else on the backward pass's stream).
+    registered: stage each bucket in registered memory (zero-copy all-reduce); default: on the
+    cuda backend. The staging buffers (one per bucket, as large as the gradients) are allocated
+    collectively at the bucket's first call, which every rank makes in the same order.
+    """
 
-    def __init__(self, comm: Communicator, side_stream: bool = True):
+    def __init__(self, comm: Communicator, side_stream: bool = True,
+                 registered: Optional[bool] = None):
         self.comm = comm
         self.side_stream = side_stream
+        self.registered = comm.backend == "cuda" if registered is None else registered
         self._streams: dict = {}
+        self._staging: dict = {}  # bucket index -> (registered buffer, flat uint8 tensor)
+        # Kept with the communicator, whose close() frees the staging buffers.
+        comm._torch_state.setdefault("hooks", []).append(self)
 
     def stream(self, device: torch.device) -> Optional[torch.cuda.Stream]:
         if not self.side_stream or device.type != "cuda":
@@ -78,15 +117,33 @@ class HookState:
             s = self._streams[device] = torch.cuda.Stream(device)
         return s
 
+    def staging(self, index: int, t: torch.Tensor) -> torch.Tensor:
+        """The registered staging tensor of bucket `index`, shaped like `t`. A bucket that grew
+        (DDP rebuilds its buckets after the first step) gets a new buffer, on every rank alike."""
+        nbytes = t.numel() * t.element_size()
+        have = self._staging.get(index)
+        if have is None or have[0].bytes < nbytes:
+            if have is not None:
+                self.comm.free(have[0])
+            buf = self.comm.alloc(nbytes)
+            have = self._staging[index] = (buf, torch.as_tensor(buf, device=t.device))
+        return have[1][:nbytes].view(t.dtype).view(t.shape)
+
+    def release(self) -> None:
+        """Collective: frees the staging buffers (`Communicator.close` calls it)."""
+        for buf, _ in self._staging.values():
+            self.comm.free(buf)
+        self._staging.clear()
+
 
 def _hook_state(state: Any) -> HookState:
     if isinstance(state, HookState):
         return state
     if isinstance(state, Communicator):
         # One HookState per communicator, kept with it.
-        hs = state._torch_state.get("hook")
+        hs = state._torch_state.get("default_hook")
         if hs is None:
-            hs = state._torch_state["hook"] = HookState(state)
+            hs = state._torch_state["default_hook"] = HookState(state)
         return hs
     raise TypeError(f"the hook's state must be an ipcreduce Communicator or HookState, "
                     f"not {type(state).__name__}")
@@ -97,30 +154,30 @@ def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tens
     """DDP communication hook: averages the bucket over the ranks (divides by the world size,
     then sums, as DDP's own all-reduce does).
 
-        ddp.register_comm_hook(comm, ipcreduce.torch.hook)
+        ddp.register_comm_hook(comm, ipcreduce.torch.hook)              # defaults
+        ddp.register_comm_hook(HookState(comm, registered=False), ipcreduce.torch.hook)
     """
     hs = _hook_state(state)
     comm = hs.comm
     t = bucket.buffer()
     side = hs.stream(t.device)
-    if side is None:
-        t.div_(comm.world_size)
-        comm.all_reduce(t)
-    else:
+    if side is not None:
         side.wait_stream(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(side):
-            t.div_(comm.world_size)
-            comm.all_reduce(t)
-    if t.device.type == "cuda":
-        # A CUDA-aware future: completing it records an event on the current (side) stream,
-        # and DDP's wait makes its own stream wait for that event.
-        fut = torch.futures.Future(devices=[t.device])
-        if side is None:
-            fut.set_result(t)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        if hs.registered and t.is_cuda:
+            # The division DDP needs anyway writes the staging tensor: the all-reduce is then
+            # in place in registered memory, with no copy of its own.
+            result = hs.staging(bucket.index(), t)
+            torch.div(t, comm.world_size, out=result)
         else:
-            with torch.cuda.stream(side):
-                fut.set_result(t)
-    else:
-        fut = torch.futures.Future()
-        fut.set_result(t)
+            result = t.div_(comm.world_size)
+        comm.all_reduce(result)
+        if result.is_cuda:
+            # A CUDA-aware future: completing it records an event on the current stream, and
+            # DDP's wait makes its own stream wait for that event.
+            fut = torch.futures.Future(devices=[result.device])
+        else:
+            fut = torch.futures.Future()
+        fut.set_result(result)
     return fut
+

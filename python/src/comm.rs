@@ -3,12 +3,13 @@
 
 use crate::errors::{to_py, InvalidArgumentError};
 use crate::hostbuf::HostBuf;
+use crate::registered::RegisteredBuffer;
 use ipcreduce::bootstrap::RankInfo;
 use ipcreduce::{Algorithm, BackendChoice, BackendKind, Config, DType, ReduceOp};
 use pyo3::prelude::*;
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 /// One rank's membership in a job. Built by `ipcreduce.init`.
@@ -19,6 +20,9 @@ pub struct Communicator {
     rank: usize,
     world: usize,
     backend: BackendKind,
+    /// One clone per registered buffer not yet freed: close() refuses while any exists, since
+    /// tensors over them would point at unmapped memory.
+    live: Arc<()>,
 }
 
 /// Parses a Python string argument with the library's parser; errors are invalid arguments.
@@ -110,6 +114,7 @@ impl Communicator {
             world: comm.world(),
             backend: comm.backend(),
             inner: Mutex::new(Some(comm)),
+            live: Arc::new(()),
         })
     }
 
@@ -271,10 +276,57 @@ impl Communicator {
         Ok(())
     }
 
-    /// Leaves the job (collective and bounded). Later calls raise.
-    fn close(&self, py: Python<'_>) {
+    /// Leaves the job (collective and bounded). Later calls raise. Refused while registered
+    /// buffers are alive (free them first): their memory goes with the communicator.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let alive = Arc::strong_count(&self.live) - 1;
+        if alive > 0 {
+            return Err(self.invalid(
+                "close",
+                format!(
+                    "{alive} registered buffer(s) are not freed (tensors from \
+                     ipcreduce.torch.empty?): free them first"
+                ),
+            ));
+        }
         let comm = py.detach(|| self.lock().take());
         py.detach(move || drop(comm));
+        Ok(())
+    }
+
+    /// Collective (every rank, same size, same order): `bytes` of device memory mapped by every
+    /// rank. All-reduces whose input and output lie in registered buffers (at the same offsets
+    /// on every rank) read and write them directly, eagerly and in CUDA graphs. cuda backend.
+    fn alloc(slf: &Bound<'_, Self>, bytes: usize) -> PyResult<RegisteredBuffer> {
+        let me = slf.get();
+        let buf = me.with(slf.py(), "alloc", move |c| c.alloc(bytes))?;
+        Ok(RegisteredBuffer::new(
+            buf,
+            me.live.clone(),
+            me.rank,
+            slf.clone().unbind(),
+        ))
+    }
+
+    /// Collective: waits for this rank's work and every rank (bounded), then unmaps the buffer.
+    /// Tensors over it must not be used afterwards. Freeing a freed buffer does nothing.
+    fn free(slf: &Bound<'_, Self>, buf: &Bound<'_, RegisteredBuffer>) -> PyResult<()> {
+        let me = slf.get();
+        let b = buf.get();
+        if !b.owner().is(slf) {
+            return Err(me.invalid("free", "the buffer belongs to another communicator"));
+        }
+        let Some((inner, _token)) = b.take() else {
+            return Ok(());
+        };
+        me.with(slf.py(), "free", move |c| c.free(inner))
+    }
+
+    /// What the last all-reduce of this rank ran: (path name, CTAs, zero-copy), or None.
+    fn last_path(&self, py: Python<'_>) -> PyResult<Option<(&'static str, u32, bool)>> {
+        self.with(py, "last_path", |c| {
+            Ok(c.last_path().map(|p| (p.name, p.ctas, p.registered)))
+        })
     }
 
     /// Facts for reports: the devices, driver and NCCL versions.

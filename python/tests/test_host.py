@@ -172,3 +172,8 @@ def test_import_needs_neither_numpy_nor_torch():
     code = ("import sys, ipcreduce; "
             "assert 'numpy' not in sys.modules and 'torch' not in sys.modules, sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_registered_buffers_need_the_cuda_backend(comm):
+    with pytest.raises(ipcreduce.InvalidArgumentError, match="cuda backend"):
+        comm.alloc(4096)
