@@ -24,7 +24,8 @@ STEPS = {1024: 20, 4096: 10, 16384: 5}  # timed steps per variant and round
 ROUNDS = 2 if small else 3
 WARMUP = 3
 LOSS_STEPS = 50 if small else 200
-LR = 1e-3
+# Per-token squared error of a learnable map (0.5 x): at this rate the loss falls steadily.
+LR = 2e-5
 bf16 = torch.bfloat16
 
 
@@ -35,12 +36,14 @@ def build() -> nn.Module:
                                    dtype=bf16) for _ in range(LAYERS)])
 
 
-def batch(tokens: int, step: int):
-    """This rank's input and target for a step (deterministic)."""
+def batch(tokens: int, step: int) -> torch.Tensor:
+    """This rank's input for a step (deterministic)."""
     g = torch.Generator(device=dev).manual_seed(1_000_003 * rank + step)
-    shape = (tokens // SEQ, SEQ, D)
-    return (torch.randn(shape, device=dev, generator=g, dtype=bf16),
-            torch.randn(shape, device=dev, generator=g, dtype=bf16))
+    return torch.randn((tokens // SEQ, SEQ, D), device=dev, generator=g, dtype=bf16)
+
+
+def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return (model(x).float() - 0.5 * x.float()).pow(2).sum(-1).mean()
 
 
 t0 = time.time()
@@ -58,16 +61,16 @@ ctx.log(f"{params / 1e6:.0f}M parameters ({2 * params / 1e9:.2f} GB of bf16 grad
         f"built in {time.time() - t0:.1f} s")
 
 
-def step(variant: str, x, y) -> torch.Tensor:
+def step(variant: str, x: torch.Tensor) -> torch.Tensor:
     model = models["nccl" if variant == "no_sync" else variant]
     opt = optims["nccl" if variant == "no_sync" else variant]
     opt.zero_grad(set_to_none=True)
     if variant == "no_sync":
         with model.no_sync():
-            loss = (model(x).float() - y.float()).pow(2).mean()
+            loss = loss_of(model, x)
             loss.backward()
     else:
-        loss = (model(x).float() - y.float()).pow(2).mean()
+        loss = loss_of(model, x)
         loss.backward()
     opt.step()
     return loss.detach()
@@ -76,12 +79,12 @@ def step(variant: str, x, y) -> torch.Tensor:
 def timed(variant: str, tokens: int, steps: int, data) -> float:
     """Mean ms per step over `steps` steps after warm-up (CUDA events around the run)."""
     for i in range(WARMUP):
-        step(variant, *data[i % len(data)])
+        step(variant, data[i % len(data)])
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for i in range(steps):
-        step(variant, *data[i % len(data)])
+        step(variant, data[i % len(data)])
     end.record()
     end.synchronize()
     comm.check()
@@ -112,11 +115,12 @@ for tokens in TOKENS:
             f"{row['exposed_ipcreduce_direct_ms']:.2f} ms)")
     del data
 
-# Loss curves: both models from the same initial weights, same data, LOSS_STEPS steps.
+# Loss curves: both models from the same initial weights, same data (four batches in turn).
 curves = {}
+loss_data = [batch(1024, 10_000 + i) for i in range(4)]
 for v in ("nccl", "ipcreduce"):
     models[v].module.load_state_dict(init_state)
-    losses = [step(v, *batch(1024, 10_000 + i)) for i in range(LOSS_STEPS)]
+    losses = [step(v, loss_data[i % 4]) for i in range(LOSS_STEPS)]
     curves[v] = torch.stack(losses).tolist()
 comm.check()
 a, b = torch.tensor(curves["nccl"]), torch.tensor(curves["ipcreduce"])
@@ -124,7 +128,9 @@ rel = ((a - b).abs() / a.abs()).tolist()
 loss = dict(steps=LOSS_STEPS, first=[a[0].item(), b[0].item()], last=[a[-1].item(), b[-1].item()],
             max_rel_diff=max(rel), mean_rel_diff=sum(rel) / len(rel),
             identical_steps=int((a == b).sum()), curves=curves)
-ctx.expect(a[-1] < a[0], f"the loss did not fall with NCCL ({a[0]:.4f} -> {a[-1]:.4f})")
+# Training must move the weights, or equal curves would prove nothing.
+ctx.expect(a[-4:].mean() < 0.95 * a[:4].mean(),
+           f"the loss did not fall with NCCL ({a[:4].mean():.4f} -> {a[-4:].mean():.4f})")
 # bf16 noise: a few units of bf16's 2^-8 relative rounding, after many steps of divergence.
 ctx.expect(loss["max_rel_diff"] < 0.02 and loss["mean_rel_diff"] < 0.005,
            f"loss curves differ beyond bf16 noise: max {loss['max_rel_diff']:.4f}, "
