@@ -150,6 +150,34 @@ def test_absent_rank_times_out_naming_it():
         c.close()
 
 
+def test_calls_release_the_gil(comm):
+    # Rank 0 comes late, so the others wait inside all_reduce; a Python thread must run
+    # meanwhile (it could not if the call held the GIL).
+    import threading
+
+    ticks, stop = [0], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    if comm.rank == 0:
+        time.sleep(0.5)
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        comm.all_reduce(np.ones(8, np.float32))
+        waited = time.monotonic() - t0
+    finally:
+        stop.set()
+        t.join()
+    if comm.rank != 0:
+        assert waited > 0.3, waited
+        assert ticks[0] > 20, (ticks[0], waited)
+
+
 def test_explicit_rank_and_world_size():
     rank, world = int(os.environ["IPCREDUCE_RANK"]), int(os.environ["IPCREDUCE_WORLD_SIZE"])
     with ipcreduce.init(backend="host", rank=rank, world_size=world) as c:
