@@ -20,6 +20,8 @@ pub struct Communicator {
     rank: usize,
     world: usize,
     backend: BackendKind,
+    /// Aborts and reports without the lock, which a call in flight holds.
+    abort: ipcreduce::AbortHandle,
     /// One clone per registered buffer not yet freed: close() refuses while any exists, since
     /// tensors over them would point at unmapped memory.
     live: Arc<()>,
@@ -113,6 +115,7 @@ impl Communicator {
             rank: comm.rank(),
             world: comm.world(),
             backend: comm.backend(),
+            abort: comm.abort_handle(),
             inner: Mutex::new(Some(comm)),
             live: Arc::new(()),
         })
@@ -257,23 +260,28 @@ impl Communicator {
         self.with(py, "synchronize", |c| c.synchronize())
     }
 
-    /// Raises the error that made the communicator unusable, if any; does not wait.
+    /// Raises the error that made the communicator unusable, if any; does not wait (a
+    /// watchdog thread may call it while another thread is inside a call).
     fn check(&self, py: Python<'_>) -> PyResult<()> {
-        match self.with(py, "check", |c| Ok(c.async_error()))? {
+        let err = py.detach(|| match self.inner.try_lock() {
+            Ok(guard) => guard.as_ref().and_then(|c| c.async_error()),
+            Err(std::sync::TryLockError::Poisoned(e)) => {
+                e.into_inner().as_ref().and_then(|c| c.async_error())
+            }
+            // A call is in flight: what the abort state knows.
+            Err(std::sync::TryLockError::WouldBlock) => self.abort.error(),
+        });
+        match err {
             Some(e) => Err(to_py(e)),
             None => Ok(()),
         }
     }
 
-    /// Makes the communicator unusable at once (calls in flight stop, later ones raise).
+    /// Makes the communicator unusable at once: calls in flight (in other threads too) stop
+    /// and raise, later calls raise, and peers learn it when this rank leaves.
     #[pyo3(signature = (reason = "aborted by the program"))]
-    fn abort(&self, py: Python<'_>, reason: &str) -> PyResult<()> {
-        // Through the handle, not the lock: another thread may be inside a call.
-        let handle = py.detach(|| self.lock().as_ref().map(|c| c.abort_handle()));
-        if let Some(h) = handle {
-            h.abort(reason);
-        }
-        Ok(())
+    fn abort(&self, reason: &str) {
+        self.abort.abort(reason);
     }
 
     /// Leaves the job (collective and bounded). Later calls raise. Refused while registered

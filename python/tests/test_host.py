@@ -178,6 +178,30 @@ def test_calls_release_the_gil(comm):
         assert ticks[0] > 20, (ticks[0], waited)
 
 
+def test_abort_from_another_thread_stops_a_waiting_call():
+    import threading
+
+    c = ipcreduce.init(backend="host", timeout=5.0)
+    try:
+        if c.rank == 0:
+            # Comes only after the others have aborted; must fail, not hang.
+            time.sleep(1.0)
+            with pytest.raises(ipcreduce.Error):
+                c.all_reduce(np.ones(4, np.float32))
+        else:
+            timer = threading.Timer(0.3, c.abort, args=("stopped by a watchdog",))
+            timer.start()
+            t0 = time.monotonic()
+            with pytest.raises(ipcreduce.AbortedError, match="stopped by a watchdog"):
+                c.all_reduce(np.ones(4, np.float32))
+            assert time.monotonic() - t0 < 2.0
+            timer.join()
+            with pytest.raises(ipcreduce.AbortedError):
+                c.check()
+    finally:
+        c.close()
+
+
 def test_explicit_rank_and_world_size():
     rank, world = int(os.environ["IPCREDUCE_RANK"]), int(os.environ["IPCREDUCE_WORLD_SIZE"])
     with ipcreduce.init(backend="host", rank=rank, world_size=world) as c:
