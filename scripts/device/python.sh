@@ -85,9 +85,11 @@ PY
 done
 step train 330 $TORCHRUN "$G/train.py" || status=1
 
-python3 - "$OUT" <<'PY'
+python3 - "$OUT" <<'PY' || status=1
 import glob, json, os, sys
 out = sys.argv[1]
+expected = ["correctness-rank0", "correctness-rank1", "graph-rank0", "graph-rank1",
+            "kill-victim1-rank0", "kill-victim0-rank1", "train-rank0", "train-rank1"]
 summary = {}
 for path in sorted(glob.glob(os.path.join(out, "*-rank*.json"))):
     name = os.path.basename(path)[:-len(".json")]
@@ -96,8 +98,11 @@ for path in sorted(glob.glob(os.path.join(out, "*-rank*.json"))):
         r["loss"].pop("curves", None)
     summary[name] = r
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
+missing = [n for n in expected if n not in summary]
 failed = {n: r["failures"] for n, r in summary.items() if r.get("failures")}
-print("== summary.json written;", "failed checks: " + json.dumps(failed) if failed else "no failed checks in any report")
+print(f"== summary.json: {len(summary)} reports; missing: {missing or 'none'}; "
+      f"failed checks: {json.dumps(failed) if failed else 'none'}")
+sys.exit(1 if missing or failed else 0)
 PY
 echo "== python.sh exit $status"
 exit $status
