@@ -43,6 +43,40 @@ impl Communicator {
         to_py(ipcreduce::Error::invalid(self.rank, op, detail))
     }
 
+    /// The library's raw all-reduce with the GIL released.
+    ///
+    /// # Safety
+    /// `send` and `recv` are valid for `count` elements of `dtype` in the backend's address
+    /// space until the call has completed (on `stream` for cuda).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn raw(
+        &self,
+        py: Python<'_>,
+        send: usize,
+        recv: usize,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        algo: Algorithm,
+        stream: usize,
+    ) -> PyResult<()> {
+        self.with(py, "all_reduce", move |c| {
+            // SAFETY: the caller's contract; the library checks null, alignment, overlap and
+            // (cuda) that both pointers are device memory of its GPU.
+            unsafe {
+                c.all_reduce_raw(
+                    send as *const c_void,
+                    recv as *mut c_void,
+                    count,
+                    dtype,
+                    op,
+                    algo,
+                    stream as *mut c_void,
+                )
+            }
+        })
+    }
+
     /// Runs `f` on the open communicator with the GIL released.
     fn with<T: Send>(
         &self,
@@ -178,22 +212,9 @@ impl Communicator {
             }
         }
         let (sa, ra) = (s.addr(), r.as_ref().map_or(s.addr(), |r| r.addr()));
-        let (count, dtype) = (s.count(), s.dtype);
-        self.with(py, OP, move |c| {
-            // SAFETY: both buffers are held (exported, so neither freed nor resized) until we
-            // return; the library refuses overlapping buffers that are not equal.
-            unsafe {
-                c.all_reduce_raw(
-                    sa as *const c_void,
-                    ra as *mut c_void,
-                    count,
-                    dtype,
-                    op,
-                    algo,
-                    std::ptr::null_mut(),
-                )
-            }
-        })
+        // SAFETY: both buffers are held (exported, so neither freed nor resized) until we
+        // return, and the host backend's call is complete when it returns.
+        unsafe { self.raw(py, sa, ra, s.count(), s.dtype, op, algo, 0) }
     }
 
     /// All-reduce of raw pointers, as the torch layer calls it: `on_device` says whether they
@@ -237,21 +258,8 @@ impl Communicator {
             }
             _ => {}
         }
-        self.with(py, OP, move |c| {
-            // SAFETY: the caller's contract above; the library checks null, alignment,
-            // overlap and (cuda) that both pointers are device memory of its GPU.
-            unsafe {
-                c.all_reduce_raw(
-                    send as *const c_void,
-                    recv as *mut c_void,
-                    count,
-                    dtype,
-                    op,
-                    algo,
-                    stream as *mut c_void,
-                )
-            }
-        })
+        // SAFETY: the caller's contract above.
+        unsafe { self.raw(py, send, recv, count, dtype, op, algo, stream) }
     }
 
     /// Waits for the work this communicator enqueued on its own stream and raises an error a
