@@ -156,8 +156,8 @@ class Communicator:
 
     def close(self) -> None:
         """Leaves the job (every rank calls it; bounded by the timeout). The DDP hook's
-        registered staging buffers are freed first; other registered buffers must have been
-        freed (`free`), else this raises."""
+        registered staging buffers are freed first; other registered buffers (and tensors from
+        `ipcreduce.torch.empty`) must be freed or gone, else this raises."""
         for hook_state in self._torch_state.pop("hooks", []):
             hook_state.release()
         self._native.close()

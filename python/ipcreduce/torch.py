@@ -15,6 +15,7 @@ CUDA tensors need a communicator on the cuda backend, CPU tensors one on the hos
 
 import contextlib
 import math
+import weakref
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from . import _BY_HANDLE, Communicator
 
 __all__ = ["all_reduce", "all_reduce_", "empty", "free", "hook", "HookState"]
+
 
 def _comm(handle: int) -> Communicator:
     comm = _BY_HANDLE.get(handle)
@@ -68,21 +70,26 @@ def empty(shape: Union[int, Sequence[int]], dtype: torch.dtype, comm: Communicat
     """Collective (every rank, same shape and dtype, same order): an uninitialized contiguous
     tensor in memory registered with every rank, on the current CUDA device. All-reduces of
     such tensors (in place, or into another such tensor) are zero-copy. The memory stays
-    registered until `free(t, comm)` or `comm.close()`; the tensor keeps its buffer object
-    alive, never the other way round."""
+    registered until `free(t, comm)`, or until the tensor (with its views) is gone and the
+    communicator closes; `comm.close()` refuses while such tensors are alive."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     buf = comm.alloc(max(nbytes, 1))
     raw = torch.as_tensor(buf, device=torch.device("cuda", torch.cuda.current_device()))
     t = raw[:nbytes].view(dtype).view(shape)
-    comm._torch_state.setdefault("buffers", {})[t.data_ptr()] = buf
+    # Weakly: the tensor's storage holds the buffer, and only it decides how long it lives.
+    _registered(comm)[t.untyped_storage().data_ptr()] = buf
     return t
+
+
+def _registered(comm: Communicator) -> "weakref.WeakValueDictionary":
+    return comm._torch_state.setdefault("buffers", weakref.WeakValueDictionary())
 
 
 def free(t: torch.Tensor, comm: Communicator) -> None:
     """Collective: releases the registered memory of a tensor from `empty` (after this rank's
     work on it). The tensor and its views must not be used afterwards."""
-    buf = comm._torch_state.get("buffers", {}).pop(t.data_ptr(), None)
+    buf = _registered(comm).pop(t.untyped_storage().data_ptr(), None)
     if buf is None:
         raise ValueError("ipcreduce.torch.free: not a tensor from ipcreduce.torch.empty on this "
                          "communicator (or freed already)")

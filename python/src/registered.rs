@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 pub type Slot = Option<(ipcreduce::RegisteredBuffer, Arc<()>)>;
 
 /// `bytes` bytes of device memory registered with every rank of a communicator.
-#[pyclass(frozen, module = "ipcreduce._native")]
+#[pyclass(frozen, weakref, module = "ipcreduce._native")]
 pub struct RegisteredBuffer {
     pub slot: Mutex<Slot>,
     ptr: u64,
