@@ -74,8 +74,9 @@ impl RegisteredBuffer {
         self.is_live()
     }
 
-    /// The CUDA Array Interface (version 3) of the whole buffer as bytes, for
-    /// `torch.as_tensor(buf, device=...)`. Work on it is ordered by the caller's streams.
+    /// The CUDA Array Interface (version 3; C-contiguous, so no strides) of the whole buffer as
+    /// bytes, for `torch.as_tensor(buf, device=...)`. Work on it is ordered by the caller's
+    /// streams.
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         if !self.is_live() {
@@ -90,7 +91,6 @@ impl RegisteredBuffer {
         d.set_item("typestr", "|u1")?;
         d.set_item("data", (self.ptr, false))?;
         d.set_item("version", 3)?;
-        d.set_item("strides", py.None())?;
         Ok(d)
     }
 
