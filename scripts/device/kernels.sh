@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The cuda data plane on a GPU machine, in one call: correctness of every path (staged and
+# The cuda data plane on a GPU machine: correctness of every path (staged and
 # registered/zero-copy; LL, one-shot, two-shot; odd grids, small slots, unaligned pointers), the
 # kernels' register use, compute-sanitizer on the new kernels, and a bandwidth sweep with CTA
 # variations (NCCL beside it when two GPUs are present). Builds nothing: expects
 # target/release/ipcreduce.
 #
 # Usage: scripts/device/kernels.sh OUT_DIR
-# Each phase fits one 10-minute call; run them one per call into the same OUT_DIR, e.g.
-#   PHASES=nvlink scripts/device/kernels.sh OUT; PHASES=bench ...; PHASES=sanitize ...;
-#   PHASES=mps ... (one GPU is enough for mps and sanitize).
-# Knobs: CASES=800 (main sweeps), VCASES=200 (variants), PHASES="nvlink mps sanitize bench",
-#        BENCH_MAX=1G, BLOCKS_SWEEP="8 16 24 32 48 64 96", WORLDS="2 4 8".
+# Run the phases in calls of at most 10 minutes into the same OUT_DIR (summary.txt collects
+# every step), e.g. on two GPUs: PHASES=nvlink, then PHASES=bench, then PHASES=sweep; on one
+# GPU (or two): PHASES=mps WORLDS=2, WORLDS=4, WORLDS=8 (one call each), PHASES=sanitize.
+# Knobs: CASES=800 (main sweeps), VCASES=200 (variants), PHASES (any of nvlink, bench, sweep,
+#        sanitize, mps; default "nvlink bench" with two GPUs, "mps" with one),
+#        BENCH_MAX=1G, BLOCKS_SWEEP="8 16 32 64 96", WORLDS="2 4 8".
 # Layout of OUT_DIR: env.txt, resources.txt, check-*.log, sanitizer.log, bench-*.{log,json},
 # summary.txt (one line per step: PASS/FAIL and the last line of its output).
 set -u
@@ -18,15 +19,17 @@ OUT=${1:?usage: kernels.sh OUT_DIR}
 BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
 CASES=${CASES:-800}
 VCASES=${VCASES:-200}
-PHASES=${PHASES:-nvlink mps sanitize bench}
 BENCH_MAX=${BENCH_MAX:-1G}
-BLOCKS_SWEEP=${BLOCKS_SWEEP:-8 16 24 32 48 64 96}
+BLOCKS_SWEEP=${BLOCKS_SWEEP:-8 16 32 64 96}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 # Never NVLink multicast.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+# Without PHASES: what fits one call on this machine (two GPUs: NVLink checks and the
+# benchmark; one GPU: the MPS checks and the sanitizer).
+if [ "$NGPU" -ge 2 ]; then PHASES=${PHASES:-nvlink bench}; else PHASES=${PHASES:-mps}; fi
 SUMMARY="$OUT/summary.txt"
 : >>"$SUMMARY"
 status=0
@@ -56,7 +59,7 @@ step() {
   grep -E "^# paths run" "$OUT/$name.log" | tail -n 1
 }
 
-# check NAME RANKS CASES [ARGS...] [-- ENV...]: the correctness sweep.
+# check NAME RANKS CASES [ARGS...]: the correctness sweep, with the variables in ENVS set.
 check() {
   local name=$1 ranks=$2 cases=$3
   shift 3
@@ -81,7 +84,24 @@ check_world() {
   ENVS=(IPCREDUCE_LL_MAX=0)
   check "$tag-w$w-registered-noll-oneshot" "$w" "$VCASES" --max-bytes 4M -a oneshot --registered
   check "$tag-w$w-registered-noll-twoshot" "$w" "$VCASES" --max-bytes 64M -a twoshot --registered
+  if [ "$w" = 2 ]; then
+    # The copy-engine path: every registered out-of-place case from 64 KB on (chunks of 8 MB).
+    ENVS=(IPCREDUCE_CE_MIN=65536)
+    check "$tag-w$w-registered-ce" "$w" "$VCASES" --max-bytes 64M --registered
+  fi
   ENVS=()
+}
+
+# bench NAME ENV... -- ARGS...: one benchmark run (bf16, eager and graph) into bench-NAME.*
+bench() {
+  local name=$1
+  shift
+  local envs=()
+  while [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  shift
+  step "bench-$name" 300 env "${envs[@]}" "$BIN" bench --backend cuda --ranks "$RANKS" \
+    -d bfloat16 -n 20 -w 5 -G 10 --json "$OUT/bench-$name.json" "$@"
+  grep -E "bfloat16" "$OUT/bench-$name.log" | head -n 80
 }
 
 # --- kernel resources (registers, local memory) as the driver reports them ------------------
@@ -110,9 +130,11 @@ if [[ " $PHASES " == *" sanitize "* ]]; then
 fi
 
 # --- bandwidth sweep: every path, eager and graph; CTA variations for tuning ------------------
-# bench's own --registered (zero-copy buffers) is used when this binary has it.
+# Registered (zero-copy) buffers in the benchmark: its own --registered when this binary has it,
+# else the test-buffer switch IPCREDUCE_TEST_REGISTERED=1.
 REGFLAG=""
-"$BIN" bench --help 2>&1 | grep -q -- "--registered" && REGFLAG=--registered
+REGENV=IPCREDUCE_TEST_REGISTERED=1
+if "$BIN" bench --help 2>&1 | grep -q -- "--registered"; then REGFLAG=--registered REGENV=; fi
 if [[ " $PHASES " == *" bench "* ]]; then
   if [ "$NGPU" -ge 2 ]; then
     ALGOS=all
@@ -124,22 +146,28 @@ if [[ " $PHASES " == *" bench "* ]]; then
     mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
     nvidia-cuda-mps-control -d && MPS_ON=1
   fi
-  bench() { # NAME ENV... -- ARGS...
-    local name=$1
-    shift
-    local envs=()
-    while [ "$1" != "--" ]; do envs+=("$1"); shift; done
-    shift
-    step "bench-$name" 300 env "${envs[@]}" "$BIN" bench --backend cuda --ranks "$RANKS" \
-      -d bfloat16 -n 20 -w 5 -G 10 --json "$OUT/bench-$name.json" "$@"
-    grep -E "bfloat16" "$OUT/bench-$name.log" | head -n 80
-  }
   bench staged -- -a "$ALGOS" -b 8 -e "$BENCH_MAX" -f 4
-  [ -n "$REGFLAG" ] && bench registered -- -a auto,oneshot,twoshot -b 8 -e "$BENCH_MAX" -f 4 $REGFLAG
+  bench registered $REGENV -- -a auto,oneshot,twoshot -b 8 -e "$BENCH_MAX" -f 4 $REGFLAG
+  if [ "$RANKS" = 2 ]; then
+    # The copy-engine path (two ranks, registered, out of place) from 4 MB on; in place stays
+    # on the SM kernels. Its reduce kernel's CTAs follow IPCREDUCE_BLOCKS.
+    bench ce $REGENV IPCREDUCE_CE_MIN=4194304 -- -a auto -b 4M -e "$BENCH_MAX" -f 2 $REGFLAG
+    bench ce-blocks8 $REGENV IPCREDUCE_CE_MIN=4194304 IPCREDUCE_BLOCKS=8 -- -a auto -b 16M -e "$BENCH_MAX" -f 4 $REGFLAG
+  fi
+  if [ -n "${MPS_ON:-}" ]; then echo quit | nvidia-cuda-mps-control; MPS_ON=; fi
+fi
+
+# --- CTA sweep for tuning (1 MB, 8 MB, 64 MB, 512 MB; every SM path) ---------------------------
+if [[ " $PHASES " == *" sweep "* ]]; then
+  RANKS=2
+  if [ "$NGPU" -lt 2 ]; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+    nvidia-cuda-mps-control -d && MPS_ON=1
+  fi
   for b in $BLOCKS_SWEEP; do
-    bench "staged-blocks$b" IPCREDUCE_BLOCKS=$b -- -a oneshot,twoshot -b 256K -e "$BENCH_MAX" -f 4
-    [ -n "$REGFLAG" ] && bench "registered-blocks$b" IPCREDUCE_BLOCKS=$b -- \
-      -a oneshot,twoshot -b 256K -e "$BENCH_MAX" -f 4 $REGFLAG
+    bench "staged-blocks$b" IPCREDUCE_BLOCKS=$b -- -a oneshot,twoshot -b 1M -e 512M -f 8
+    bench "registered-blocks$b" $REGENV IPCREDUCE_BLOCKS=$b -- -a oneshot,twoshot -b 1M -e 512M -f 8 $REGFLAG
   done
   if [ -n "${MPS_ON:-}" ]; then echo quit | nvidia-cuda-mps-control; MPS_ON=; fi
 fi

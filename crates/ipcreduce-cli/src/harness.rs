@@ -29,6 +29,11 @@ pub struct Buffers {
 
 impl Buffers {
     pub fn new(comm: &mut Communicator, bytes: usize) -> Result<Buffers> {
+        // IPCREDUCE_TEST_REGISTERED=1: every command's test buffers are registered (zero-copy),
+        // so that the benchmark can time the zero-copy paths as well.
+        if std::env::var_os("IPCREDUCE_TEST_REGISTERED").is_some_and(|v| v == "1") {
+            return Self::registered(comm, bytes);
+        }
         let capacity = bytes + 64 + GUARD;
         Ok(Buffers {
             send: comm.test_alloc(capacity)?,

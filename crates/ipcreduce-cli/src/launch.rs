@@ -4,8 +4,14 @@
 //! id and a random 128-bit secret, so ranks of different jobs can never meet and other users
 //! cannot reach the socket. When one rank fails, the others get a grace period to notice
 //! (the bootstrap's liveness aborts them) and are then terminated, then killed.
+//!
+//! A job spanning hosts runs one launcher per host (`--nnodes N --node-rank I --master
+//! HOST:PORT`): node I's ranks are I*n .. I*n+n-1 and meet the others over TCP at the
+//! master. Those launchers cannot agree on a random secret, so it comes from the
+//! environment (`IPCREDUCE_SECRET`, the same on every host), and the job id is derived
+//! from the master unless `IPCREDUCE_JOB_ID` is set.
 
-use ipcreduce::bootstrap::MAX_WORLD;
+use ipcreduce::bootstrap::{Master, MAX_WORLD};
 use ipcreduce::error::{Error, Result};
 use nix::sys::signal::{self, SaFlags, SigAction, SigHandler, SigSet, Signal};
 use nix::unistd::Pid;
@@ -33,6 +39,107 @@ pub fn in_rank() -> bool {
     set("IPCREDUCE_RANK") || set("RANK")
 }
 
+/// Where this launcher's ranks sit in a job that may span hosts.
+#[derive(Clone, Debug)]
+pub struct Nodes {
+    pub nnodes: usize,
+    pub node_rank: usize,
+    /// Rank 0's TCP address; required when `nnodes > 1`.
+    pub master: Option<Master>,
+}
+
+impl Nodes {
+    /// A job on this host alone.
+    pub fn single() -> Nodes {
+        Nodes {
+            nnodes: 1,
+            node_rank: 0,
+            master: None,
+        }
+    }
+
+    /// Checks the node settings against `n` ranks per node.
+    fn check(&self, n: usize) -> Result<()> {
+        if self.nnodes == 0 || self.node_rank >= self.nnodes {
+            return Err(Error::Config(format!(
+                "--node-rank {} must be below --nnodes {}",
+                self.node_rank, self.nnodes
+            )));
+        }
+        if self.nnodes > 1 && self.master.is_none() {
+            return Err(Error::Config(format!(
+                "--nnodes {} needs --master HOST:PORT (rank 0's host, reachable from every node)",
+                self.nnodes
+            )));
+        }
+        match n.checked_mul(self.nnodes) {
+            Some(w) if w <= MAX_WORLD => Ok(()),
+            _ => Err(Error::Config(format!(
+                "{} nodes of {n} ranks exceed the limit of {MAX_WORLD} ranks",
+                self.nnodes
+            ))),
+        }
+    }
+}
+
+/// How the ranks of a job find each other, as their environment says it.
+struct Meeting {
+    /// The private directory of a single-host job (holds the socket), removed at the end.
+    _dir: Option<PrivateDir>,
+    vars: Vec<(&'static str, String)>,
+    job_id: String,
+}
+
+impl Meeting {
+    fn new(nodes: &Nodes) -> Result<Meeting> {
+        let Some(master) = nodes.master.as_ref().filter(|_| nodes.nnodes > 1) else {
+            let dir = PrivateDir::create()?;
+            let socket = dir.path.join("rank0.sock");
+            let job_id = format!("launch-{}", random_hex(8));
+            return Ok(Meeting {
+                vars: vec![
+                    ("IPCREDUCE_SOCKET", socket.display().to_string()),
+                    ("IPCREDUCE_JOB_ID", job_id.clone()),
+                    ("IPCREDUCE_SECRET", random_hex(16)),
+                ],
+                _dir: Some(dir),
+                job_id,
+            });
+        };
+        let env = |k| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let secret = env("IPCREDUCE_SECRET").ok_or_else(|| {
+            Error::Config(
+                "a job across hosts needs IPCREDUCE_SECRET in every node's launcher environment \
+                 (the same hexadecimal string everywhere, e.g. from `openssl rand -hex 16`): \
+                 it is the job's only credential over TCP"
+                    .into(),
+            )
+        })?;
+        let job_id = env("IPCREDUCE_JOB_ID").unwrap_or_else(|| job_id_for(master));
+        Ok(Meeting {
+            vars: vec![
+                ("IPCREDUCE_MASTER", master.to_string()),
+                ("IPCREDUCE_JOB_ID", job_id.clone()),
+                ("IPCREDUCE_SECRET", secret),
+            ],
+            _dir: None,
+            job_id,
+        })
+    }
+}
+
+/// The job id every node derives alike from the master: `launch-<host>-<port>`, the host
+/// reduced to the characters job ids allow.
+fn job_id_for(m: &Master) -> String {
+    let host: String = m
+        .host
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .take(40)
+        .collect();
+    format!("launch-{host}-{}", m.port)
+}
+
 /// Starts `n` ranks of `program args...`, waits for all of them and returns the exit code of
 /// the first that failed (128 + signal number for a signal), or 0. See [`spawn_ranks_with`].
 pub fn spawn_ranks(
@@ -52,6 +159,19 @@ pub fn spawn_ranks_with(
     extra_env: &[(String, String)],
     grace: Duration,
 ) -> Result<i32> {
+    spawn_ranks_on(&Nodes::single(), n, program, args, extra_env, grace)
+}
+
+/// [`spawn_ranks_with`] for node `nodes.node_rank` of a job of `nodes.nnodes` hosts with `n`
+/// ranks each.
+pub fn spawn_ranks_on(
+    nodes: &Nodes,
+    n: usize,
+    program: &OsStr,
+    args: &[OsString],
+    extra_env: &[(String, String)],
+    grace: Duration,
+) -> Result<i32> {
     if n == 0 {
         return Err(Error::Config(
             "launch needs at least one rank (-n 0)".into(),
@@ -62,10 +182,9 @@ pub fn spawn_ranks_with(
             "launch supports at most {MAX_WORLD} ranks (-n {n})"
         )));
     }
-    let dir = PrivateDir::create()?;
-    let socket = dir.path.join("rank0.sock");
-    let job_id = format!("launch-{}", random_hex(8));
-    let secret = random_hex(16);
+    nodes.check(n)?;
+    let meeting = Meeting::new(nodes)?;
+    let world = n * nodes.nnodes;
 
     // NCCL with ranks sharing a GPU needs each rank to look like its own host: the launcher
     // says so in each child's environment (the library never sets variables in a process).
@@ -74,21 +193,22 @@ pub fn spawn_ranks_with(
     let cores = core_binding(n);
     let mut ranks: Vec<Rank> = Vec::with_capacity(n);
     for r in 0..n {
+        let global = nodes.node_rank * n + r;
         let mut cmd = Command::new(program);
         cmd.args(args)
             .stdin(Stdio::null())
-            .env("IPCREDUCE_RANK", r.to_string())
-            .env("IPCREDUCE_WORLD_SIZE", n.to_string())
+            .env("IPCREDUCE_RANK", global.to_string())
+            .env("IPCREDUCE_WORLD_SIZE", world.to_string())
             .env("IPCREDUCE_LOCAL_RANK", r.to_string())
-            .env("IPCREDUCE_SOCKET", &socket)
-            .env("IPCREDUCE_JOB_ID", &job_id)
-            .env("IPCREDUCE_SECRET", &secret)
-            .env("RANK", r.to_string())
-            .env("WORLD_SIZE", n.to_string())
+            .envs(meeting.vars.iter().map(|(k, v)| (k, v)))
+            .env("RANK", global.to_string())
+            .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_RANK", r.to_string())
-            .env("LOCAL_WORLD_SIZE", n.to_string());
+            .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("GROUP_RANK", nodes.node_rank.to_string());
         if nccl_shared_gpu {
-            cmd.env("NCCL_HOSTID", format!("{job_id}-rank-{r}"));
+            let job_id = &meeting.job_id;
+            cmd.env("NCCL_HOSTID", format!("{job_id}-rank-{global}"));
             for (k, v) in [("NCCL_SOCKET_IFNAME", "lo"), ("NCCL_IB_DISABLE", "1")] {
                 if std::env::var_os(k).is_none() {
                     cmd.env(k, v);
@@ -114,7 +234,7 @@ pub fn spawn_ranks_with(
                 return Err(if e.kind() == std::io::ErrorKind::NotFound {
                     Error::Config(format!("cannot start `{name}`: program not found"))
                 } else {
-                    Error::io(format!("starting rank {r} (`{name}`)"), e)
+                    Error::io(format!("starting rank {global} (`{name}`)"), e)
                 });
             }
         }
@@ -444,6 +564,36 @@ mod tests {
         )
         .unwrap();
         assert_eq!(code, 0);
+    }
+
+    #[test]
+    fn node_settings_are_checked() {
+        let m = Master::parse("127.0.0.1:1", "--master").unwrap();
+        let nodes = |nnodes, node_rank, master: Option<&Master>| Nodes {
+            nnodes,
+            node_rank,
+            master: master.cloned(),
+        };
+        let e = nodes(2, 2, Some(&m)).check(1).unwrap_err().to_string();
+        assert!(
+            e.contains("--node-rank 2") && e.contains("--nnodes 2"),
+            "{e}"
+        );
+        let e = nodes(2, 0, None).check(1).unwrap_err().to_string();
+        assert!(e.contains("--master"), "{e}");
+        let e = nodes(9, 0, Some(&m)).check(8).unwrap_err().to_string();
+        assert!(e.contains("9 nodes of 8 ranks") && e.contains("64"), "{e}");
+        assert!(nodes(8, 7, Some(&m)).check(8).is_ok());
+        assert!(Nodes::single().check(4).is_ok());
+    }
+
+    #[test]
+    fn job_ids_from_the_master_are_valid_and_alike() {
+        let m = Master::parse("[fd00::1]:29400", "--master").unwrap();
+        let id = job_id_for(&m);
+        assert_eq!(id, "launch-fd00--1-29400");
+        let info = ipcreduce::bootstrap::RankInfo::new(0, 1, "/s", id, None);
+        assert!(info.is_ok(), "{info:?}");
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The `ipcreduce` command: `launch`, `bench`, `check`, `overlap`.
+//! The `ipcreduce` command: `launch`, `bench`, `check`, `overlap`, `model`, `topo`.
 
 mod bench;
 mod check;
@@ -6,7 +6,9 @@ mod cli;
 mod faults;
 mod harness;
 mod launch;
+mod model;
 mod overlap;
+mod topo;
 
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
@@ -28,9 +30,18 @@ struct Cli {
 enum Cmd {
     /// Start N ranks of a command with the job's variables (IPCREDUCE_*, RANK, WORLD_SIZE...)
     Launch {
-        /// Number of ranks.
+        /// Number of ranks (on this host, with --nnodes).
         #[arg(short = 'n', long = "nproc")]
         n: usize,
+        /// Number of hosts in the job; one launcher runs on each.
+        #[arg(long, default_value_t = 1)]
+        nnodes: usize,
+        /// This host's index among the job's hosts (0 runs rank 0).
+        #[arg(long, default_value_t = 0)]
+        node_rank: usize,
+        /// Rank 0's HOST:PORT, reachable from every host (needed with --nnodes > 1).
+        #[arg(long)]
+        master: Option<String>,
         /// Seconds the other ranks get to stop by themselves after one failed.
         #[arg(long, default_value_t = 5.0)]
         grace: f64,
@@ -44,6 +55,10 @@ enum Cmd {
     Check(crate::check::CheckArgs),
     /// Training-loop benchmark: compute overlapped with bucketed all-reduce, ipcreduce vs NCCL
     Overlap(crate::overlap::OverlapArgs),
+    /// Scale model: hierarchical (ipcreduce inside nodes, NCCL between) against flat NCCL
+    Model(crate::model::ModelArgs),
+    /// For every pair of ranks: P2P access, the link (NVML), the mapping test, auto's path
+    Topo(crate::topo::TopoArgs),
     /// Provoke failures (mismatch, timeout, killed rank, create/destroy cycles) and check that
     /// every rank reports them.
     #[command(hide = true)]
@@ -70,7 +85,14 @@ fn main() -> ExitCode {
     init_logging();
     let cli = Cli::parse();
     match cli.command {
-        Cmd::Launch { n, grace, cmd } => {
+        Cmd::Launch {
+            n,
+            nnodes,
+            node_rank,
+            master,
+            grace,
+            cmd,
+        } => {
             let Some((program, args)) = cmd.split_first() else {
                 eprintln!("error: launch needs a command");
                 return ExitCode::from(2);
@@ -80,7 +102,19 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
             let grace = Duration::from_secs_f64(grace);
-            match crate::launch::spawn_ranks_with(n, program, args, &[], grace) {
+            let master = master.map(|m| ipcreduce::bootstrap::Master::parse(&m, "--master"));
+            let nodes = match master.transpose() {
+                Ok(master) => crate::launch::Nodes {
+                    nnodes,
+                    node_rank,
+                    master,
+                },
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            match crate::launch::spawn_ranks_on(&nodes, n, program, args, &[], grace) {
                 Ok(code) => exit(code),
                 Err(e) => {
                     eprintln!("error: {e}");
@@ -92,5 +126,7 @@ fn main() -> ExitCode {
         Cmd::Check(args) => exit(crate::check::run(args)),
         Cmd::Overlap(args) => exit(crate::overlap::run(args)),
         Cmd::Faults(args) => exit(crate::faults::run(args)),
+        Cmd::Model(args) => exit(crate::model::run(args)),
+        Cmd::Topo(args) => exit(crate::topo::run(args)),
     }
 }

@@ -151,52 +151,151 @@ fn launch_errors_are_clear() {
     assert_eq!(out.status.code(), Some(128 + 9));
 }
 
-/// `launch` + `RankInfo::from_env` + the bootstrap, end to end: this test binary is the rank.
-#[test]
-fn launched_ranks_bootstrap_together() {
-    if std::env::var(ROLE).is_ok() {
-        let info = ipcreduce::bootstrap::RankInfo::from_env().expect("rank info");
-        assert!(info.secret.is_some());
-        let mut b = ipcreduce::bootstrap::Bootstrap::connect(info, Duration::from_secs(10))
-            .expect("connect");
-        let all = b.all_gather(&[b.rank() as u8]).expect("all_gather");
-        let want: Vec<Vec<u8>> = (0..b.world()).map(|r| vec![r as u8]).collect();
-        assert_eq!(all, want);
-        b.barrier().expect("barrier");
-        println!("\n@@ OK {} of {}", b.rank(), b.world());
-        return;
-    }
+/// A rank of the end-to-end tests: joins, checks an all-gather, says who it is.
+fn play_bootstrap_rank() {
+    let info = ipcreduce::bootstrap::RankInfo::from_env().expect("rank info");
+    assert!(info.secret.is_some());
+    let tcp = info.master.is_some();
+    let mut b =
+        ipcreduce::bootstrap::Bootstrap::connect(info, Duration::from_secs(10)).expect("connect");
+    let all = b.all_gather(&[b.rank() as u8]).expect("all_gather");
+    let want: Vec<Vec<u8>> = (0..b.world()).map(|r| vec![r as u8]).collect();
+    assert_eq!(all, want);
+    b.barrier().expect("barrier");
+    let l = b.layout();
+    println!(
+        "\n@@ OK {} of {} node {} local {} tcp {tcp}",
+        b.rank(),
+        b.world(),
+        l.node(),
+        l.local_rank()
+    );
+}
+
+/// Starts `ipcreduce launch ARGS -- <this test binary as ranks of test>` with `env`.
+fn launch_test_ranks(test: &str, args: &[&str], env: &[(&str, &str)]) -> std::process::Child {
     let exe = std::env::current_exe().unwrap();
-    let mut child = Command::new(BIN)
-        .args(["launch", "-n", "4", "--"])
+    Command::new(BIN)
+        .arg("launch")
+        .args(args)
+        .arg("--")
         .arg(&exe)
-        .args([
-            "--exact",
-            "launched_ranks_bootstrap_together",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
         .env(ROLE, "rank")
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap()
+}
+
+/// The ranks' `@@ OK` lines, once the launcher `child` exited successfully (bounded).
+fn oks_of(child: std::process::Child) -> Vec<String> {
     let t0 = Instant::now();
+    let mut child = child;
     while child.try_wait().unwrap().is_none() {
-        assert!(t0.elapsed() < Duration::from_secs(20), "job hung");
+        if t0.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!("job hung");
+        }
         std::thread::sleep(Duration::from_millis(10));
     }
     let out = child.wait_with_output().unwrap();
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
-    let oks: HashSet<&str> = stdout
+    stdout
         .lines()
         .filter_map(|l| l.strip_prefix("@@ OK "))
+        .map(str::to_string)
+        .collect()
+}
+
+/// `launch` + `RankInfo::from_env` + the bootstrap, end to end: this test binary is the rank.
+#[test]
+fn launched_ranks_bootstrap_together() {
+    if std::env::var(ROLE).is_ok() {
+        return play_bootstrap_rank();
+    }
+    let test = "launched_ranks_bootstrap_together";
+    let oks: HashSet<String> = oks_of(launch_test_ranks(test, &["-n", "4"], &[]))
+        .into_iter()
         .collect();
-    assert_eq!(
-        oks,
-        HashSet::from(["0 of 4", "1 of 4", "2 of 4", "3 of 4"]),
-        "{stdout}"
+    let want: HashSet<String> = (0..4)
+        .map(|r| format!("{r} of 4 node 0 local {r} tcp false"))
+        .collect();
+    assert_eq!(oks, want);
+}
+
+/// Two launchers, as on two hosts (`IPCREDUCE_HOST_ID` tells them apart), make one job of
+/// 2 x 2 ranks over TCP on loopback.
+#[test]
+fn two_launchers_make_one_job_over_tcp() {
+    if std::env::var(ROLE).is_ok() {
+        return play_bootstrap_rank();
+    }
+    let test = "two_launchers_make_one_job_over_tcp";
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let master = format!("127.0.0.1:{port}");
+    let secret = "00112233445566778899aabbccddeeff";
+    let node = |i: &'static str, host: &'static str| {
+        let args = [
+            "-n",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            i,
+            "--master",
+            &master,
+        ];
+        let env = [("IPCREDUCE_SECRET", secret), ("IPCREDUCE_HOST_ID", host)];
+        launch_test_ranks(test, &args, &env)
+    };
+    // Node 1 first: its ranks wait, bounded, for rank 0 to listen.
+    let n1 = node("1", "host-b");
+    std::thread::sleep(Duration::from_millis(200));
+    let n0 = node("0", "host-a");
+    let mut oks = oks_of(n0);
+    oks.extend(oks_of(n1));
+    oks.sort();
+    let want: Vec<String> = (0..4)
+        .map(|r| format!("{r} of 4 node {} local {} tcp true", r / 2, r % 2))
+        .collect();
+    assert_eq!(oks, want);
+}
+
+#[test]
+fn a_launcher_across_hosts_needs_a_master_and_a_secret() {
+    let (out, _) = launch(
+        &["-n", "1", "--nnodes", "2", "--", "true"],
+        Duration::from_secs(10),
     );
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("--master"),
+        "{}",
+        text(&out.stderr)
+    );
+    // (The test's own environment has no IPCREDUCE_SECRET.)
+    let (out, _) = launch(
+        &[
+            "-n",
+            "1",
+            "--nnodes",
+            "2",
+            "--master",
+            "127.0.0.1:9",
+            "--",
+            "true",
+        ],
+        Duration::from_secs(10),
+    );
+    assert!(!out.status.success());
+    let e = text(&out.stderr);
+    assert!(e.contains("IPCREDUCE_SECRET"), "{e}");
 }

@@ -33,6 +33,7 @@ impl Communicator {
         let algo_env = config.algo;
         let mut boot = Bootstrap::connect(info, config.timeout())?;
         let kind = agree_on_backend(&mut boot, config.backend)?;
+        boot.layout().check_backend(kind)?;
         let backend: Box<dyn BackendOps> = match kind {
             BackendKind::Host => Box::new(backend::host::HostComm::new(&mut boot, &config)?),
             BackendKind::Cuda => Box::new(backend::cuda::CudaComm::new(&mut boot, &config)?),

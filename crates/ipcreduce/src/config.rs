@@ -75,6 +75,9 @@ pub struct Config {
     /// cuda: largest message for the low-latency one-shot, 0 = off *(same on every rank)*.
     /// `IPCREDUCE_LL_MAX`; 64 KiB, at most 256 KiB.
     pub ll_max_bytes: Option<usize>,
+    /// cuda, two ranks, registered buffers, out of place: messages from this size on take the
+    /// copy-engine path, 0 = never *(same on every rank)*. `IPCREDUCE_CE_MIN`; 0 (until measured).
+    pub ce_min_bytes: Option<usize>,
     /// cuda: how workspaces are shared. `IPCREDUCE_SHARE` (vmm, ipc, auto); auto tries VMM,
     /// then IPC.
     pub sharing: Option<Sharing>,
@@ -119,6 +122,7 @@ impl Config {
             workspace_bytes: self.workspace_bytes.or(from_env.workspace_bytes),
             blocks: self.blocks.or(from_env.blocks),
             ll_max_bytes: self.ll_max_bytes.or(from_env.ll_max_bytes),
+            ce_min_bytes: self.ce_min_bytes.or(from_env.ce_min_bytes),
             sharing: self.sharing.or(from_env.sharing),
             transport: self.transport.or(from_env.transport),
             deny_peer: self.deny_peer.or(from_env.deny_peer),
@@ -198,6 +202,7 @@ impl Config {
             workspace_bytes: times("IPCREDUCE_SLOT_BYTES", 2)?,
             blocks: int("IPCREDUCE_BLOCKS")?,
             ll_max_bytes: int("IPCREDUCE_LL_MAX")?,
+            ce_min_bytes: int("IPCREDUCE_CE_MIN")?,
             sharing,
             transport,
             deny_peer,

@@ -9,10 +9,14 @@ use crate::types::{Algorithm, BackendKind};
 /// Size limits under which `Auto` picks one-shot, per backend and world size.
 /// One-shot moves (world-1) x bytes per rank but needs one barrier; two-shot moves
 /// 2 (world-1)/world x bytes and needs two, so one-shot wins while latency dominates.
+/// At two ranks both put the same bytes on each direction of the link (one-shot reads the
+/// peer's whole input; two-shot reads half and writes half back), so one-shot, with fewer
+/// barriers and no gather, wins at every size: measured on two H200s over NVLink
+/// (2026-11-30, staged buffers: 18.7 against 26.4 us at 2 MB, 321 against 233 GB/s at 512 MB).
 pub fn oneshot_max_bytes(backend: BackendKind, world: usize) -> usize {
     match backend {
         BackendKind::Cuda => match world {
-            0..=2 => 512 << 10,
+            0..=2 => usize::MAX,
             3..=4 => 256 << 10,
             _ => 128 << 10,
         },
@@ -28,6 +32,12 @@ pub fn oneshot_max_bytes(backend: BackendKind, world: usize) -> usize {
 /// together, no barrier): beyond it the doubled traffic costs more than the barrier saves.
 /// `IPCREDUCE_LL_MAX` overrides (0 disables).
 pub const LL_DEFAULT_MAX_BYTES: usize = 64 << 10;
+
+/// Default smallest message for the cuda copy-engine path (two ranks, registered, out of
+/// place): DEFAULT, off until the NVLink runs measure it against the zero-copy SM kernels (the
+/// plain CE pipeline the design starts from reached 308 GB/s at 32 MB and 342 at 512 MB).
+/// `IPCREDUCE_CE_MIN` overrides.
+pub const CE_DEFAULT_MIN_BYTES: usize = 0;
 
 /// The algorithm a call runs: an explicit choice wins over `IPCREDUCE_ALGO` (`env`), which
 /// wins over `Auto`'s size rule.
@@ -74,15 +84,18 @@ pub enum CudaPath {
     OneShotReg,
     /// Registered buffers: reduce-scatter by loads, all-gather by stores into every output.
     TwoShotReg,
+    /// Registered buffers, two ranks, out of place: copy-engine pushes, a local reduce kernel.
+    Ce,
 }
 
 impl CudaPath {
-    pub const ALL: [CudaPath; 5] = [
+    pub const ALL: [CudaPath; 6] = [
         CudaPath::OneShotLl,
         CudaPath::OneShotStaged,
         CudaPath::TwoShotStaged,
         CudaPath::OneShotReg,
         CudaPath::TwoShotReg,
+        CudaPath::Ce,
     ];
 
     pub fn name(self) -> &'static str {
@@ -92,11 +105,15 @@ impl CudaPath {
             CudaPath::TwoShotStaged => "twoshot-staged",
             CudaPath::OneShotReg => "oneshot-reg",
             CudaPath::TwoShotReg => "twoshot-reg",
+            CudaPath::Ce => "ce",
         }
     }
 
     pub fn registered(self) -> bool {
-        matches!(self, CudaPath::OneShotReg | CudaPath::TwoShotReg)
+        matches!(
+            self,
+            CudaPath::OneShotReg | CudaPath::TwoShotReg | CudaPath::Ce
+        )
     }
 
     /// Code stamped with the call's arguments: ranks on different paths fail with a mismatch.
@@ -106,6 +123,7 @@ impl CudaPath {
             CudaPath::TwoShotStaged => 2,
             CudaPath::OneShotReg => 4,
             CudaPath::TwoShotReg => 5,
+            CudaPath::Ce => 6,
         }
     }
 }
@@ -119,6 +137,9 @@ pub struct GridLimits {
     pub cap: usize,
     /// `IPCREDUCE_BLOCKS`: one CTA count for every SM path, overriding the size rule.
     pub fixed: Option<usize>,
+    /// Smallest message for the copy-engine path (registered, out of place); 0 = never. Zero
+    /// unless the world has two ranks.
+    pub ce_min: usize,
 }
 
 /// Default CTA counts by message size. DEFAULTS, first guesses from the kernels' design (8
@@ -129,11 +150,15 @@ fn default_ctas(path: CudaPath, bytes: usize) -> usize {
     const M: usize = 1 << 20;
     match path {
         CudaPath::OneShotLl => bytes.div_ceil(8).div_ceil(512),
+        // The copy-engine path's local reduce kernel.
+        CudaPath::Ce => 16,
+        // Measured with a zero-copy two-shot of the same structure on two H200s (2026-11-30):
+        // 16 CTAs are within 3% of the best at 1 MB, 24-32 within 6% from 4 MB on; 16 CTAs
+        // at 64 MB lose 13%.
         CudaPath::OneShotReg | CudaPath::TwoShotReg => match bytes {
-            0..=262_144 => 4,
-            _ if bytes <= M => 8,
-            _ if bytes <= 4 * M => 12,
-            _ => 16,
+            0..=262_144 => 8,
+            _ if bytes <= M => 16,
+            _ => 32,
         },
         CudaPath::OneShotStaged | CudaPath::TwoShotStaged => match bytes {
             _ if bytes <= 256 * K => 8,
@@ -156,6 +181,7 @@ pub fn cuda_path(
 ) -> (CudaPath, u32) {
     let path = match (algo, registered) {
         (Algorithm::OneShot, _) if bytes <= lim.ll_max => CudaPath::OneShotLl,
+        (_, true) if lim.ce_min > 0 && bytes >= lim.ce_min && !in_place => CudaPath::Ce,
         // One-shot in place would let a peer read an element this rank already overwrote.
         (Algorithm::OneShot, true) if !in_place => CudaPath::OneShotReg,
         (_, true) => CudaPath::TwoShotReg,
@@ -222,8 +248,13 @@ mod tests {
             Algorithm::TwoShot
         );
         assert_eq!(choose(Algorithm::Auto, None, b, 2, 8), Algorithm::OneShot);
+        // Two ranks: one-shot at every size; more ranks: two-shot for large messages.
         assert_eq!(
             choose(Algorithm::Auto, None, b, 2, 1 << 30),
+            Algorithm::OneShot
+        );
+        assert_eq!(
+            choose(Algorithm::Auto, None, b, 4, 1 << 30),
             Algorithm::TwoShot
         );
         assert_eq!(
@@ -238,6 +269,7 @@ mod tests {
             ll_max: 64 << 10,
             cap: 64,
             fixed: None,
+            ce_min: 0,
         };
         let one = Algorithm::OneShot;
         let two = Algorithm::TwoShot;
@@ -267,7 +299,7 @@ mod tests {
         );
         assert_eq!(
             cuda_path(two, 1 << 30, true, false, &lim),
-            (CudaPath::TwoShotReg, 16)
+            (CudaPath::TwoShotReg, 32)
         );
         // More CTAs for bigger staged messages, never above the cap.
         let small = cuda_path(two, 64 << 10, false, false, &lim).1;
@@ -297,6 +329,25 @@ mod tests {
             codes.len(),
             4,
             "staged and zero-copy paths must stamp differently"
+        );
+        // The copy-engine path: registered, out of place, from its threshold on.
+        let ce = GridLimits {
+            ce_min: 32 << 20,
+            ..lim
+        };
+        assert_eq!(cuda_path(two, 64 << 20, true, false, &ce).0, CudaPath::Ce);
+        assert_eq!(cuda_path(one, 64 << 20, true, false, &ce).0, CudaPath::Ce);
+        assert_eq!(
+            cuda_path(two, 64 << 20, true, true, &ce).0,
+            CudaPath::TwoShotReg
+        );
+        assert_eq!(
+            cuda_path(two, 64 << 20, false, false, &ce).0,
+            CudaPath::TwoShotStaged
+        );
+        assert_eq!(
+            cuda_path(two, 16 << 20, true, false, &ce).0,
+            CudaPath::TwoShotReg
         );
     }
 

@@ -178,3 +178,17 @@ fn the_host_backend_has_no_device_and_no_stream() {
     assert_eq!(comm.cuda_device(), None);
     assert!(comm.cuda_stream().is_none());
 }
+
+#[test]
+fn registered_buffers_are_refused_on_the_host_backend_with_a_reason() {
+    let mut comm = single_rank();
+    let err = invalid(comm.alloc(4096).map(drop));
+    assert!(
+        err.contains("cuda backend") && err.contains("host_buffer"),
+        "{err}"
+    );
+    // SAFETY: refused before the pointer is used.
+    let err = invalid(unsafe { comm.register(0x1000, 4096) }.map(drop));
+    assert!(err.contains("register"), "{err}");
+    assert_eq!(comm.last_path(), None);
+}

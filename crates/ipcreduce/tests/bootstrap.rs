@@ -4,11 +4,16 @@
 //! `IPCREDUCE_TEST_ROLE` set; the test function sees the variable and plays the rank instead
 //! of the parent. Ranks report on stdout with lines starting `@@ `; their stderr carries the
 //! library's log (warnings), which some tests inspect.
+//!
+//! The tests named `tcp_*` (and the TCP halves of the shared ones) play a job spanning hosts
+//! on this one machine: ranks meet over TCP on 127.0.0.1 and claim distinct hosts through
+//! `IPCREDUCE_HOST_ID`.
 
 mod common;
 
 use common::{say, Job, Rank, Spawn};
 use ipcreduce::bootstrap::{Bootstrap, RankInfo};
+use ipcreduce::{BackendChoice, Communicator, Config};
 use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
@@ -35,6 +40,7 @@ fn play_rank_if_child() {
         "barrier" => rank_barrier(),
         "kill" => rank_kill(),
         "expect_fail" => rank_expect_fail(),
+        "layout" => rank_layout(),
         other => panic!("unknown role {other}"),
     };
     let _ = std::io::stdout().flush();
@@ -72,6 +78,13 @@ fn payload(k: usize, round: usize) -> Vec<u8> {
 
 fn rank_gather() -> i32 {
     let mut b = join();
+    gather_rounds(&mut b);
+    say("DONE");
+    0
+}
+
+/// All-gathers of varied payloads, checked, then a barrier.
+fn gather_rounds(b: &mut Bootstrap) {
     let (r, n) = (b.rank(), b.world());
     for round in 0..6 {
         let all = b.all_gather(&payload(r, round)).expect("all_gather");
@@ -81,6 +94,52 @@ fn rank_gather() -> i32 {
         }
     }
     b.barrier().expect("barrier");
+}
+
+fn memfd() -> std::fs::File {
+    let fd = nix::sys::memfd::memfd_create(
+        c"ipcreduce-test",
+        nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC,
+    )
+    .expect("memfd_create");
+    std::fs::File::from(fd)
+}
+
+/// A rank of a job spanning "hosts": reports its layout, exchanges data across nodes, is
+/// refused descriptors, and is refused the host backend.
+fn rank_layout() -> i32 {
+    let mut b = join();
+    let l = b.layout().clone();
+    let nodes: Vec<String> = (0..l.node_count())
+        .map(|n| format!("{:?}", l.node_ranks(n)))
+        .collect();
+    say(format!(
+        "LAYOUT {} {} {} {} {}",
+        l.node(),
+        l.local_rank(),
+        l.local_size(),
+        l.host_id(l.node()),
+        nodes.join("|")
+    ));
+    gather_rounds(&mut b);
+    use std::os::fd::AsFd;
+    match b.all_gather_fds(memfd().as_fd()) {
+        Ok(_) => say("FDS_PASSED"),
+        Err(e) => say(format!("FDS_REFUSED {e}")),
+    }
+    // The refusal left the job usable.
+    b.barrier()
+        .expect("barrier after the refused descriptor exchange");
+    drop(b);
+    let host = Config {
+        backend: BackendChoice::Host,
+        ..Config::default()
+    };
+    let info = RankInfo::from_env().expect("rank info");
+    match Communicator::with_rank_info(info, &host) {
+        Ok(_) => say("HOST_BACKEND_ACCEPTED"),
+        Err(e) => say(format!("HOST_REFUSED {e}")),
+    }
     say("DONE");
     0
 }
@@ -88,12 +147,7 @@ fn rank_gather() -> i32 {
 fn rank_fds() -> i32 {
     let mut b = join();
     let (r, n) = (b.rank(), b.world());
-    let memfd = nix::sys::memfd::memfd_create(
-        c"ipcreduce-test",
-        nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC,
-    )
-    .expect("memfd_create");
-    let mine = std::fs::File::from(memfd);
+    let mine = memfd();
     mine.set_len(4096).expect("ftruncate");
     use std::os::fd::AsFd;
     let fds = b.all_gather_fds(mine.as_fd()).expect("all_gather_fds");
@@ -194,7 +248,10 @@ fn rank_expect_fail() -> i32 {
 // ---------------------------------------------------------------------------------------
 // Parent side
 
+/// Starts `rank` of `world` playing `role`, with `net`'s variables, then `extra` (which may
+/// override them).
 fn spawn(
+    net: Net,
     test: &str,
     role: &str,
     job: &Job,
@@ -202,12 +259,15 @@ fn spawn(
     world: usize,
     extra: &[(&str, &str)],
 ) -> Rank {
+    let env = net.env(rank);
+    let mut all: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    all.extend_from_slice(extra);
     let spec = Spawn {
         test,
         role_var: ROLE,
         role,
         world,
-        extra,
+        extra: &all,
         hold: false,
     };
     Rank::spawn(&spec, job, rank)
@@ -221,11 +281,54 @@ fn spawn_world(
     extra: &[(&str, &str)],
 ) -> Vec<Rank> {
     (0..world)
-        .map(|r| spawn(test, role, job, r, world, extra))
+        .map(|r| spawn(Net::Unix, test, role, job, r, world, extra))
         .collect()
 }
 
 const T: Duration = Duration::from_secs(20);
+
+/// How a test's ranks meet: the Unix socket of one host, or TCP on loopback with the ranks
+/// spread over `per_node`-rank "hosts" (rank r on host `node-{r / per_node}`).
+#[derive(Clone, Copy)]
+enum Net {
+    Unix,
+    Tcp { port: u16, per_node: usize },
+}
+
+impl Net {
+    fn tcp(per_node: usize) -> Net {
+        Net::Tcp {
+            port: free_port(),
+            per_node,
+        }
+    }
+
+    fn env(self, rank: usize) -> Vec<(String, String)> {
+        match self {
+            Net::Unix => vec![],
+            Net::Tcp { port, per_node } => vec![
+                ("IPCREDUCE_MASTER".into(), format!("127.0.0.1:{port}")),
+                (
+                    "IPCREDUCE_HOST_ID".into(),
+                    format!("node-{}", rank / per_node),
+                ),
+            ],
+        }
+    }
+
+    fn tag(self) -> &'static str {
+        match self {
+            Net::Unix => "unix",
+            Net::Tcp { .. } => "tcp",
+        }
+    }
+}
+
+/// A loopback port nobody listens on now (the kernel's pick; released at once for rank 0).
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+    l.local_addr().unwrap().port()
+}
 
 // ---------------------------------------------------------------------------------------
 // Tests
@@ -279,15 +382,21 @@ fn barrier_waits_for_the_slowest_rank() {
 /// A same-user process with the right socket but wrong credentials of the job is refused and
 /// logged by rank 0, and the real job still completes.
 fn stranger_is_refused(test: &str, tag: &str, wrong: (&str, &str), logged: &str) {
-    let job = Job::new("bt", tag);
-    let mut r0 = spawn(test, "gather", &job, 0, 2, &[]);
-    let mut stranger = spawn(test, "expect_fail", &job, 1, 2, &[wrong]);
+    for net in [Net::Unix, Net::tcp(1)] {
+        stranger_is_refused_on(net, test, tag, wrong, logged);
+    }
+}
+
+fn stranger_is_refused_on(net: Net, test: &str, tag: &str, wrong: (&str, &str), logged: &str) {
+    let job = Job::new("bt", &format!("{tag}-{}", net.tag()));
+    let mut r0 = spawn(net, test, "gather", &job, 0, 2, &[]);
+    let mut stranger = spawn(net, test, "expect_fail", &job, 1, 2, &[wrong]);
     let why = stranger.expect("FAILED", T);
     eprintln!("stranger: {why}");
     assert!(why.contains("refused"), "stranger saw: {why}");
     stranger.wait_ok(T);
 
-    let mut r1 = spawn(test, "gather", &job, 1, 2, &[]);
+    let mut r1 = spawn(net, test, "gather", &job, 1, 2, &[]);
     for r in [&mut r0, &mut r1] {
         r.expect("DONE", T);
         r.wait_ok(T);
@@ -326,9 +435,9 @@ fn duplicate_rank_is_refused() {
     play_rank_if_child();
     let test = "duplicate_rank_is_refused";
     let job = Job::new("bt", "dup");
-    let mut r0 = spawn(test, "gather", &job, 0, 3, &[]);
-    let mut a = spawn(test, "gather", &job, 1, 3, &[]);
-    let mut b = spawn(test, "gather", &job, 1, 3, &[]);
+    let mut r0 = spawn(Net::Unix, test, "gather", &job, 0, 3, &[]);
+    let mut a = spawn(Net::Unix, test, "gather", &job, 1, 3, &[]);
+    let mut b = spawn(Net::Unix, test, "gather", &job, 1, 3, &[]);
     // Whichever claims rank 1 second is refused at once; rank 2 is held back until then, so
     // the rendezvous is still open when the duplicate arrives.
     let until = Instant::now() + T;
@@ -349,7 +458,7 @@ fn duplicate_rank_is_refused() {
     eprintln!("duplicate: {why}");
     assert!(why.contains("duplicate rank"), "{why}");
     loser.wait(T);
-    let mut r2 = spawn(test, "gather", &job, 2, 3, &[]);
+    let mut r2 = spawn(Net::Unix, test, "gather", &job, 2, 3, &[]);
     for r in [&mut r0, &mut winner, &mut r2] {
         r.expect("DONE", T);
         r.wait_ok(T);
@@ -359,10 +468,22 @@ fn duplicate_rank_is_refused() {
 
 /// SIGKILLs `victim` of 4 ranks between operations; the other 3 must see their abort state
 /// set, naming the victim, well within 2 s.
-fn kill_one_of_four(test: &str, victim: usize) {
-    let job = Job::new("bt", &format!("kill{victim}"));
+fn kill_one_of_four(net: Net, test: &str, victim: usize) {
+    let job = Job::new("bt", &format!("kill{victim}-{}", net.tag()));
     let v = victim.to_string();
-    let mut ranks = spawn_world(test, "kill", &job, 4, &[("IPCREDUCE_TEST_VICTIM", &v)]);
+    let mut ranks: Vec<Rank> = (0..4)
+        .map(|r| {
+            spawn(
+                net,
+                test,
+                "kill",
+                &job,
+                r,
+                4,
+                &[("IPCREDUCE_TEST_VICTIM", &v)],
+            )
+        })
+        .collect();
     for r in &mut ranks {
         r.expect("READY", T);
     }
@@ -398,13 +519,13 @@ fn kill_one_of_four(test: &str, victim: usize) {
 #[test]
 fn kill_9_of_rank_2_aborts_the_others_quickly() {
     play_rank_if_child();
-    kill_one_of_four("kill_9_of_rank_2_aborts_the_others_quickly", 2);
+    kill_one_of_four(Net::Unix, "kill_9_of_rank_2_aborts_the_others_quickly", 2);
 }
 
 #[test]
 fn kill_9_of_rank_0_aborts_the_others_quickly() {
     play_rank_if_child();
-    kill_one_of_four("kill_9_of_rank_0_aborts_the_others_quickly", 0);
+    kill_one_of_four(Net::Unix, "kill_9_of_rank_0_aborts_the_others_quickly", 0);
 }
 
 #[test]
@@ -416,7 +537,17 @@ fn missing_rank_times_out_naming_it() {
     let job = Job::new("bt", "timeout");
     // World 3, rank 2 never starts.
     let mut ranks: Vec<Rank> = (0..2)
-        .map(|r| spawn(test, "expect_fail", &job, r, 3, &[(TIMEOUT_VAR, &t)]))
+        .map(|r| {
+            spawn(
+                Net::Unix,
+                test,
+                "expect_fail",
+                &job,
+                r,
+                3,
+                &[(TIMEOUT_VAR, &t)],
+            )
+        })
         .collect();
     for r in &mut ranks {
         let msg = r.expect("FAILED", T);
@@ -442,6 +573,7 @@ fn missing_rank_0_times_out_naming_it() {
     play_rank_if_child();
     let job = Job::new("bt", "noroot");
     let mut r1 = spawn(
+        Net::Unix,
         "missing_rank_0_times_out_naming_it",
         "expect_fail",
         &job,
@@ -456,4 +588,161 @@ fn missing_rank_0_times_out_naming_it() {
     assert!(err.contains("rank 0"), "{err}");
     assert!((700..=1500).contains(&ms), "gave up after {ms} ms: {err}");
     r1.wait_ok(T);
+}
+
+#[test]
+fn tcp_kill_9_of_a_rank_on_node_1_aborts_node_0_quickly() {
+    play_rank_if_child();
+    // Two "hosts" of two ranks: rank 3 is on node 1; ranks 0 and 1 on node 0 must notice.
+    let test = "tcp_kill_9_of_a_rank_on_node_1_aborts_node_0_quickly";
+    kill_one_of_four(Net::tcp(2), test, 3);
+}
+
+#[test]
+fn tcp_kill_9_of_rank_0_aborts_node_1_quickly() {
+    play_rank_if_child();
+    kill_one_of_four(Net::tcp(2), "tcp_kill_9_of_rank_0_aborts_node_1_quickly", 0);
+}
+
+#[test]
+fn tcp_ranks_are_grouped_by_host() {
+    play_rank_if_child();
+    let test = "tcp_ranks_are_grouped_by_host";
+    // 3 "hosts" of 2 ranks.
+    let net = Net::tcp(2);
+    let job = Job::new("bt", "tcp-layout");
+    let mut ranks: Vec<Rank> = (0..6)
+        .map(|r| spawn(net, test, "layout", &job, r, 6, &[]))
+        .collect();
+    for r in &mut ranks {
+        let layout = r.expect("LAYOUT", T);
+        let want = format!(
+            "{} {} 2 node-{} [0, 1]|[2, 3]|[4, 5]",
+            r.rank / 2,
+            r.rank % 2,
+            r.rank / 2
+        );
+        assert_eq!(layout, want, "rank {}", r.rank);
+        let fds = r.expect("FDS_REFUSED", T);
+        assert!(
+            fds.contains(&format!("rank {}", r.rank))
+                && fds.contains("all_gather_fds")
+                && fds.contains("TCP"),
+            "rank {}: {fds}",
+            r.rank
+        );
+        let host = r.expect("HOST_REFUSED", T);
+        assert!(
+            host.contains("host backend") && host.contains("spans 3 nodes"),
+            "rank {}: {host}",
+            r.rank
+        );
+        r.expect("DONE", T);
+        r.wait_ok(T);
+    }
+}
+
+#[test]
+fn tcp_unequal_nodes_are_refused() {
+    play_rank_if_child();
+    let test = "tcp_unequal_nodes_are_refused";
+    let port = free_port().to_string();
+    let master = format!("127.0.0.1:{port}");
+    let job = Job::new("bt", "tcp-uneven");
+    // Ranks 0, 1, 2 on host a; rank 3 on host b.
+    let mut ranks: Vec<Rank> = (0..4)
+        .map(|r| {
+            let host = if r < 3 { "a" } else { "b" };
+            let env = [
+                ("IPCREDUCE_MASTER", master.as_str()),
+                ("IPCREDUCE_HOST_ID", host),
+            ];
+            spawn(Net::Unix, test, "expect_fail", &job, r, 4, &env)
+        })
+        .collect();
+    for r in &mut ranks {
+        let msg = r.expect("FAILED", T);
+        assert!(
+            msg.contains("different numbers of ranks")
+                && msg.contains("node 0 (host a) has 3 rank(s): 0-2")
+                && msg.contains("node 1 (host b) has 1 rank(s): 3"),
+            "rank {}: {msg}",
+            r.rank
+        );
+        r.wait_ok(T);
+    }
+}
+
+#[test]
+fn tcp_without_a_secret_is_refused_before_connecting() {
+    play_rank_if_child();
+    let test = "tcp_without_a_secret_is_refused_before_connecting";
+    let job = Job::new("bt", "tcp-nosecret");
+    let net = Net::tcp(1);
+    let mut r = spawn(
+        net,
+        test,
+        "expect_fail",
+        &job,
+        1,
+        2,
+        &[("IPCREDUCE_SECRET", "")],
+    );
+    // RankInfo::from_env refuses it: the rank panics naming the variable.
+    let st = r.wait(T);
+    assert!(!st.success());
+    let log = r.stderr();
+    assert!(
+        log.contains("IPCREDUCE_SECRET") && log.contains("TCP"),
+        "{log}"
+    );
+}
+
+/// Ranks `started` of a 4-rank TCP job of two 2-rank nodes run; the other node never comes.
+/// Every started rank must give up within its timeout (plus rank 0's verdict grace), naming
+/// what is missing in `names`.
+fn tcp_node_never_comes(test: &str, tag: &str, started: [usize; 2], names: &str) {
+    let timeout_ms = 1500u64;
+    let t = timeout_ms.to_string();
+    let net = Net::tcp(2);
+    let job = Job::new("bt", tag);
+    let mut ranks: Vec<Rank> = started
+        .iter()
+        .map(|&r| spawn(net, test, "expect_fail", &job, r, 4, &[(TIMEOUT_VAR, &t)]))
+        .collect();
+    for r in &mut ranks {
+        let msg = r.expect("FAILED", T);
+        let (ms, err) = msg.split_once(' ').unwrap();
+        let ms: u64 = ms.parse().unwrap();
+        eprintln!("rank {} after {ms} ms: {err}", r.rank);
+        assert!(err.contains(names), "rank {}: {err}", r.rank);
+        assert!(
+            (500..=timeout_ms + 1200).contains(&ms),
+            "rank {} gave up after {ms} ms (timeout {timeout_ms} ms): {err}",
+            r.rank
+        );
+        r.wait_ok(T);
+    }
+}
+
+#[test]
+fn tcp_node_1_never_comes_and_node_0_gives_up_in_time() {
+    play_rank_if_child();
+    tcp_node_never_comes(
+        "tcp_node_1_never_comes_and_node_0_gives_up_in_time",
+        "tcp-nonode1",
+        [0, 1],
+        "ranks 2, 3",
+    );
+}
+
+#[test]
+fn tcp_node_0_never_comes_and_node_1_gives_up_in_time() {
+    play_rank_if_child();
+    tcp_node_never_comes(
+        "tcp_node_0_never_comes_and_node_1_gives_up_in_time",
+        "tcp-nonode0",
+        [2, 3],
+        "127.0.0.1",
+    );
 }

@@ -7,6 +7,8 @@
 //! - CUDA graph replays with inputs that change between replays;
 //! - streams: handle 0 is the legacy default stream; calls that switch streams stay ordered;
 //! - teardown with work in flight, in both sharing modes;
+//! - registered (zero-copy) buffers: every path on them, eager and in CUDA graph replays, in
+//!   place and out of place, the copy-engine path; cuMemAlloc memory refused by register;
 //! - the low-latency wrap: more than 200,000 LL one-shot calls, every result checked, built so
 //!   that a sequence number kept in 16 bits accepts a line left 65,536 calls earlier.
 
@@ -40,6 +42,7 @@ fn play_rank_if_child() {
         "teardown" => rank_teardown(),
         "llwrap" => rank_ll_wrap(),
         "device" => rank_device(),
+        "registered" => rank_registered(),
         other => panic!("unknown role {other}"),
     };
     let _ = std::io::stdout().flush();
@@ -352,6 +355,130 @@ fn rank_graph() -> i32 {
     if let Some(e) = c.async_error() {
         panic!("after the graphs: {e}");
     }
+    say(format!("DONE {checked}"));
+    0
+}
+
+/// Registered buffers: each case captured once into a CUDA graph and replayed with new inputs
+/// (the peers' addresses are fixed at capture), then run eagerly; the path it took must be a
+/// zero-copy one (or LL for small one-shot calls). `register` refuses cuMemAlloc memory with
+/// a message that says how to allocate; `free` is collective.
+fn rank_registered() -> i32 {
+    let mut c = join();
+    let (rank, world) = (c.rank(), c.world());
+    let s = Stream::new();
+    let plain = DeviceAlloc::new(1 << 20, rank).unwrap();
+    // SAFETY: refused before the memory is used.
+    let err = unsafe { c.register(plain.ptr, 1 << 20) }
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("Communicator::alloc"), "{err}");
+    let max = 4 << 20;
+    let (a, b) = (c.alloc(max).unwrap(), c.alloc(max).unwrap());
+    assert_eq!(a.bytes(), max);
+    let cases = [
+        (1000usize, Algorithm::OneShot, false),
+        (100_003, Algorithm::OneShot, false),
+        (100_003, Algorithm::OneShot, true),
+        (100_003, Algorithm::TwoShot, false),
+        ((1 << 20) - 3, Algorithm::Auto, false),
+        ((1 << 20) - 3, Algorithm::TwoShot, true),
+    ];
+    let mut checked = 0;
+    let mut paths = std::collections::BTreeSet::new();
+    for dtype in DType::ALL {
+        for &(count, algo, in_place) in &cases {
+            let bytes = count * dtype.size();
+            let recv = if in_place { a.ptr() } else { b.ptr() };
+            let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+            // SAFETY: capture on our stream; ended below.
+            ck(
+                unsafe { sys::cuStreamBeginCapture_v2(s.0, mode) },
+                "begin capture",
+            );
+            reduce(
+                &mut c,
+                a.ptr(),
+                recv,
+                count,
+                dtype,
+                ReduceOp::Sum,
+                algo,
+                s.ptr(),
+            );
+            let mut graph = std::ptr::null_mut();
+            // SAFETY: ends the capture begun above.
+            ck(
+                unsafe { sys::cuStreamEndCapture(s.0, &mut graph) },
+                "end capture",
+            );
+            let path = c.last_path().expect("a path");
+            assert!(
+                path.registered || path.name == "oneshot-ll",
+                "{count} x {dtype} {algo}: {path:?}"
+            );
+            paths.insert(path.name);
+            let mut exec = std::ptr::null_mut();
+            // SAFETY: instantiates the captured graph.
+            ck(
+                unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
+                "instantiate",
+            );
+            for replay in 0..4u64 {
+                let seed = replay << 40 | (count as u64) << 8 | dtype.code() as u64;
+                let mut input = vec![0u8; bytes];
+                reference::fill_input(dtype, seed, rank, &mut input);
+                // SAFETY: in bounds of `a`; synchronized before `input` goes away.
+                ck(
+                    unsafe {
+                        sys::cuMemcpyHtoDAsync_v2(a.ptr(), input.as_ptr().cast(), bytes, s.0)
+                    },
+                    "upload",
+                );
+                if replay < 3 {
+                    // SAFETY: launches our instantiated graph on our stream.
+                    ck(unsafe { sys::cuGraphLaunch(exec, s.0) }, "graph launch");
+                } else {
+                    reduce(
+                        &mut c,
+                        a.ptr(),
+                        recv,
+                        count,
+                        dtype,
+                        ReduceOp::Sum,
+                        algo,
+                        s.ptr(),
+                    );
+                }
+                let mut got = vec![0u8; bytes];
+                download(recv, &mut got, s.0);
+                let wrong = reference::count_wrong(dtype, ReduceOp::Sum, seed, world, &got);
+                assert_eq!(
+                    wrong, 0,
+                    "rank {rank}: {count} x {dtype} {algo} in place {in_place}, {}, replay {replay}",
+                    path.name
+                );
+                same_everywhere(&mut c, &got, "registered");
+                checked += 1;
+            }
+            // SAFETY: ours, destroyed once, after the last replay finished (synchronized).
+            unsafe {
+                sys::cuGraphExecDestroy(exec);
+                sys::cuGraphDestroy(graph);
+            }
+        }
+    }
+    if let Some(e) = c.async_error() {
+        panic!("after the registered calls: {e}");
+    }
+    if std::env::var_os("IPCREDUCE_CE_MIN").is_some() && world == 2 {
+        assert!(
+            paths.contains("ce"),
+            "copy-engine path not taken: {paths:?}"
+        );
+    }
+    c.free(a).unwrap();
+    c.free(b).unwrap();
     say(format!("DONE {checked}"));
     0
 }
@@ -709,6 +836,28 @@ fn teardown_with_work_in_flight() {
 fn the_device_is_the_callers() {
     play_rank_if_child();
     run_role("the_device_is_the_callers", "device", &[2], &[]);
+}
+
+#[test]
+fn registered_buffers_eager_and_in_graphs() {
+    play_rank_if_child();
+    run_role(
+        "registered_buffers_eager_and_in_graphs",
+        "registered",
+        &[2, 4, 8],
+        &[],
+    );
+}
+
+#[test]
+fn registered_buffers_through_the_copy_engine() {
+    play_rank_if_child();
+    run_role(
+        "registered_buffers_through_the_copy_engine",
+        "registered",
+        &[2],
+        &[("IPCREDUCE_CE_MIN", "65536")],
+    );
 }
 
 #[test]

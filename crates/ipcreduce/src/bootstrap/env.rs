@@ -1,5 +1,7 @@
 //! Where a rank learns who it is: ipcreduce's own variables, or torchrun's.
 
+use super::master::Master;
+use super::nodes::{check_host_id, machine_host_id};
 use crate::error::{Error, Result};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -14,8 +16,12 @@ pub struct RankInfo {
     pub world: usize,
     /// Index of this rank among the ranks of this host (selects the GPU).
     pub local_rank: usize,
-    /// The job's rendezvous socket.
+    /// The job's rendezvous socket (unused when `master` is set).
     pub socket: PathBuf,
+    /// Where rank 0 listens when the job spans several hosts (TCP); None: the Unix socket.
+    pub master: Option<Master>,
+    /// Which host this rank runs on: ranks with the same id form a node.
+    pub host_id: String,
     /// Identifies the job; ranks of another job are refused.
     pub job_id: String,
     /// Per-job secret handed out by `ipcreduce launch`; None when started by another launcher.
@@ -30,6 +36,8 @@ impl std::fmt::Debug for RankInfo {
             .field("world", &self.world)
             .field("local_rank", &self.local_rank)
             .field("socket", &self.socket)
+            .field("master", &self.master)
+            .field("host_id", &self.host_id)
             .field("job_id", &self.job_id)
             .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
             .finish()
@@ -55,14 +63,37 @@ impl RankInfo {
             world,
             local_rank: rank,
             socket: socket.into(),
+            master: None,
+            host_id: machine_host_id(),
             job_id,
             secret,
         })
     }
 
+    /// Meets over TCP at `master` instead of the Unix socket. The secret is then the only
+    /// credential (peer uids cannot be checked across hosts), so it is required.
+    pub fn with_master(mut self, master: Master) -> Result<RankInfo> {
+        require_secret(&self.secret, &master, "the secret")?;
+        self.master = Some(master);
+        Ok(self)
+    }
+
+    /// Overrides the host id (tests that play several hosts on one machine).
+    pub fn with_host_id(mut self, id: impl Into<String>) -> Result<RankInfo> {
+        let id = id.into();
+        check_host_id(&id, "host id")?;
+        self.host_id = id;
+        Ok(self)
+    }
+
     /// Reads `IPCREDUCE_RANK`/`IPCREDUCE_WORLD_SIZE`/`IPCREDUCE_LOCAL_RANK`/`IPCREDUCE_SOCKET`/
     /// `IPCREDUCE_JOB_ID`/`IPCREDUCE_SECRET`, falling back to torchrun's `RANK`/`WORLD_SIZE`/
     /// `LOCAL_RANK` (socket derived from the job id).
+    ///
+    /// Jobs spanning several hosts meet over TCP (see [`Master::from_lookup`]):
+    /// `IPCREDUCE_MASTER=host:port`, or under torchrun with `LOCAL_WORLD_SIZE < WORLD_SIZE`,
+    /// `MASTER_ADDR` and `MASTER_PORT + 1`. The host id is `IPCREDUCE_HOST_ID`, else the
+    /// hostname and boot id.
     ///
     /// The job id is `IPCREDUCE_JOB_ID`, else `TORCHELASTIC_RUN_ID` (unless it is torchrun's
     /// placeholder `none`), else `MASTER_PORT`. Without `IPCREDUCE_SOCKET` the socket is
@@ -121,11 +152,15 @@ impl RankInfo {
         };
         check_job_id(&job_id, job_var)?;
 
+        let master = Master::from_lookup(&get, rank_var == "RANK", world)?;
         let socket = match get("IPCREDUCE_SOCKET") {
             Some(s) => PathBuf::from(s),
             None => {
                 let dir = default_socket_dir();
-                ensure_private_dir(&dir)?;
+                // Over TCP the socket is never bound: do not create its directory.
+                if master.is_none() {
+                    ensure_private_dir(&dir)?;
+                }
                 dir.join(format!("{job_id}.sock"))
             }
         };
@@ -133,12 +168,24 @@ impl RankInfo {
         let secret = get("IPCREDUCE_SECRET")
             .map(|s| normalize_secret(&s, "IPCREDUCE_SECRET"))
             .transpose()?;
+        if let Some(m) = &master {
+            require_secret(&secret, m, "IPCREDUCE_SECRET")?;
+        }
+        let host_id = match get("IPCREDUCE_HOST_ID") {
+            Some(id) => {
+                check_host_id(&id, "IPCREDUCE_HOST_ID")?;
+                id
+            }
+            None => machine_host_id(),
+        };
 
         Ok(RankInfo {
             rank,
             world,
             local_rank,
             socket,
+            master,
+            host_id,
             job_id,
             secret,
         })
@@ -231,6 +278,19 @@ fn check_job_id(job_id: &str, var: &str) -> Result<()> {
         return Err(Error::Config(format!(
             "{var}={job_id:?} is not a valid job id (1 to 64 characters from A-Z a-z 0-9 . _ -, \
              not starting with '.')"
+        )));
+    }
+    Ok(())
+}
+
+/// Across hosts no uid can be checked: without a secret anyone who can reach the port could
+/// join the job.
+fn require_secret(secret: &Option<String>, master: &Master, var: &str) -> Result<()> {
+    if secret.is_none() {
+        return Err(Error::Config(format!(
+            "ranks meeting over TCP ({master}) need {var}: the same hexadecimal string on every \
+             node (e.g. `export IPCREDUCE_SECRET=$(openssl rand -hex 16)`, passed to every node's \
+             launcher); it is the job's only credential across hosts"
         )));
     }
     Ok(())

@@ -1,4 +1,6 @@
-//! Control plane: ranks of one host meet over a Unix domain socket.
+//! Control plane: ranks of one host meet over a Unix domain socket; ranks of a job spanning
+//! hosts meet over TCP at the master's address (see `master.rs`), with the same frames,
+//! checks, bounded waits and liveness (only descriptors cannot cross hosts).
 //!
 //! Rank 0 listens on the job's socket; the others connect, prove they belong to the job
 //! (same uid via SO_PEERCRED, the per-job secret) and say hello (rank, world size, job id).
@@ -10,8 +12,11 @@
 //! | file | what is there |
 //! |---|---|
 //! | `env.rs` | [`RankInfo`]: who am I, from the environment |
+//! | `master.rs` | [`Master`]: rank 0's TCP address, when the job spans hosts |
+//! | `nodes.rs` | [`Layout`]: ranks grouped by host |
 //! | `rendezvous.rs` | listen/connect, credentials, hello, welcome |
-//! | `wire.rs` | frames, bounded waits |
+//! | `tcp.rs` | TCP listen/connect and keepalive |
+//! | `wire.rs` | frames over either stream, bounded waits |
 //! | `fdpass.rs` | socket I/O with SCM_RIGHTS |
 //! | `liveness.rs` | the watcher threads |
 //!
@@ -22,10 +27,15 @@
 mod env;
 mod fdpass;
 mod liveness;
+mod master;
+mod nodes;
 mod rendezvous;
+mod tcp;
 mod wire;
 
 pub use env::{default_socket_dir, ensure_private_dir, RankInfo, MAX_WORLD};
+pub use master::Master;
+pub use nodes::{machine_host_id, Layout};
 
 use crate::abort::AbortState;
 use crate::error::{Error, Result};
@@ -45,6 +55,8 @@ pub struct Bootstrap {
     /// Stopped first on drop, so the goodbye goes out before the control connections close.
     watcher: Option<Watcher>,
     links: Links,
+    /// The job's nodes, learned right after the rendezvous.
+    layout: Layout,
 }
 
 enum Links {
@@ -127,14 +139,35 @@ impl Bootstrap {
                 .map_err(|e| spawn_err(info.rank, e))?;
             (Links::Leaf(ctrl), Some(w))
         };
-        Ok(Bootstrap {
+        let layout = Layout::from_host_ids(0, std::slice::from_ref(&info.host_id))?;
+        let mut boot = Bootstrap {
             info,
             timeout,
             abort,
             seq: 0,
             watcher,
             links,
-        })
+            layout,
+        };
+        // Every rank gets every host id, so every rank reaches the same layout, or the same
+        // refusal, without another message.
+        let ids = boot.all_gather(boot.info.host_id.clone().as_bytes())?;
+        let ids: Vec<String> = ids
+            .iter()
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+            .collect();
+        boot.layout = Layout::from_host_ids(boot.info.rank, &ids)?;
+        Ok(boot)
+    }
+
+    /// The job's nodes: which ranks share a host.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Whether the ranks met over TCP (the job was started as spanning hosts).
+    pub fn over_tcp(&self) -> bool {
+        self.info.master.is_some()
     }
 
     pub fn rank(&self) -> usize {
@@ -165,7 +198,26 @@ impl Bootstrap {
     }
 
     /// Every rank contributes one file descriptor; returns one fd per rank (own = a dup).
+    /// Only within one host over the Unix socket: descriptors cannot cross hosts, so a job
+    /// that met over TCP is refused (on every rank alike, before anything is sent).
     pub fn all_gather_fds(&mut self, mine: BorrowedFd<'_>) -> Result<Vec<OwnedFd>> {
+        if self.over_tcp() || self.layout.node_count() > 1 {
+            return Err(Error::Bootstrap {
+                rank: self.rank(),
+                peer: None,
+                op: GATHER_FDS.name,
+                detail: format!(
+                    "file descriptors can only be exchanged between ranks of one host over \
+                     its Unix socket; this job met over {} and spans {} node(s)",
+                    if self.over_tcp() {
+                        "TCP"
+                    } else {
+                        "a Unix socket"
+                    },
+                    self.layout.node_count()
+                ),
+            });
+        }
         self.round(GATHER_FDS, &[], Some(mine)).map(|r| r.fds)
     }
 

@@ -3,21 +3,27 @@
 //! uid (SO_PEERCRED) before reading anything, then its hello (protocol, job id, secret, world,
 //! rank); strangers are logged and dropped while rank 0 keeps waiting for the real ranks.
 //! Once everyone is in, rank 0 welcomes them all.
+//!
+//! Jobs spanning hosts do the same over TCP (see `tcp.rs`): no uid can be checked there, so
+//! the secret is the credential (required), and the process claiming a rank is named by its
+//! address and the pid its hello states.
 
-use super::wire::{Conn, Deadline, Frame, Kind, Reader, WireError, Writer};
-use super::RankInfo;
+use super::wire::{Conn, Deadline, Frame, Kind, Reader, Stream, WireError, Writer};
+use super::{tcp, RankInfo};
 use crate::error::{Error, Result};
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags};
 use nix::sys::socket::{self, sockopt, AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
-use std::os::fd::{AsFd, AsRawFd};
+use std::net::TcpListener;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 const MAGIC: &[u8; 8] = b"IPCRBOOT";
-const VERSION: u16 = 1;
+/// 2: the hello states the sender's pid.
+const VERSION: u16 = 2;
 /// Connections that have not said hello yet are capped, so a flood of idle strangers cannot
 /// exhaust rank 0's descriptors.
 const MAX_PENDING: usize = 256;
@@ -44,6 +50,7 @@ struct Hello {
     channel: Channel,
     rank: usize,
     world: usize,
+    pid: u32,
     job_id: String,
     secret: Vec<u8>,
 }
@@ -56,6 +63,7 @@ fn encode_hello(info: &RankInfo, channel: Channel) -> Vec<u8> {
         .u8(channel as u8)
         .u32(info.rank as u32)
         .u32(info.world as u32)
+        .u32(std::process::id())
         .u16(info.job_id.len() as u16)
         .bytes(info.job_id.as_bytes())
         .u16(secret.len() as u16)
@@ -82,6 +90,7 @@ fn decode_hello(payload: &[u8]) -> std::result::Result<Hello, String> {
         };
         let rank = r.u32()? as usize;
         let world = r.u32()? as usize;
+        let pid = r.u32()?;
         let n = r.u16()? as usize;
         let job_id = String::from_utf8_lossy(r.bytes(n)?).into_owned();
         let n = r.u16()? as usize;
@@ -90,6 +99,7 @@ fn decode_hello(payload: &[u8]) -> std::result::Result<Hello, String> {
             channel,
             rank,
             world,
+            pid,
             job_id,
             secret,
         })
@@ -207,6 +217,44 @@ impl Listener {
     }
 }
 
+/// Where rank 0 waits for the others: the job's Unix socket, or a TCP port across hosts.
+enum Door {
+    Unix(Listener),
+    Tcp(TcpListener, String),
+}
+
+impl Door {
+    fn open(info: &RankInfo) -> Result<Door> {
+        match &info.master {
+            None => Listener::bind(info).map(Door::Unix),
+            Some(m) => tcp::listen(m)
+                .map(|l| Door::Tcp(l, m.to_string()))
+                .map_err(|detail| Error::Bootstrap {
+                    rank: 0,
+                    peer: None,
+                    op: "listen",
+                    detail,
+                }),
+        }
+    }
+
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Door::Unix(l) => l.sock.as_fd(),
+            Door::Tcp(l, _) => l.as_fd(),
+        }
+    }
+
+    /// Accepts every waiting connection into `pending`, after the identity checks the
+    /// transport allows.
+    fn accept_all(&self, me: u32, pending: &mut Vec<Pending>) {
+        match self {
+            Door::Unix(l) => accept_unix(l, me, pending),
+            Door::Tcp(l, name) => accept_tcp(l, name, pending),
+        }
+    }
+}
+
 impl Drop for Listener {
     fn drop(&mut self) {
         if let Ok(md) = std::fs::symlink_metadata(&self.path) {
@@ -271,20 +319,39 @@ fn connect_once(path: &Path) -> std::result::Result<UnixStream, Errno> {
 pub(crate) struct Joined {
     pub ctrl: Vec<Option<Conn>>,
     pub live: Vec<Option<Conn>>,
-    /// The process (pid from SO_PEERCRED) that claimed each rank: both connections of a rank
-    /// must come from it, so two processes claiming one rank cannot end up with one
+    /// The process that claimed each rank (see [`Pending::owner`]): both connections of a
+    /// rank must come from it, so two processes claiming one rank cannot end up with one
     /// connection each.
-    owner: Vec<Option<i32>>,
+    owner: Vec<Option<String>>,
 }
 
 struct Pending {
     conn: Conn,
-    pid: i32,
+    /// Who connected, for logs: `pid N` (Unix, from SO_PEERCRED) or the TCP peer address.
+    from: String,
+    /// The pid the kernel vouches for (Unix sockets only).
+    pid: Option<i32>,
+}
+
+impl Pending {
+    /// The claimant of a rank: the kernel's pid on a Unix socket; across hosts the peer's
+    /// IP address and the pid its hello states (it proved the secret, so it is a rank of
+    /// the job, and a rank has no reason to lie about its pid).
+    fn owner(&self, h: &Hello) -> String {
+        match (self.pid, &self.conn.sock) {
+            (Some(pid), _) => format!("pid {pid}"),
+            (None, Stream::Tcp(s)) => match s.peer_addr() {
+                Ok(a) => format!("pid {} at {}", h.pid, a.ip()),
+                Err(_) => format!("pid {} at an unknown address", h.pid),
+            },
+            (None, Stream::Unix(_)) => format!("pid {}", h.pid),
+        }
+    }
 }
 
 /// Rank 0: waits until every other rank has opened both connections, then welcomes them.
 pub(crate) fn root(info: &RankInfo, timeout: Duration) -> Result<Joined> {
-    let listener = Listener::bind(info)?;
+    let listener = Door::open(info)?;
     let deadline = Instant::now() + timeout;
     let world = info.world;
     let mut joined = Joined {
@@ -317,7 +384,7 @@ pub(crate) fn root(info: &RankInfo, timeout: Duration) -> Result<Joined> {
 
         let ready: Vec<bool> = {
             let mut pfds = Vec::with_capacity(1 + pending.len());
-            pfds.push(PollFd::new(listener.sock.as_fd(), PollFlags::POLLIN));
+            pfds.push(PollFd::new(listener.as_fd(), PollFlags::POLLIN));
             for p in &pending {
                 pfds.push(PollFd::new(p.conn.sock.as_fd(), PollFlags::POLLIN));
             }
@@ -345,21 +412,21 @@ pub(crate) fn root(info: &RankInfo, timeout: Duration) -> Result<Joined> {
                 Err(e) => {
                     let p = pending.swap_remove(i);
                     tracing::warn!(
-                        "rank 0: dropped a connection from pid {} before its hello: {e}",
-                        p.pid
+                        "rank 0: dropped a connection from {} before its hello: {e}",
+                        p.from
                     );
                 }
             }
         }
 
         if ready[0] {
-            accept_all(&listener, me, &mut pending)?;
+            listener.accept_all(me, &mut pending);
         }
         if pending.len() > MAX_PENDING {
             let p = pending.remove(0);
             tracing::warn!(
-                "rank 0: too many connections without hello; dropped the oldest (pid {})",
-                p.pid
+                "rank 0: too many connections without hello; dropped the oldest (from {})",
+                p.from
             );
         }
     }
@@ -390,18 +457,50 @@ pub(crate) fn root(info: &RankInfo, timeout: Duration) -> Result<Joined> {
     Ok(joined)
 }
 
-fn accept_all(listener: &Listener, me: u32, pending: &mut Vec<Pending>) -> Result<()> {
+/// Whether an accept loop goes on after `r`: the socket on success; None to retry (EINTR);
+/// Err(()) to stop (nothing left, or an error, which is logged: running out of descriptors
+/// is worth reporting, not worth dying over).
+fn accepted<S, A>(r: std::io::Result<(S, A)>, door: &str) -> std::result::Result<Option<S>, ()> {
+    match r {
+        Ok((s, _)) => Ok(Some(s)),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Err(()),
+        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(None),
+        Err(e) => {
+            tracing::warn!("rank 0: accept on {door} failed: {e}");
+            Err(())
+        }
+    }
+}
+
+fn accept_tcp(listener: &TcpListener, name: &str, pending: &mut Vec<Pending>) {
     loop {
-        let sock = match listener.sock.accept() {
-            Ok((s, _)) => s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                // Running out of descriptors is worth reporting, not worth dying over.
-                tracing::warn!("rank 0: accept on {} failed: {e}", listener.path.display());
-                return Ok(());
-            }
+        let Ok(got) = accepted(listener.accept(), name) else {
+            return;
         };
+        let Some(sock) = got else { continue };
+        let from = sock
+            .peer_addr()
+            .map_or_else(|_| "an unknown address".into(), |a| a.to_string());
+        // Nothing to check before the hello: its secret is the credential.
+        let conn = tcp::tune(&sock).and_then(|()| Conn::untrusted(sock));
+        match conn {
+            Ok(conn) => pending.push(Pending {
+                conn,
+                from,
+                pid: None,
+            }),
+            Err(e) => tracing::warn!("rank 0: dropped a connection from {from}: {e}"),
+        }
+    }
+}
+
+fn accept_unix(listener: &Listener, me: u32, pending: &mut Vec<Pending>) {
+    let door = listener.path.display().to_string();
+    loop {
+        let Ok(got) = accepted(listener.sock.accept(), &door) else {
+            return;
+        };
+        let Some(sock) = got else { continue };
         // Identity first: nothing is read from or sent to another user's process.
         let cred = match socket::getsockopt(&sock, sockopt::PeerCredentials) {
             Ok(c) => c,
@@ -423,7 +522,8 @@ fn accept_all(listener: &Listener, me: u32, pending: &mut Vec<Pending>) -> Resul
         match Conn::untrusted(sock) {
             Ok(conn) => pending.push(Pending {
                 conn,
-                pid: cred.pid(),
+                from: format!("pid {}", cred.pid()),
+                pid: Some(cred.pid()),
             }),
             Err(e) => tracing::warn!("rank 0: dropped a connection: {e}"),
         }
@@ -450,9 +550,9 @@ fn admit(info: &RankInfo, joined: &mut Joined, mut p: Pending, frame: Frame) {
                 h.channel.name()
             ));
         }
-        match joined.owner[h.rank] {
-            Some(pid) if pid != p.pid => Err(format!(
-                "rank {} was already claimed by pid {pid} (duplicate rank)",
+        match &joined.owner[h.rank] {
+            Some(owner) if *owner != p.owner(&h) => Err(format!(
+                "rank {} was already claimed by {owner} (duplicate rank)",
                 h.rank
             )),
             _ => Ok(h),
@@ -461,13 +561,13 @@ fn admit(info: &RankInfo, joined: &mut Joined, mut p: Pending, frame: Frame) {
     match verdict {
         Ok(h) => {
             tracing::debug!(
-                "rank 0: rank {} joined ({} connection, pid {})",
+                "rank 0: rank {} joined ({} connection, {})",
                 h.rank,
                 h.channel.name(),
-                p.pid
+                p.from
             );
             p.conn.trust();
-            joined.owner[h.rank] = Some(p.pid);
+            joined.owner[h.rank] = Some(p.owner(&h));
             let slot = match h.channel {
                 Channel::Ctrl => &mut joined.ctrl[h.rank],
                 Channel::Live => &mut joined.live[h.rank],
@@ -476,11 +576,13 @@ fn admit(info: &RankInfo, joined: &mut Joined, mut p: Pending, frame: Frame) {
         }
         Err(reason) => {
             tracing::warn!(
-                "rank 0: refused a connection from pid {} to job {}: {reason}",
-                p.pid,
+                "rank 0: refused a connection from {} to job {}: {reason}",
+                p.from,
                 info.job_id
             );
-            // Same uid, so telling it why helps a misconfigured rank and reveals nothing.
+            // Same uid (or, over TCP, someone who reached the port: the reasons name only
+            // the job id and sizes, never the secret), so telling it why helps a
+            // misconfigured rank.
             let _ = p.conn.send(
                 Kind::Refuse,
                 0,
@@ -531,6 +633,32 @@ fn connect_to_root(info: &RankInfo, channel: Channel, dl: &Deadline<'_>) -> Resu
         op,
         detail,
     };
+    let sock: Stream = match &info.master {
+        None => connect_unix(info, dl)?.into(),
+        // No uid to check across hosts: the hello's secret is what rank 0 trusts.
+        Some(m) => tcp::connect(m, dl.at)
+            .map_err(|d| err("connect", d))?
+            .into(),
+    };
+    let mut conn = Conn::trusted(sock).map_err(|e| err("connect", e.to_string()))?;
+    conn.send(Kind::Hello, 0, &encode_hello(info, channel), &[], dl)
+        .map_err(|e| {
+            err(
+                "hello",
+                format!("on the {} connection: {e}", channel.name()),
+            )
+        })?;
+    Ok(conn)
+}
+
+/// Connects to the job's Unix socket and checks that rank 0 runs as our user.
+fn connect_unix(info: &RankInfo, dl: &Deadline<'_>) -> Result<UnixStream> {
+    let err = |op, detail| Error::Bootstrap {
+        rank: info.rank,
+        peer: Some(0),
+        op,
+        detail,
+    };
     let path = &info.socket;
     let mut backoff = Duration::from_millis(5);
     let sock = loop {
@@ -575,15 +703,7 @@ fn connect_to_root(info: &RankInfo, channel: Channel, dl: &Deadline<'_>) -> Resu
             ),
         ));
     }
-    let mut conn = Conn::trusted(sock).map_err(|e| err("connect", e.to_string()))?;
-    conn.send(Kind::Hello, 0, &encode_hello(info, channel), &[], dl)
-        .map_err(|e| {
-            err(
-                "hello",
-                format!("on the {} connection: {e}", channel.name()),
-            )
-        })?;
-    Ok(conn)
+    Ok(sock)
 }
 
 fn await_welcome(

@@ -14,6 +14,7 @@ use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 use std::collections::VecDeque;
 use std::io;
+use std::net::TcpStream;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
@@ -180,10 +181,52 @@ pub(crate) fn poll_timeout(d: Duration) -> PollTimeout {
     PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX)
 }
 
-/// One bootstrap connection: a non-blocking Unix stream socket plus the state of the frame
+/// The byte stream under a [`Conn`]: a Unix socket inside one host, TCP between hosts. Frames,
+/// waits and liveness are the same on both; only Unix sockets carry file descriptors.
+pub(crate) enum Stream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Stream {
+    fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_nonblocking(on),
+            Stream::Tcp(s) => s.set_nonblocking(on),
+        }
+    }
+
+    /// Whether file descriptors can travel on this stream (SCM_RIGHTS needs a Unix socket).
+    pub fn passes_fds(&self) -> bool {
+        matches!(self, Stream::Unix(_))
+    }
+}
+
+impl AsFd for Stream {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Stream::Unix(s) => s.as_fd(),
+            Stream::Tcp(s) => s.as_fd(),
+        }
+    }
+}
+
+impl From<UnixStream> for Stream {
+    fn from(s: UnixStream) -> Self {
+        Stream::Unix(s)
+    }
+}
+
+impl From<TcpStream> for Stream {
+    fn from(s: TcpStream) -> Self {
+        Stream::Tcp(s)
+    }
+}
+
+/// One bootstrap connection: a non-blocking stream socket plus the state of the frame
 /// being read and the descriptors received but not yet claimed.
 pub(crate) struct Conn {
-    pub sock: UnixStream,
+    pub sock: Stream,
     pub fds: VecDeque<OwnedFd>,
     /// None until the peer has proved it belongs to the job: until then descriptors it sends
     /// are discarded by the kernel.
@@ -195,7 +238,8 @@ pub(crate) struct Conn {
 
 impl Conn {
     /// Wraps a connection whose peer has not said hello yet (small frames, no descriptors).
-    pub fn untrusted(sock: UnixStream) -> io::Result<Conn> {
+    pub fn untrusted(sock: impl Into<Stream>) -> io::Result<Conn> {
+        let sock = sock.into();
         sock.set_nonblocking(true)?;
         Ok(Conn {
             sock,
@@ -208,7 +252,7 @@ impl Conn {
     }
 
     /// Wraps a connection to a known member of the job.
-    pub fn trusted(sock: UnixStream) -> io::Result<Conn> {
+    pub fn trusted(sock: impl Into<Stream>) -> io::Result<Conn> {
         let mut c = Conn::untrusted(sock)?;
         c.trust();
         Ok(c)
@@ -216,7 +260,9 @@ impl Conn {
 
     /// The peer proved it belongs to the job: accept its descriptors and larger frames.
     pub fn trust(&mut self) {
-        self.cmsg = Some(fdpass::cmsg_buffer());
+        if self.sock.passes_fds() {
+            self.cmsg = Some(fdpass::cmsg_buffer());
+        }
         self.max_payload = TRUSTED_MAX;
     }
 
@@ -292,6 +338,11 @@ impl Conn {
         fds: &[RawFd],
         dl: &Deadline<'_>,
     ) -> Result<(), WireError> {
+        if !fds.is_empty() && !self.sock.passes_fds() {
+            return Err(WireError::Protocol(
+                "file descriptors cannot travel over TCP (ranks on different hosts)".into(),
+            ));
+        }
         let len = u32::try_from(payload.len())
             .ok()
             .filter(|l| (*l as usize) <= TRUSTED_MAX)

@@ -64,6 +64,7 @@ pub fn describe_stamp_difference(mine: u64, theirs: u64) -> String {
         "nccl",
         "oneshot-reg",
         "twoshot-reg",
+        "ce",
     ];
     let dtypes = ["float", "half", "bfloat16"];
     let ops = ["sum", "max", "min"];
@@ -103,6 +104,9 @@ pub fn describe_stamp_difference(mine: u64, theirs: u64) -> String {
     }
 }
 
+/// The copy-engine path's barrier kernel (one block, any dtype).
+pub const CE_BARRIER_KERNEL: &str = "ipcr_ce_barrier";
+
 /// Name of the kernel of `path` for one (dtype, op), in the module compiled for world-size
 /// class `w` (see [`world_class`]).
 pub fn kernel_name(path: CudaPath, w: usize, dtype: DType, op: ReduceOp) -> String {
@@ -117,6 +121,8 @@ pub fn kernel_name(path: CudaPath, w: usize, dtype: DType, op: ReduceOp) -> Stri
         CudaPath::TwoShotStaged => "twoshot",
         CudaPath::OneShotReg => "oneshotreg",
         CudaPath::TwoShotReg => "twoshotreg",
+        // Two ranks only: one kernel in every module.
+        CudaPath::Ce => return format!("ipcr_cereduce_{d}_{}", op.name()),
     };
     format!("ipcr_{p}_w{w}_{d}_{}", op.name())
 }
@@ -249,6 +255,11 @@ mod tests {
             describe_stamp_difference(a, d),
             "algorithm oneshot vs twoshot-reg"
         );
+        for path in CudaPath::ALL {
+            let s = stamp(100, DType::F32, ReduceOp::Sum, path.code());
+            let text = describe_stamp_difference(a, s);
+            assert!(!text.contains('?'), "{path:?}: {text}");
+        }
         let unknown = describe_stamp_difference(a, 0);
         assert!(unknown.contains("100 x float sum, oneshot"), "{unknown}");
     }

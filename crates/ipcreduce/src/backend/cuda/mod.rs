@@ -6,6 +6,7 @@
 //! A call: validate, stamp nothing on the host, launch one kernel on the caller's stream. All
 //! protocol state is on the device (see kernels/allreduce.cu), so calls can be graph-captured.
 
+mod ce;
 pub mod driver;
 pub mod kernels;
 pub mod memory;
@@ -81,6 +82,8 @@ struct KernelArgs {
     rank: i32,
     world: i32,
     aligned: i32,
+    lane: i32,
+    check: i32,
 }
 
 /// Whether this process can use the cuda backend (driver, a GPU, NVRTC).
@@ -116,6 +119,8 @@ pub struct CudaComm {
     bufs: Vec<Option<testbufs::TestBuf>>,
     /// Registered (zero-copy) buffers; freed in Drop unless work may still run on them.
     registry: ManuallyDrop<Registry>,
+    /// Streams and events of the copy-engine path, made at its first call.
+    ce: Option<ce::Lanes>,
     next_region: u64,
     last_path: Option<PathInfo>,
     nccl: std::result::Result<nccl::Nccl, String>,
@@ -150,6 +155,8 @@ struct Loaded {
     ctx: Arc<cs::CudaContext>,
     _module: Arc<cs::CudaModule>,
     funcs: HashMap<(CudaPath, DType, ReduceOp), cs::CudaFunction>,
+    /// The copy-engine path's barrier kernel.
+    ce_barrier: cs::CudaFunction,
 }
 
 impl Loaded {
@@ -206,10 +213,14 @@ impl Loaded {
             "kernels for world class {w}, bf16 sum: {}",
             regs.join(", ")
         );
+        let ce_barrier = module
+            .load_function(kernels::CE_BARRIER_KERNEL)
+            .map_err(|e| cuda("loading the copy-engine barrier kernel", e))?;
         let l = Arc::new(Loaded {
             ctx,
             _module: module,
             funcs,
+            ce_barrier,
         });
         cache.insert((ordinal, w), l.clone());
         Ok(l)
@@ -274,7 +285,19 @@ impl CudaComm {
                  at most {LL_MAX_BYTES}"
             )));
         }
-        let limits = GridLimits { ll_max, cap, fixed };
+        // The copy-engine path is written for two ranks.
+        let ce_min = match world {
+            2 => config
+                .ce_min_bytes
+                .unwrap_or(crate::plan::CE_DEFAULT_MIN_BYTES),
+            _ => 0,
+        };
+        let limits = GridLimits {
+            ll_max,
+            cap,
+            fixed,
+            ce_min,
+        };
         // Every rank must compute the same grid for every call and use the same slot size: the
         // protocol pairs block b with block b and alternates slots by chunk count.
         let mine = [
@@ -282,6 +305,7 @@ impl CudaComm {
             fixed.unwrap_or(0) as u64,
             slot_bytes as u64,
             ll_max as u64,
+            ce_min as u64,
         ]
         .map(u64::to_le_bytes)
         .concat();
@@ -292,7 +316,7 @@ impl CudaComm {
                 peer,
                 op: "init".into(),
                 seq: 0,
-                detail: "IPCREDUCE_BLOCKS / IPCREDUCE_SLOT_BYTES / IPCREDUCE_LL_MAX (or the GPU sharing) differ between ranks"
+                detail: "IPCREDUCE_BLOCKS / IPCREDUCE_SLOT_BYTES / IPCREDUCE_LL_MAX / IPCREDUCE_CE_MIN (or the GPU sharing) differ between ranks"
                     .into(),
             });
         }
@@ -345,6 +369,7 @@ impl CudaComm {
             ordinal,
             device,
             registry: ManuallyDrop::new(Registry::default()),
+            ce: None,
             next_region: 0,
             last_path: None,
             ctx,
@@ -474,6 +499,8 @@ impl CudaComm {
             rank: self.rank as i32,
             world: self.world as i32,
             aligned: all16(&rsend) as i32 | (all16(&rrecv) as i32) << 1,
+            lane: 0,
+            check: 0,
         }
     }
 
@@ -618,8 +645,28 @@ impl CudaComm {
         let stamp = kernels::stamp(count, dtype, op, path.code());
         let zero_copy = zero_copy.filter(|_| path.registered());
         let mut args = self.kernel_args(send, recv, count, stamp, zero_copy);
-        let mut params = [(&mut args as *mut KernelArgs).cast::<c_void>()];
-        let rank = self.rank;
+        if path == CudaPath::Ce {
+            return self.launch_ce(&args, dtype, op, grid, stream);
+        }
+        self.launch_kernel(f, grid, THREADS, stream, &mut args, || {
+            format!(
+                "launching the {} kernel ({count} x {dtype} {op})",
+                path.name()
+            )
+        })
+    }
+
+    /// Launches `f` on `stream` with `args` (copied at launch).
+    fn launch_kernel(
+        &self,
+        f: sys::CUfunction,
+        grid: u32,
+        threads: u32,
+        stream: sys::CUstream,
+        args: &mut KernelArgs,
+        what: impl FnOnce() -> String,
+    ) -> Result<()> {
+        let mut params = [(args as *mut KernelArgs).cast::<c_void>()];
         // SAFETY: the kernel reads `args` (copied at launch) and only touches the buffers in it,
         // which the caller vouched for and we own.
         ck(
@@ -629,7 +676,7 @@ impl CudaComm {
                     grid,
                     1,
                     1,
-                    THREADS,
+                    threads,
                     1,
                     1,
                     0,
@@ -638,13 +685,8 @@ impl CudaComm {
                     std::ptr::null_mut(),
                 )
             },
-            rank,
-            || {
-                format!(
-                    "launching the {} kernel ({count} x {dtype} {op})",
-                    path.name()
-                )
-            },
+            self.rank,
+            what,
         )
     }
 }

@@ -14,13 +14,12 @@
 //! Releasing a region drops our mappings; a peer's mapping of our memory keeps the physical
 //! memory alive until the peer drops it too, so no rank can ever touch freed memory.
 
-use super::driver::ck;
-use super::workspace::{export_vmm, import_vmm, Mapping};
+use super::workspace::{export_fd, export_vmm, import_vmm, Mapping};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
 use std::cell::Cell;
-use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 
 /// Our own side of a region.
 enum Own {
@@ -156,8 +155,8 @@ pub fn register(
     let rank = boot.rank();
     same_on_every_rank(boot, "register", bytes as u64, "size")?;
     let local = export_callers(ptr, bytes, rank);
-    let (handle, fd, mapped_base, mapped_size) = agree(boot, "register", local)?;
-    let own = Own::Retained(handle);
+    // (Our reference to the handle is released if any rank failed.)
+    let (own, fd, mapped_base, mapped_size) = agree(boot, "register", local)?;
     let (peers, maps) = exchange(
         boot,
         device,
@@ -183,11 +182,7 @@ const HOW_TO_ALLOCATE: &str = "register() takes memory from cuMemCreate with \
 
 /// Our side of [`register`]: the allocation holding `ptr`, its retained handle exported as an
 /// fd, and where it is mapped here.
-fn export_callers(
-    ptr: u64,
-    bytes: usize,
-    rank: usize,
-) -> Result<(sys::CUmemGenericAllocationHandle, OwnedFd, u64, usize)> {
+fn export_callers(ptr: u64, bytes: usize, rank: usize) -> Result<(Own, OwnedFd, u64, usize)> {
     let refuse =
         |what: String| Error::invalid(rank, "register", format!("{what}: {HOW_TO_ALLOCATE}"));
     let (mut base, mut size) = (0u64, 0usize);
@@ -214,25 +209,12 @@ fn export_callers(
             super::driver::describe(res)
         )));
     }
-    let mut fd: std::ffi::c_int = -1;
-    // SAFETY: exports the handle as a new fd, which we then own.
-    let res = unsafe {
-        sys::cuMemExportToShareableHandle(
-            (&mut fd as *mut std::ffi::c_int).cast(),
-            handle,
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            0,
-        )
-    };
-    if let Err(e) = ck(res, rank, || "cuMemExportToShareableHandle".into()) {
-        // SAFETY: drops the reference taken above.
-        unsafe { sys::cuMemRelease(handle) };
-        return Err(refuse(format!(
+    let fd = export_fd(handle, rank).map_err(|e| {
+        refuse(format!(
             "its allocation cannot be exported as a POSIX fd ({e})"
-        )));
-    }
-    // SAFETY: the driver handed us a fresh fd.
-    Ok((handle, unsafe { OwnedFd::from_raw_fd(fd) }, base, size))
+        ))
+    })?;
+    Ok((Own::Retained(handle), fd, base, size))
 }
 
 /// Fails on every rank if `value` differs between ranks (naming the first that differs).
@@ -244,7 +226,10 @@ fn same_on_every_rank(boot: &mut Bootstrap, op: &str, value: u64, what: &str) ->
             peer,
             op: op.into(),
             seq: 0,
-            detail: format!("{what} {value} here, {:?} bytes there", le_u64(&all[peer])),
+            detail: format!(
+                "{what} {value} here, {} there (every rank must call with the same size, in the same order)",
+                le_u64(&all[peer]).map_or("?".into(), |v| v.to_string())
+            ),
         });
     }
     Ok(())

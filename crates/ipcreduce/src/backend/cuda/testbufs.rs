@@ -2,6 +2,7 @@
 //! sweeps (`test-support` feature): kept apart from the data plane.
 
 use super::memory::DeviceAlloc;
+use super::workspace::Mapping;
 use super::{driver::ck, CudaComm};
 use crate::backend::{BackendOps, BufId, Call, RegisteredBuffer, TestBuffers};
 use crate::bootstrap::Bootstrap;
@@ -19,14 +20,22 @@ impl TestBuffers for CudaComm {
     }
 
     fn free(&mut self, id: BufId) {
-        let Some(TestBuf::Registered(buf)) = self.bufs.get_mut(id).and_then(Option::take) else {
+        let Some(TestBuf::Registered(buf, own)) = self.bufs.get_mut(id).and_then(Option::take)
+        else {
             return;
         };
         // Not collective: a peer's mapping keeps the memory alive until it drops it. Our own
         // kernels must be done with it first; if they are not, it stays until teardown.
         match self.wait_all("freeing a registered test buffer") {
-            Ok(()) => drop(self.registry.remove(buf.id())),
-            Err(e) => tracing::warn!(rank = self.rank, "{e}: the buffer stays registered"),
+            Ok(()) => {
+                drop(self.registry.remove(buf.id()));
+                drop(own);
+            }
+            // Leaked (memory our work may still use), like teardown does.
+            Err(e) => {
+                tracing::warn!(rank = self.rank, "{e}: the buffer stays registered");
+                std::mem::forget(own);
+            }
         }
     }
 
@@ -174,8 +183,19 @@ impl CudaComm {
 
     /// A registered (zero-copy) test buffer: collective, like [`BackendOps::alloc_registered`].
     pub fn alloc_test_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<BufId> {
-        let buf = self.alloc_registered(boot, bytes)?;
-        self.bufs.push(Some(TestBuf::Registered(buf)));
+        // Every second one is created here and registered, so that the checks exercise both
+        // `register` (caller's cuMem memory) and `alloc`. Same order on every rank.
+        let (buf, own) = if self.bufs.len() % 2 == 1 {
+            self.bind()?;
+            let (mapping, _fd) = super::workspace::export_vmm(self.device, bytes, self.rank)?;
+            // SAFETY: the mapping stays in the TestBuf beside the registration and goes after it
+            // (free above; at drop the registry goes first, see teardown.rs).
+            let buf = unsafe { self.register(boot, mapping.ptr(), bytes)? };
+            (buf, Some(mapping))
+        } else {
+            (self.alloc_registered(boot, bytes)?, None)
+        };
+        self.bufs.push(Some(TestBuf::Registered(buf, own)));
         Ok(self.bufs.len() - 1)
     }
 }
@@ -183,14 +203,15 @@ impl CudaComm {
 /// A test/benchmark buffer: plain device memory, or registered (zero-copy) memory.
 pub(super) enum TestBuf {
     Plain(DeviceAlloc),
-    Registered(RegisteredBuffer),
+    /// With the caller-side memory when it was made here and then registered.
+    Registered(RegisteredBuffer, Option<Mapping>),
 }
 
 impl TestBuf {
     fn ptr_bytes(&self) -> (u64, usize) {
         match self {
             TestBuf::Plain(a) => (a.ptr, a.bytes),
-            TestBuf::Registered(b) => (b.ptr(), b.bytes()),
+            TestBuf::Registered(b, _) => (b.ptr(), b.bytes()),
         }
     }
 }

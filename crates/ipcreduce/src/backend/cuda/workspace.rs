@@ -207,23 +207,7 @@ pub(super) fn export_vmm(
         rank,
         || format!("cuMemCreate({size} bytes, POSIX fd handle)"),
     )?;
-    let mut fd: std::ffi::c_int = -1;
-    // SAFETY: exports the handle as a new fd, which we then own.
-    let exported = unsafe {
-        sys::cuMemExportToShareableHandle(
-            (&mut fd as *mut std::ffi::c_int).cast(),
-            handle,
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            0,
-        )
-    };
-    if let Err(e) = ck(exported, rank, || "cuMemExportToShareableHandle".into()) {
-        // SAFETY: release the allocation we just created.
-        unsafe { sys::cuMemRelease(handle) };
-        return Err(e);
-    }
-    // SAFETY: the driver handed us a fresh fd.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let fd = export_fd(handle, rank)?;
     let mapping = map_handle(handle, size, device, rank, "own workspace")?;
     Ok((mapping, fd))
 }
@@ -323,6 +307,28 @@ fn import_all(
         size,
         mode,
     })
+}
+
+/// Exports `handle` as a POSIX fd (ours to close). On failure the handle is released: the
+/// caller's reference to it is gone either way.
+pub(super) fn export_fd(handle: sys::CUmemGenericAllocationHandle, rank: usize) -> Result<OwnedFd> {
+    let mut fd: std::ffi::c_int = -1;
+    // SAFETY: exports the handle as a new fd, which we then own.
+    let exported = unsafe {
+        sys::cuMemExportToShareableHandle(
+            (&mut fd as *mut std::ffi::c_int).cast(),
+            handle,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        )
+    };
+    if let Err(e) = ck(exported, rank, || "cuMemExportToShareableHandle".into()) {
+        // SAFETY: drops the caller's reference, as documented.
+        unsafe { sys::cuMemRelease(handle) };
+        return Err(e);
+    }
+    // SAFETY: the driver handed us a fresh fd.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// Imports a peer's allocation of `size` bytes from its fd and maps it here (`what` names it in

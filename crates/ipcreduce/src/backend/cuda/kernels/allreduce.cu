@@ -62,8 +62,9 @@
 // (4) Rank order. Peers are summed in rank order 0..world-1 with f32 accumulation and one final
 //     rounding, so all ranks, and every path, produce bitwise the same result.
 // (5) Loads in flight. The reduction loads U packs (16 bytes each) from each of W ranks before
-//     using any of them (U * W = 8 uint4 registers), so a 512-thread block keeps 64 KiB in
-//     flight; kernels are compiled for two blocks per SM (<= 64 registers).
+//     using any of them (U * W = 8 uint4 registers for the zero-copy kernels: a 512-thread block
+//     keeps 64 KiB in flight; 4 for the staged ones, whose chunk loop holds more state and which
+//     run more blocks); kernels are compiled for two blocks per SM (<= 64 registers).
 
 #define MAX_RANKS 8
 #define MAX_BLOCKS 128
@@ -75,6 +76,7 @@
 #define STATE_LL (2 * MAX_BLOCKS + 4)
 #define STATE_STAGED (2 * MAX_BLOCKS + 8)
 #define LOADS_IN_FLIGHT 8
+#define STAGED_LOADS_IN_FLIGHT 4
 #define COPY_UNROLL 4
 
 typedef unsigned int u32;
@@ -102,6 +104,8 @@ struct Args {
     int rank;
     int world;
     int aligned;                 // zero-copy: bit 0 all rsend 16-byte aligned, bit 1 all rrecv
+    int lane;                    // copy-engine barrier: the counter and flag slot it syncs on
+    int check;                   // copy-engine barrier: compare the call's stamps (first one)
 };
 
 enum { ERR_NONE = 0, ERR_TIMEOUT = 1, ERR_ABORTED = 2, ERR_MISMATCH = 3 };
@@ -210,14 +214,14 @@ __device__ __forceinline__ u64 *stamp_slot(const Args &a, int owner, u32 F, int 
     return (u64 *)((char *)a.sig[owner] + FLAG_BYTES) + ((F & 1u) * MAX_BLOCKS + block) * MAX_RANKS + from;
 }
 
-// Block-wide barrier with block `blockIdx.x` of every peer. Returns false (in every thread of
-// the block) if the wait failed: deadline passed, host abort, arguments that differ from a
-// peer's (`check_stamp`, the first barrier of a call), or another block failed.
-__device__ bool barrier(const Args &a, u32 &F, bool check_stamp = false) {
+// Block-wide barrier on slot `b` (the block's index, or a copy-engine lane) with the same slot of
+// every peer. Returns false (in every thread of the block) if the wait failed: deadline passed,
+// host abort, arguments that differ from a peer's (`check_stamp`, the first barrier of a call),
+// or another block failed.
+__device__ bool barrier_at(const Args &a, u32 &F, bool check_stamp, int b) {
     F++;
     __syncthreads();
     int t = threadIdx.x;
-    int b = blockIdx.x;
     int failed = 0;
     if (t < a.world && t != a.rank) {
         if (check_stamp) *(volatile u64 *)stamp_slot(a, t, F, b, a.rank) = a.stamp;
@@ -256,6 +260,10 @@ __device__ bool barrier(const Args &a, u32 &F, bool check_stamp = false) {
         }
     }
     return __syncthreads_or(failed) == 0;
+}
+
+__device__ __forceinline__ bool barrier(const Args &a, u32 &F, bool check_stamp = false) {
+    return barrier_at(a, F, check_stamp, blockIdx.x);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -424,11 +432,11 @@ __device__ __forceinline__ uint4 reduce_pack(const uint4 (&v)[W], int world) {
 // out = op over ranks 0..world-1 (in rank order, f32) of elements [begin, end), for world <= W.
 // Whole packs with every pointer aligned take the fast path: each thread issues all its loads (U
 // packs from each rank) before it uses any of them. The rest goes pack by pack, element-wise.
-template <typename D, typename Op, int W, typename Src, typename Dst>
+template <typename D, typename Op, int W, int LOADS = LOADS_IN_FLIGHT, typename Src, typename Dst>
 __device__ __forceinline__ void reduce_range(const Src &src, const Dst &dst, int world, u64 begin,
                                              u64 end, bool src_aligned) {
     const int N = Pack<D>::N;
-    const int U = LOADS_IN_FLIGHT / W;
+    const int U = LOADS / W > 0 ? LOADS / W : 1;
     if (begin >= end) return;
     const u64 step = blockDim.x;
     u64 p = begin / N + threadIdx.x;
@@ -492,7 +500,8 @@ template <typename D, typename Op, int W> __device__ void one_shot(const Args &a
         copy_range<D, COPY_UNROLL>(a.data[a.rank] + slot_off, a.send + c0 * D::SIZE, b, e);
         if (!barrier(a, F, c0 == 0)) break;
         char *out = a.recv + c0 * D::SIZE;
-        reduce_range<D, Op, W>(SlotSrc{a, slot_off}, OwnDst{out, aligned16(out)}, a.world, b, e, true);
+        reduce_range<D, Op, W, STAGED_LOADS_IN_FLIGHT>(SlotSrc{a, slot_off}, OwnDst{out, aligned16(out)},
+                                                        a.world, b, e, true);
     }
     if (threadIdx.x == 0) ctr[0] = F;
     publish_when_all_done(st, L0 + (u32)((a.count + chunk - 1) / chunk));
@@ -523,7 +532,8 @@ template <typename D, typename Op, int W> __device__ void two_shot(const Args &a
         shard_piece<D>(frame, n, a.world, a.rank, b, e);
         // Reduce our shard's piece and store it into every rank's slot (ours included), in place
         // of the inputs: only this thread reads and writes these elements there.
-        reduce_range<D, Op, W>(SlotSrc{a, slot_off}, AllSlotsDst{a, slot_off}, a.world, b, e, true);
+        reduce_range<D, Op, W, STAGED_LOADS_IN_FLIGHT>(SlotSrc{a, slot_off}, AllSlotsDst{a, slot_off},
+                                                        a.world, b, e, true);
         if (!barrier(a, F)) break;
         // Every shard's reduced piece b is now in our slot: copy it out (local memory only).
         for (int s = 0; s < a.world; s++) {
@@ -687,6 +697,35 @@ template <typename D, typename Op> __device__ void one_shot_ll(const Args &a) {
     publish_when_all_done(ll_state, seq);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Copy-engine path (two ranks, registered buffers, out of place; see ../ce.rs). The copies are
+// cuMemcpyAsync pushes into the peer's output; these kernels order them across the processes
+// and reduce locally.
+
+// One block: a barrier on lane `a.lane`'s counter and flags. Each lane is used by one stream of
+// the call, in the same order on both ranks; before and after the call the lanes' slots are
+// used only by kernels ordered with it on the caller's stream, so invariant (1) holds.
+extern "C" __global__ void __launch_bounds__(32) ipcr_ce_barrier(const Args a) {
+    u32 *ctr = a.counters + 2 * a.lane;
+    u32 F = ctr[0];
+    barrier_at(a, F, a.check != 0, a.lane);
+    if (threadIdx.x == 0) ctr[0] = F;
+}
+
+// Our send holds our input, our recv the peer's input (pushed there): reduced in rank order
+// into recv, in place (each element read, then written, by one thread).
+struct CeSrc {
+    const Args &a;
+    __device__ const char *operator()(int r) const { return r == a.rank ? a.send : a.recv; }
+};
+
+template <typename D, typename Op> __device__ void ce_reduce(const Args &a) {
+    u64 b, e;
+    piece<D>(0, a.count, gridDim.x, blockIdx.x, b, e);
+    reduce_range<D, Op, 2>(CeSrc{a}, OwnDst{a.recv, aligned16(a.recv)}, 2, b, e,
+                           aligned16(a.send) && aligned16(a.recv));
+}
+
 // Kernel entry points: ipcr_<path>_w<W>_<dtype>_<op> for the staged and zero-copy paths, and
 // ipcr_oneshotll_<dtype>_<op>. W, the compile-time bound on the world size that sets the unroll
 // (2, 4 or 8), comes from -DIPCR_W: one module per world-size class keeps NVRTC's time down.
@@ -706,6 +745,8 @@ template <typename D, typename Op> __device__ void one_shot_ll(const Args &a) {
 
 #define KERNELS(DT, OPN, D, OP)                                                               \
     SM_KERNELS_FOR(DT, OPN, D, OP, IPCR_W)                                                    \
+    extern "C" __global__ void __launch_bounds__(512, 2)                                      \
+        ipcr_cereduce_##DT##_##OPN(const Args a) { ce_reduce<D, OP>(a); }                     \
     extern "C" __global__ void __launch_bounds__(512)                                         \
         ipcr_oneshotll_##DT##_##OPN(const Args a) { one_shot_ll<D, OP>(a); }
 
