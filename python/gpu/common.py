@@ -65,7 +65,11 @@ class Ctx:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-        self.comm.close()
+        try:
+            self.comm.close()
+        except ipcreduce.Error as e:  # a dead communicator cannot free collectively
+            print(f"rank {self.rank}: close: {e}", flush=True)
+            self.failures.append(f"close: {e}")
         sys.exit(1 if self.failures else 0)
 
 
