@@ -12,7 +12,6 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import ipcreduce
 import ipcreduce.torch as itorch
 from common import Ctx, median
 
