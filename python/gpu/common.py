@@ -1,0 +1,92 @@
+"""Shared set-up of the GPU test programs (run by scripts/device/python.sh under torchrun or
+`ipcreduce launch`): the rank's GPU, NCCL beside ipcreduce, reports, CUDA-event timing."""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import ipcreduce
+
+EPS = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+
+
+class Ctx:
+    def __init__(self, nccl: bool = True):
+        env = os.environ
+        self.rank = int(env.get("RANK") or env["IPCREDUCE_RANK"])
+        self.world = int(env.get("WORLD_SIZE") or env["IPCREDUCE_WORLD_SIZE"])
+        local = int(env.get("LOCAL_RANK") or env.get("IPCREDUCE_LOCAL_RANK") or self.rank)
+        self.gpus = torch.cuda.device_count()
+        self.device = torch.device("cuda", local % self.gpus)
+        torch.cuda.set_device(self.device)
+        torch.zeros(1, device=self.device)  # the primary context, current on this thread
+        # Ranks sharing a GPU (MPS dry run): NCCL must believe they sit on different hosts.
+        self.shared_gpu = self.world > self.gpus
+        if nccl:
+            if self.shared_gpu:
+                env["NCCL_HOSTID"] = f"ipcreduce-rank{self.rank}"
+                env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+                env.setdefault("NCCL_IB_DISABLE", "1")
+            dist.init_process_group("nccl", device_id=self.device)
+        self.comm = ipcreduce.init(backend="cuda")
+        assert self.comm.backend == "cuda", self.comm.backend
+        assert (self.comm.rank, self.comm.world_size) == (self.rank, self.world)
+        self.out = env.get("IPCREDUCE_PY_OUT", ".")
+        self.failures: list = []
+
+    def log(self, *a) -> None:
+        if self.rank == 0:
+            print(*a, flush=True)
+
+    def expect(self, ok: bool, what: str) -> bool:
+        """Records a failed check (the program exits non-zero at the end) and goes on."""
+        if not ok:
+            self.failures.append(what)
+            print(f"rank {self.rank}: FAIL {what}", flush=True)
+        return ok
+
+    def report(self, name: str, data: dict) -> None:
+        data = dict(data, rank=self.rank, world=self.world, failures=self.failures,
+                    device=torch.cuda.get_device_name(self.device), torch=torch.__version__,
+                    shared_gpu=self.shared_gpu, date=time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                    time.gmtime()))
+        path = os.path.join(self.out, f"{name}-rank{self.rank}.json")
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+        print(f"rank {self.rank}: {name}: {len(self.failures)} failed checks -> {path}",
+              flush=True)
+
+    def finish(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        try:
+            self.comm.close()
+        except ipcreduce.Error as e:  # a dead communicator cannot free collectively
+            print(f"rank {self.rank}: close: {e}", flush=True)
+            self.failures.append(f"close: {e}")
+        sys.exit(1 if self.failures else 0)
+
+
+def time_us(fn, iters: int, warmup: int = 3) -> float:
+    """Mean microseconds of `fn()` on the current stream, by CUDA events after warm-up."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0 / iters
+
+
+def median(xs):
+    s = sorted(xs)
+    return s[len(s) // 2]

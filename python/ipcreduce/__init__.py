@@ -1,0 +1,216 @@
+"""ipcreduce: all-reduce between the GPUs (CUDA IPC / peer memory) or the processes (shared
+memory) of one machine.
+
+    import ipcreduce
+    comm = ipcreduce.init()          # ranks from `ipcreduce launch` or torchrun
+    comm.all_reduce(x)               # in place: numpy array, torch CPU or CUDA tensor
+    comm.all_reduce(x, out=y)        # out of place
+
+numpy arrays (C-contiguous float32 / float16) and torch CPU tensors go through the host
+backend, torch CUDA tensors through the cuda backend on the current CUDA stream. bfloat16 has
+no numpy dtype: use torch tensors for it. Neither numpy nor torch is needed to import this
+package; the PyTorch layer is `ipcreduce.torch`.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, Optional
+
+from . import _native
+from ._native import (
+    AbortedError,
+    ConfigError,
+    Error,
+    InvalidArgumentError,
+    MismatchError,
+    PeerLostError,
+    TimeoutError,
+    UnavailableError,
+)
+
+__version__ = _native.__version__
+
+__all__ = [
+    "init",
+    "Communicator",
+    "Error",
+    "TimeoutError",
+    "PeerLostError",
+    "AbortedError",
+    "MismatchError",
+    "InvalidArgumentError",
+    "UnavailableError",
+    "ConfigError",
+    "RegisteredBuffer",
+]
+
+RegisteredBuffer = _native.RegisteredBuffer
+
+# torch dtypes by name, so that this module never imports torch itself.
+_TORCH_DTYPES = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16"}
+
+# Communicators by handle: torch custom ops take ints, not Python objects (ipcreduce.torch).
+_BY_HANDLE: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
+
+
+class Communicator:
+    """One rank's membership in a job; see `init`."""
+
+    def __init__(self, native: _native.Communicator):
+        self._native = native
+        # Per-communicator state of the torch layer (side streams, staging buffers).
+        self._torch_state: dict = {}
+        # A plain int attribute, so torch.compile reads it as a constant.
+        self.handle = id(self)
+        _BY_HANDLE[self.handle] = self
+
+    @property
+    def rank(self) -> int:
+        return self._native.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._native.world_size
+
+    @property
+    def backend(self) -> str:
+        """"cuda" or "host"."""
+        return self._native.backend
+
+    def all_reduce(self, x: Any, op: str = "sum", *, out: Any = None, stream: Any = None,
+                   algo: str = "auto") -> Any:
+        """All-reduces `x` into `out` (default: `x` itself, in place) and returns the result.
+
+        `x`: a numpy array or another buffer-protocol object (float32/float16, C-contiguous;
+        host backend), a torch CPU tensor (host backend) or a torch CUDA tensor (cuda backend:
+        enqueued on `stream`, default `torch.cuda.current_stream()`, so the call returns before
+        the result is there, as NCCL's does). `op`: "sum", "max" or "min".
+        """
+        if _is_torch_tensor(x):
+            self._all_reduce_tensor(x, out, op, algo, stream)
+        else:
+            if out is not None and _is_torch_tensor(out):
+                raise self._invalid("out is a torch tensor but the input is not")
+            self._native.all_reduce_buffer(x, out, op, algo)
+        return x if out is None else out
+
+    def _all_reduce_tensor(self, x, out, op, algo, stream) -> None:
+        if out is None:
+            out = x
+        elif not _is_torch_tensor(out):
+            raise self._invalid("the input is a torch tensor but out is not")
+        dtype = _TORCH_DTYPES.get(str(x.dtype))
+        if dtype is None:
+            raise self._invalid(f"dtype {x.dtype} is not reduced (float32, float16, bfloat16)")
+        if out.dtype != x.dtype or out.numel() != x.numel():
+            raise self._invalid(
+                f"out has {out.numel()} x {out.dtype}, the input {x.numel()} x {x.dtype}")
+        if out.device != x.device:
+            raise self._invalid(f"out is on {out.device}, the input on {x.device}")
+        if not (x.is_contiguous() and out.is_contiguous()):
+            raise self._invalid("tensors must be contiguous (call .contiguous())")
+        on_device = x.device.type == "cuda"
+        if not on_device and x.device.type != "cpu":
+            raise self._invalid(f"tensors on {x.device} are not supported (cpu or cuda)")
+        handle = 0
+        if on_device:
+            if stream is None:
+                import torch
+
+                stream = torch.cuda.current_stream(x.device)
+            handle = stream if isinstance(stream, int) else stream.cuda_stream
+        self._native.all_reduce_ptr(x.data_ptr(), out.data_ptr(), x.numel(), dtype, on_device,
+                                    op, algo, handle)
+
+    def synchronize(self) -> None:
+        """Waits for the work enqueued on the communicator's own stream; raises an error a
+        kernel recorded (timeout, mismatch, peer lost)."""
+        self._native.synchronize()
+
+    def check(self) -> None:
+        """Raises the error that made the communicator unusable, if there is one (no wait)."""
+        self._native.check()
+
+    def abort(self, reason: str = "aborted by the program") -> None:
+        """Makes the communicator unusable now: calls in flight stop, later calls raise."""
+        self._native.abort(reason)
+
+    def alloc(self, nbytes: int) -> "_native.RegisteredBuffer":
+        """Collective (every rank, same size, same order): `nbytes` of device memory that every
+        rank maps (cuda backend). All-reduces whose input and output lie in such buffers, at
+        the same offsets on every rank, read and write them directly (no staging copy), eagerly
+        and inside CUDA graphs. Exposes `ptr`, `bytes` and `__cuda_array_interface__`;
+        `ipcreduce.torch.empty` makes tensors over it."""
+        return self._native.alloc(nbytes)
+
+    def free(self, buf: "_native.RegisteredBuffer") -> None:
+        """Collective: releases a buffer from `alloc` (after this rank's work on it is done).
+        Tensors over it must not be used afterwards."""
+        self._native.free(buf)
+
+    def last_path(self):
+        """(path, CTAs, zero-copy) of the last all-reduce this rank issued (cuda), or None."""
+        return self._native.last_path()
+
+    def close(self) -> None:
+        """Leaves the job (every rank calls it; bounded by the timeout). The DDP hook's
+        registered staging buffers are freed first; other registered buffers (and tensors from
+        `ipcreduce.torch.empty`) must be freed or gone, else this raises."""
+        for hook_state in self._torch_state.pop("hooks", []):
+            hook_state.release()
+        self._native.close()
+
+    def meta(self) -> dict:
+        """Devices, driver and NCCL versions, for reports."""
+        return self._native.meta()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return repr(self._native)
+
+    def _invalid(self, detail: str) -> InvalidArgumentError:
+        # Worded as the library's own argument errors.
+        return InvalidArgumentError(f"rank {self.rank}: invalid argument to all_reduce: {detail}")
+
+
+def _is_torch_tensor(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def init(backend: str = "auto", timeout: Optional[float] = None, *, rank: Optional[int] = None,
+         world_size: Optional[int] = None, local_rank: Optional[int] = None,
+         job_id: Optional[str] = None, device: Optional[int] = None, algo: Optional[str] = None,
+         workspace_bytes: Optional[int] = None, with_nccl: bool = False) -> Communicator:
+    """Joins the job this process belongs to; collective: every rank calls it.
+
+    Rank and world size come from `ipcreduce launch` (IPCREDUCE_RANK, ...) or torchrun (RANK,
+    WORLD_SIZE, LOCAL_RANK, with TORCHELASTIC_RUN_ID or MASTER_PORT as the job id), or are
+    given (`rank=`, `world_size=`, and a `job_id=` shared by the job's ranks).
+
+    backend: "auto" (cuda when every rank can use a GPU, else host), "cuda" or "host".
+    timeout: seconds, the bound on every wait (default IPCREDUCE_TIMEOUT_MS, else 30 s).
+    device: the GPU ordinal (default: torch's current device when torch has initialized
+    CUDA, else the current CUDA context's, else local_rank % GPUs).
+    """
+    if device is None and backend != "host":
+        device = _torch_current_device()
+    return Communicator(_native.Communicator(
+        backend, timeout, rank=rank, world_size=world_size, local_rank=local_rank,
+        job_id=job_id, device=device, algo=algo, workspace_bytes=workspace_bytes,
+        with_nccl=with_nccl))
+
+
+def _torch_current_device() -> Optional[int]:
+    """torch's current GPU, when the program already uses torch with CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
