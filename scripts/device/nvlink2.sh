@@ -67,8 +67,7 @@ timeout 180 "$BIN" tune --backend cuda --ranks "$WORLD" -e "$BENCH_MAX" --json "
 grep -A40 "^# world elem" "$OUT/tune.log"
 
 # Iterations budgeted by size: small messages are cheap, 1 GiB calls take milliseconds and
-# their output is read back and checked on the host. One-shot reads every peer's whole
-# message: left out from 64 MiB, where no choice would take it.
+# their output is read back and checked on the host.
 bench_range() { # NAME MIN MAX ITERS WARMUP GRAPH_CALLS ALGOS
   local name=$1 lo=$2 hi=$3 n=$4 w=$5 g=$6 algos=$7 dt
   for dt in bfloat16 half float; do
@@ -87,7 +86,7 @@ if [ "$MAX" -ge $((2 << 20)) ]; then
 fi
 if [ "$MAX" -ge $((64 << 20)) ]; then
   phase "bench 64 MiB - $BENCH_MAX (10 timed calls)"
-  bench_range large 64M "$BENCH_MAX" 10 3 5 auto,twoshot,nccl
+  bench_range large 64M "$BENCH_MAX" 10 3 5 all
 fi
 grep -h -E "bfloat16 .*(auto|nccl)" "$OUT"/bench-bfloat16.log | head -n 200
 grep -h -E "^# rows" "$OUT"/bench-*.log
