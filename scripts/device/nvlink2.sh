@@ -52,6 +52,8 @@ cat "$OUT/env.txt"
 status=0
 # Phases stop at their own timeouts; `left` says whether an optional phase still fits.
 left() { [ $((BUDGET - SECONDS)) -gt "$1" ]; }
+# A phase's timeout: at most $1 seconds and never past the budget (+60 s for the rest).
+cap() { local r=$((BUDGET + 60 - SECONDS)); [ "$r" -lt "$1" ] && echo $((r > 10 ? r : 10)) || echo "$1"; }
 phase() { echo "== [$SECONDS s] $*"; }
 
 phase "check world $WORLD ($CASES cases)"
@@ -62,7 +64,7 @@ tail -n 1 "$OUT/check.log"
 # Tune first: the table it writes is what `auto` consults in every run after it.
 export IPCREDUCE_TUNE_FILE="$OUT/tune.json"
 phase "tune (-> $IPCREDUCE_TUNE_FILE)"
-timeout 180 "$BIN" tune --backend cuda --ranks "$WORLD" -e "$BENCH_MAX" --json "$OUT/tune-samples.json" \
+timeout "$(cap 180)" "$BIN" tune --backend cuda --ranks "$WORLD" -e "$BENCH_MAX" --json "$OUT/tune-samples.json" \
   >"$OUT/tune.log" 2>&1 || { echo "tune: FAILED (auto keeps its built-in rules)"; status=1; }
 grep -A40 "^# world elem" "$OUT/tune.log"
 
@@ -71,7 +73,8 @@ grep -A40 "^# world elem" "$OUT/tune.log"
 bench_range() { # NAME MIN MAX ITERS WARMUP GRAPH_CALLS ALGOS
   local name=$1 lo=$2 hi=$3 n=$4 w=$5 g=$6 algos=$7 dt
   for dt in bfloat16 half float; do
-    timeout 200 "$BIN" bench --backend cuda --ranks "$WORLD" -a "$algos" -d $dt -b "$lo" -e "$hi" \
+    left 30 || { echo "bench $dt $name: skipped, out of time"; status=1; continue; }
+    timeout "$(cap 200)" "$BIN" bench --backend cuda --ranks "$WORLD" -a "$algos" -d $dt -b "$lo" -e "$hi" \
       -f 2 -n "$n" -w "$w" -G "$g" --registered --json "$OUT/bench-$dt-$name.json" \
       >>"$OUT/bench-$dt.log" 2>&1 || { echo "bench $dt $name: FAILED"; status=1; }
   done
@@ -96,7 +99,7 @@ grep -h -E "^# rows" "$OUT"/bench-*.log
 for compute in 2000 8000; do
   if left 60; then
     phase "training loop, compute $compute us ($STEPS steps, $GRAD of gradients)"
-    timeout 150 "$BIN" overlap --backend cuda --ranks "$WORLD" --steps "$STEPS" --grad-bytes "$GRAD" \
+    timeout "$(cap 150)" "$BIN" overlap --backend cuda --ranks "$WORLD" --steps "$STEPS" --grad-bytes "$GRAD" \
       --compute-us $compute --json "$OUT/overlap-$compute.json" >"$OUT/overlap-$compute.log" 2>&1 \
       || { echo "overlap $compute: FAILED"; status=1; }
     tail -n 6 "$OUT/overlap-$compute.log"
