@@ -68,6 +68,56 @@ fn join() -> Communicator {
 }
 
 /// A non-blocking stream of the caller's own.
+/// A CUDA graph captured from the calls `body` makes on `stream`, instantiated; destroyed on
+/// drop (after the caller synchronized its last replay).
+struct Graph {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+}
+
+impl Graph {
+    fn capture(stream: &Stream, body: impl FnOnce()) -> Graph {
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        // SAFETY: capture on our stream; ended below.
+        ck(
+            unsafe { sys::cuStreamBeginCapture_v2(stream.0, mode) },
+            "begin capture",
+        );
+        body();
+        let mut graph = std::ptr::null_mut();
+        // SAFETY: ends the capture begun above.
+        ck(
+            unsafe { sys::cuStreamEndCapture(stream.0, &mut graph) },
+            "end capture",
+        );
+        let mut exec = std::ptr::null_mut();
+        // SAFETY: instantiates the captured graph.
+        ck(
+            unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
+            "instantiate",
+        );
+        Graph { graph, exec }
+    }
+
+    fn launch(&self, stream: &Stream) {
+        // SAFETY: launches our instantiated graph on our stream.
+        ck(
+            unsafe { sys::cuGraphLaunch(self.exec, stream.0) },
+            "graph launch",
+        );
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: ours, destroyed once; every test synchronizes its stream before dropping.
+        unsafe {
+            sys::cuGraphExecDestroy(self.exec);
+            sys::cuGraphDestroy(self.graph);
+        }
+    }
+}
+
 struct Stream(sys::CUstream);
 
 impl Stream {
@@ -289,51 +339,34 @@ fn rank_graph() -> i32 {
                 DeviceAlloc::new(bytes, rank).unwrap(),
                 DeviceAlloc::new(bytes, rank).unwrap(),
             );
-            let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-            // SAFETY: capture on our stream; ended below.
-            ck(
-                unsafe { sys::cuStreamBeginCapture_v2(s.0, mode) },
-                "begin capture",
-            );
-            reduce(
-                &mut c,
-                send.ptr,
-                ra.ptr,
-                count,
-                dtype,
-                ReduceOp::Sum,
-                a,
-                s.ptr(),
-            );
-            reduce(
-                &mut c,
-                send.ptr,
-                rb.ptr,
-                count,
-                dtype,
-                ReduceOp::Sum,
-                b,
-                s.ptr(),
-            );
-            let mut graph = std::ptr::null_mut();
-            // SAFETY: ends the capture begun above.
-            ck(
-                unsafe { sys::cuStreamEndCapture(s.0, &mut graph) },
-                "end capture",
-            );
-            let mut exec = std::ptr::null_mut();
-            // SAFETY: instantiates the captured graph.
-            ck(
-                unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
-                "instantiate",
-            );
+            let g = Graph::capture(&s, || {
+                reduce(
+                    &mut c,
+                    send.ptr,
+                    ra.ptr,
+                    count,
+                    dtype,
+                    ReduceOp::Sum,
+                    a,
+                    s.ptr(),
+                );
+                reduce(
+                    &mut c,
+                    send.ptr,
+                    rb.ptr,
+                    count,
+                    dtype,
+                    ReduceOp::Sum,
+                    b,
+                    s.ptr(),
+                );
+            });
             for replay in 0..12u64 {
                 let seed = replay << 32 | count as u64;
                 let mut input = vec![0u8; bytes];
                 reference::fill_input(dtype, seed, rank, &mut input);
                 upload(&send, &input, s.0);
-                // SAFETY: launches our instantiated graph on our stream.
-                ck(unsafe { sys::cuGraphLaunch(exec, s.0) }, "graph launch");
+                g.launch(&s);
                 for (out, algo) in [(&ra, a), (&rb, b)] {
                     let mut got = vec![0u8; bytes];
                     download(out.ptr, &mut got, s.0);
@@ -344,11 +377,6 @@ fn rank_graph() -> i32 {
                     );
                     checked += 1;
                 }
-            }
-            // SAFETY: ours, destroyed once, after the last replay finished (synchronized).
-            unsafe {
-                sys::cuGraphExecDestroy(exec);
-                sys::cuGraphDestroy(graph);
             }
         }
     }
@@ -390,40 +418,24 @@ fn rank_registered() -> i32 {
         for &(count, algo, in_place) in &cases {
             let bytes = count * dtype.size();
             let recv = if in_place { a.ptr() } else { b.ptr() };
-            let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-            // SAFETY: capture on our stream; ended below.
-            ck(
-                unsafe { sys::cuStreamBeginCapture_v2(s.0, mode) },
-                "begin capture",
-            );
-            reduce(
-                &mut c,
-                a.ptr(),
-                recv,
-                count,
-                dtype,
-                ReduceOp::Sum,
-                algo,
-                s.ptr(),
-            );
-            let mut graph = std::ptr::null_mut();
-            // SAFETY: ends the capture begun above.
-            ck(
-                unsafe { sys::cuStreamEndCapture(s.0, &mut graph) },
-                "end capture",
-            );
+            let g = Graph::capture(&s, || {
+                reduce(
+                    &mut c,
+                    a.ptr(),
+                    recv,
+                    count,
+                    dtype,
+                    ReduceOp::Sum,
+                    algo,
+                    s.ptr(),
+                );
+            });
             let path = c.last_path().expect("a path");
             assert!(
                 path.registered || path.name == "oneshot-ll",
                 "{count} x {dtype} {algo}: {path:?}"
             );
             paths.insert(path.name);
-            let mut exec = std::ptr::null_mut();
-            // SAFETY: instantiates the captured graph.
-            ck(
-                unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
-                "instantiate",
-            );
             for replay in 0..4u64 {
                 let seed = replay << 40 | (count as u64) << 8 | dtype.code() as u64;
                 let mut input = vec![0u8; bytes];
@@ -436,8 +448,7 @@ fn rank_registered() -> i32 {
                     "upload",
                 );
                 if replay < 3 {
-                    // SAFETY: launches our instantiated graph on our stream.
-                    ck(unsafe { sys::cuGraphLaunch(exec, s.0) }, "graph launch");
+                    g.launch(&s);
                 } else {
                     reduce(
                         &mut c,
@@ -460,11 +471,6 @@ fn rank_registered() -> i32 {
                 );
                 same_everywhere(&mut c, &got, "registered");
                 checked += 1;
-            }
-            // SAFETY: ours, destroyed once, after the last replay finished (synchronized).
-            unsafe {
-                sys::cuGraphExecDestroy(exec);
-                sys::cuGraphDestroy(graph);
             }
         }
     }
