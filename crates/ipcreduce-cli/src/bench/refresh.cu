@@ -16,9 +16,7 @@
 // pattern() must equal bench::pattern::value in Rust: the host writes nothing but checks the
 // final output with the Rust version, so a difference fails every row.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned long long u64;
+// u32/u64/u16 and h2f/f2h/f2b come from the library's convert.cuh (prepended at compile).
 
 #define REFRESH_THREADS 512
 #define MAX_RANKS 8
@@ -63,21 +61,6 @@ __device__ __forceinline__ int pattern(u32 salt, u32 iter, u64 i, int rank) {
     return (int)(((h >> 4) + iter * step) & 31u) - 16;
 }
 
-__device__ __forceinline__ float h2f(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-__device__ __forceinline__ u16 f2h(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-__device__ __forceinline__ u16 f2b(float f) {
-    u16 b;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f));
-    return b;
-}
 
 struct F32 {
     __device__ static float load(const void *p, u64 i) { return ((const float *)p)[i]; }

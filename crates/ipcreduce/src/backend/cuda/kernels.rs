@@ -7,6 +7,8 @@ use crate::types::{DType, ReduceOp};
 
 /// Source of the all-reduce kernels.
 pub const ALLREDUCE_SOURCE: &str = include_str!("kernels/allreduce.cu");
+/// Integer names and f16/bf16 conversions, prepended to every source [`compile_source`] builds.
+pub const CONVERT_SOURCE: &str = include_str!("kernels/convert.cuh");
 /// Source of the compute-bound kernel `ipcreduce overlap` runs beside the all-reduce.
 pub const COMPUTE_SOURCE: &str = include_str!("kernels/compute.cu");
 /// Entry point in [`COMPUTE_SOURCE`] and its block size (its `__launch_bounds__`).
@@ -144,7 +146,7 @@ pub fn require_nvrtc() -> Result<()> {
 }
 
 /// Compiles `source` (named `name` in messages) to PTX for `arch` with the options every
-/// kernel of the crate uses, plus `extra`. Needs only NVRTC, no GPU. Public for the
+/// kernel of the crate uses, plus `extra`, after [`CONVERT_SOURCE`]. Needs only NVRTC, no GPU. Public for the
 /// command's own kernels (the benchmark's input refresh), so every source compiles one way.
 pub fn compile_source(
     name: &str,
@@ -160,6 +162,7 @@ pub fn compile_source(
         name: Some(name.into()),
         ..Default::default()
     };
+    let source = format!("{CONVERT_SOURCE}\n{source}");
     cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(|e| Error::Cuda {
         rank: 0,
         op: format!("NVRTC compile of {name} for {arch}"),

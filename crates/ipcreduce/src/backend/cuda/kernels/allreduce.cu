@@ -79,9 +79,7 @@
 #define STAGED_LOADS_IN_FLIGHT 4
 #define COPY_UNROLL 4
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef unsigned short u16;
+// u32/u64/u16 and the f16/bf16 conversions come from convert.cuh (prepended at compile).
 
 struct Args {
     const char *send;            // this rank's input (user memory)
@@ -113,22 +111,6 @@ enum { ERR_NONE = 0, ERR_TIMEOUT = 1, ERR_ABORTED = 2, ERR_MISMATCH = 3 };
 // ---------------------------------------------------------------------------------------------
 // Element types and conversions
 
-__device__ __forceinline__ float h2f(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-__device__ __forceinline__ u16 f2h(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-__device__ __forceinline__ float b2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
-__device__ __forceinline__ u16 f2b(float f) {
-    u16 b;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f));
-    return b;
-}
 
 struct F32 {
     static const int SIZE = 4;
