@@ -8,11 +8,13 @@
 
 mod ce;
 pub mod driver;
+mod hier;
 pub mod kernels;
 pub mod memory;
 mod nccl;
 mod peers;
 mod registry;
+mod scatter_gather;
 mod streams;
 mod teardown;
 #[cfg(feature = "test-support")]
@@ -23,7 +25,7 @@ mod host_staged;
 mod transport;
 
 use crate::abort::AbortState;
-use crate::backend::{BackendMeta, BackendOps, RegisteredBuffer};
+use crate::backend::{BackendMeta, BackendOps, RegisteredBuffer, SgOp};
 use crate::bootstrap::Bootstrap;
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -111,6 +113,9 @@ fn require_driver(present: bool) -> Result<()> {
 
 pub struct CudaComm {
     // Declaration order is drop order: everything that needs the context goes before it.
+    /// Jobs across hosts: NCCL between nodes and the node's group this communicator runs over
+    /// (see hier.rs); None within one host.
+    inter: Option<hier::Inter>,
     rank: usize,
     world: usize,
     ordinal: usize,
@@ -155,6 +160,8 @@ struct Loaded {
     ctx: Arc<cs::CudaContext>,
     _module: Arc<cs::CudaModule>,
     funcs: HashMap<(CudaPath, DType, ReduceOp), cs::CudaFunction>,
+    /// The reduce-scatter and all-gather kernels (scatter_gather.rs).
+    sg: scatter_gather::Funcs,
     /// The copy-engine path's barrier kernel.
     ce_barrier: cs::CudaFunction,
 }
@@ -216,10 +223,12 @@ impl Loaded {
         let ce_barrier = module
             .load_function(kernels::CE_BARRIER_KERNEL)
             .map_err(|e| cuda("loading the copy-engine barrier kernel", e))?;
+        let sg = scatter_gather::load(&module, w, rank)?;
         let l = Arc::new(Loaded {
             ctx,
             _module: module,
             funcs,
+            sg,
             ce_barrier,
         });
         cache.insert((ordinal, w), l.clone());
@@ -364,6 +373,7 @@ impl CudaComm {
 
         let own = stream.cu_stream() as streams::Key;
         let mut comm = CudaComm {
+            inter: None,
             rank,
             world,
             ordinal,
@@ -523,6 +533,11 @@ impl CudaComm {
 
     /// Rejects device pointers that belong to another GPU.
     fn check_pointer(&self, ptr: u64, what: &str) -> Result<()> {
+        self.check_pointer_for("all_reduce", ptr, what)
+    }
+
+    /// [`Self::check_pointer`] for operation `op` (named in the error).
+    fn check_pointer_for(&self, op: &'static str, ptr: u64, what: &str) -> Result<()> {
         let mut ordinal: i32 = -1;
         // SAFETY: writes one int.
         let res = unsafe {
@@ -535,7 +550,7 @@ impl CudaComm {
         if res != sys::CUresult::CUDA_SUCCESS {
             return Err(Error::invalid(
                 self.rank,
-                "all_reduce",
+                op,
                 format!(
                     "{what} buffer {ptr:#x} is not CUDA device memory ({})",
                     driver::describe(res)
@@ -545,7 +560,7 @@ impl CudaComm {
         if ordinal as usize != self.ordinal {
             return Err(Error::invalid(
                 self.rank,
-                "all_reduce",
+                op,
                 format!(
                     "{what} buffer is on GPU {ordinal}, the communicator on GPU {}",
                     self.ordinal
@@ -567,10 +582,22 @@ impl CudaComm {
         algo: Algorithm,
         stream: sys::CUstream,
     ) -> Result<()> {
+        self.in_stream_order(stream, |c| {
+            c.launch(send, recv, count, dtype, op, algo, stream)
+        })
+    }
+
+    /// Runs `issue` (which enqueues on `stream`) in order with the communicator's work on
+    /// its other streams.
+    fn in_stream_order(
+        &mut self,
+        stream: sys::CUstream,
+        issue: impl FnOnce(&mut Self) -> Result<()>,
+    ) -> Result<()> {
         let capturing = streams::capturing(stream, self.rank)?;
         let key = stream as streams::Key;
         self.streams.before(&mut self.events, key, capturing)?;
-        self.launch(send, recv, count, dtype, op, algo, stream)?;
+        issue(self)?;
         self.streams.after(&mut self.events, key, capturing)
     }
 
@@ -632,6 +659,9 @@ impl CudaComm {
                 )
             };
         }
+        if self.inter.is_some() {
+            return self.launch_hierarchical(send, recv, count, dtype, op, stream);
+        }
         let bytes = count * dtype.size();
         let zero_copy = self.zero_copy(send, recv, bytes);
         let (path, grid) =
@@ -657,16 +687,17 @@ impl CudaComm {
     }
 
     /// Launches `f` on `stream` with `args` (copied at launch).
-    fn launch_kernel(
+    fn launch_kernel<A>(
         &self,
         f: sys::CUfunction,
         grid: u32,
         threads: u32,
         stream: sys::CUstream,
-        args: &mut KernelArgs,
+        args: &mut A,
         what: impl FnOnce() -> String,
     ) -> Result<()> {
-        let mut params = [(args as *mut KernelArgs).cast::<c_void>()];
+        // `A`: the kernel's one by-value parameter (KernelArgs, or a struct that starts with it).
+        let mut params = [(args as *mut A).cast::<c_void>()];
         // SAFETY: the kernel reads `args` (copied at launch) and only touches the buffers in it,
         // which the caller vouched for and we own.
         ck(
@@ -726,6 +757,37 @@ impl BackendOps for CudaComm {
         self.enqueue(send as u64, recv as u64, count, dtype, op, algo, stream)
     }
 
+    unsafe fn scatter_gather_raw(
+        &mut self,
+        what: SgOp,
+        send: *const c_void,
+        recv: *mut c_void,
+        shards: crate::shards::Shards,
+        dtype: DType,
+        op: ReduceOp,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        if self.inter.is_some() {
+            return Err(Error::invalid(
+                self.inter.as_ref().map_or(self.rank, hier::Inter::rank),
+                what.name(),
+                "not available yet for jobs across nodes (the all-reduce is)",
+            ));
+        }
+        // SAFETY: forwarded contract.
+        unsafe {
+            self.enqueue_scatter_gather(
+                what,
+                send as u64,
+                recv as u64,
+                shards,
+                dtype,
+                op,
+                stream as sys::CUstream,
+            )
+        }
+    }
+
     fn unavailable(&self, algo: Algorithm) -> Option<String> {
         match (algo, &self.nccl) {
             (Algorithm::Nccl, Err(why)) => Some(why.clone()),
@@ -744,12 +806,12 @@ impl BackendOps for CudaComm {
     fn synchronize(&mut self) -> Result<()> {
         let waited = self.wait_all("synchronize");
         // What a kernel recorded explains a failed wait better than the wait does.
-        self.check_health()?;
-        waited
+        self.check_health().map_err(|e| self.in_job(e))?;
+        waited.map_err(|e| self.in_job(e))
     }
 
     fn async_error(&self) -> Option<Error> {
-        self.check_health().err()
+        self.check_health().err().map(|e| self.in_job(e))
     }
 
     fn device(&self) -> Option<usize> {
@@ -761,10 +823,13 @@ impl BackendOps for CudaComm {
     }
 
     fn leave(&mut self, boot: &mut Bootstrap) {
-        self.teardown(boot)
+        self.with_node_boot(boot, |c, b| c.teardown(b))
     }
 
     fn alloc_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<RegisteredBuffer> {
+        if self.inter.is_some() {
+            return self.with_node_boot(boot, |c, b| c.alloc_registered(b, bytes));
+        }
         self.bind()?;
         self.require_peer_memory("alloc", bytes)?;
         let id = self.next_region;
@@ -781,6 +846,10 @@ impl BackendOps for CudaComm {
         ptr: u64,
         bytes: usize,
     ) -> Result<RegisteredBuffer> {
+        if self.inter.is_some() {
+            // SAFETY: forwarded contract.
+            return self.with_node_boot(boot, |c, b| unsafe { c.register(b, ptr, bytes) });
+        }
         self.bind()?;
         self.require_peer_memory("register", bytes)?;
         let id = self.next_region;
@@ -792,6 +861,9 @@ impl BackendOps for CudaComm {
     }
 
     fn free_registered(&mut self, boot: &mut Bootstrap, buf: RegisteredBuffer) -> Result<()> {
+        if self.inter.is_some() {
+            return self.with_node_boot(boot, |c, b| c.free_registered(b, buf));
+        }
         // Our work on every stream that may touch it is done (bounded), then every peer's.
         self.wait_all("free")?;
         boot.barrier()?;
