@@ -332,6 +332,25 @@ impl Communicator {
         c.algo = self.resolve(c.algo, c.count * c.dtype.size());
         self.test_buffers().run(&c)
     }
+    /// Across nodes (cuda): mean microseconds of the hierarchical all-reduce's three steps
+    /// (intra-node reduce-scatter, NCCL between nodes, intra-node all-gather) of `call`; None
+    /// within one node or on the host backend.
+    pub fn test_time_phases(
+        &mut self,
+        call: &Call,
+        warmup: usize,
+        iters: usize,
+    ) -> Result<Option<[f64; 3]>> {
+        match self
+            .backend
+            .as_any_mut()
+            .downcast_mut::<backend::cuda::CudaComm>()
+        {
+            Some(cuda) => cuda.time_phases(call, warmup, iters),
+            None => Ok(None),
+        }
+    }
+
     /// Mean microseconds per call; see [`backend::TestBuffers::time`].
     pub fn test_time(
         &mut self,

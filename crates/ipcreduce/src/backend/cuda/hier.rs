@@ -110,13 +110,31 @@ impl CudaComm {
         op: ReduceOp,
         stream: sys::CUstream,
     ) -> Result<()> {
+        self.launch_hierarchical_marked(send, recv, count, dtype, op, stream, &mut |_, _| Ok(()))
+    }
+
+    /// [`Self::launch_hierarchical`], calling `mark(self, k)` before step k (0, 1, 2) and
+    /// after the last (3): where the phase timing records its events.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_hierarchical_marked(
+        &mut self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        stream: sys::CUstream,
+        mark: &mut dyn FnMut(&mut Self, usize) -> Result<()>,
+    ) -> Result<()> {
         let size = dtype.size();
         let shards = Shards::aligned16(count, self.world, size);
         let mine = shards.span(self.rank);
         let at = recv + (mine.start * size) as u64;
+        mark(self, 0)?;
         self.launch_sg(SgOp::ReduceScatter, send, at, shards, dtype, op, stream)
             .map_err(|e| self.in_job(e))?;
         let intra = self.last_path;
+        mark(self, 1)?;
         if !mine.is_empty() {
             let inter = self
                 .inter
@@ -141,8 +159,10 @@ impl CudaComm {
                 detail: e.to_string(),
             })?;
         }
+        mark(self, 2)?;
         self.launch_sg(SgOp::AllGather, at, recv, shards, dtype, op, stream)
             .map_err(|e| self.in_job(e))?;
+        mark(self, 3)?;
         let registered = intra.is_some_and(|p| p.registered);
         self.last_path = Some(PathInfo {
             name: if registered {
@@ -247,5 +267,67 @@ impl Inter {
     /// Makes NCCL end with ncclCommAbort (the job is aborted or work may still run).
     pub(super) fn abort_on_drop(&mut self) {
         self.nccl.abort_on_drop();
+    }
+}
+
+/// The time of each step of the hierarchical all-reduce, for the benchmark (`test-support`).
+#[cfg(feature = "test-support")]
+impl CudaComm {
+    /// Mean microseconds of the intra-node reduce-scatter, the NCCL all-reduce between nodes
+    /// and the intra-node all-gather of `call` on backend-owned buffers, over `iters` calls
+    /// after `warmup` (events between the steps, on the communicator's stream). None when the
+    /// job has one node.
+    pub fn time_phases(
+        &mut self,
+        call: &crate::backend::Call,
+        warmup: usize,
+        iters: usize,
+    ) -> Result<Option<[f64; 3]>> {
+        use crate::backend::TestBuffers;
+        if self.inter.is_none() {
+            return Ok(None);
+        }
+        for _ in 0..warmup {
+            self.run(call)?;
+        }
+        self.synchronize_here()?;
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let events = (0..4)
+            .map(|_| self.ctx.new_event(flags))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| self.cuda_err("cuEventCreate".into(), e))?;
+        let (send, recv) = (self.buf(call.send)?.0, self.buf(call.recv)?.0);
+        let (send, recv) = (send + call.offset as u64, recv + call.offset as u64);
+        let stream = self.stream.cu_stream();
+        let mut total = [0f64; 3];
+        for _ in 0..iters.max(1) {
+            self.in_stream_order(stream, |c| {
+                c.launch_hierarchical_marked(
+                    send,
+                    recv,
+                    call.count,
+                    call.dtype,
+                    call.op,
+                    stream,
+                    &mut |c, k| {
+                        events[k]
+                            .record(&c.stream)
+                            .map_err(|e| c.cuda_err("cuEventRecord".into(), e))
+                    },
+                )
+            })?;
+            self.synchronize_here()?;
+            for (k, t) in total.iter_mut().enumerate() {
+                let ms = events[k]
+                    .elapsed_ms(&events[k + 1])
+                    .map_err(|e| self.cuda_err("cuEventElapsedTime".into(), e))?;
+                *t += ms as f64 * 1000.0;
+            }
+        }
+        Ok(Some(total.map(|t| t / iters.max(1) as f64)))
+    }
+
+    fn synchronize_here(&mut self) -> Result<()> {
+        crate::backend::BackendOps::synchronize(self)
     }
 }

@@ -173,7 +173,7 @@ impl TestBuffers for CudaComm {
 }
 
 impl CudaComm {
-    fn buf(&self, id: BufId) -> Result<(u64, usize)> {
+    pub(super) fn buf(&self, id: BufId) -> Result<(u64, usize)> {
         self.bufs
             .get(id)
             .and_then(|b| b.as_ref())
