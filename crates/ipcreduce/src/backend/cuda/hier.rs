@@ -28,6 +28,9 @@ use crate::shards::Shards;
 use crate::types::{DType, ReduceOp};
 use cudarc::driver::sys;
 
+/// Names the NCCL step in errors (and tells them apart from the node's steps').
+const BETWEEN_NODES: &str = "between nodes";
+
 /// What a communicator across nodes has beside the node's peer-memory communicator.
 pub(super) struct Inter {
     /// NCCL among the ranks with this rank's local rank, one per node.
@@ -131,8 +134,8 @@ impl CudaComm {
         let mine = shards.span(self.rank);
         let at = recv + (mine.start * size) as u64;
         mark(self, 0)?;
-        self.launch_sg(SgOp::ReduceScatter, send, at, shards, dtype, op, stream)
-            .map_err(|e| self.in_job(e))?;
+        // Errors of the node's steps are put in the job's terms by the caller (all_reduce_raw).
+        self.launch_sg(SgOp::ReduceScatter, send, at, shards, dtype, op, stream)?;
         let intra = self.last_path;
         mark(self, 1)?;
         if !mine.is_empty() {
@@ -155,13 +158,14 @@ impl CudaComm {
             }
             .map_err(|e| Error::Cuda {
                 rank,
-                op: format!("all_reduce between nodes (node {node}, NCCL with ranks {members:?})"),
+                op: format!(
+                    "all_reduce {BETWEEN_NODES} (node {node}, NCCL with ranks {members:?})"
+                ),
                 detail: e.to_string(),
             })?;
         }
         mark(self, 2)?;
-        self.launch_sg(SgOp::AllGather, at, recv, shards, dtype, op, stream)
-            .map_err(|e| self.in_job(e))?;
+        self.launch_sg(SgOp::AllGather, at, recv, shards, dtype, op, stream)?;
         mark(self, 3)?;
         let registered = intra.is_some_and(|p| p.registered);
         self.last_path = Some(PathInfo {
@@ -179,82 +183,90 @@ impl CudaComm {
     /// An error of the node's communicator in the job's terms: the job's rank numbers (the
     /// node's communicator numbers its ranks by local rank), and the node in the operation.
     pub(super) fn in_job(&self, e: Error) -> Error {
-        let Some(i) = &self.inter else {
-            return e;
-        };
-        let peer_of = |p: usize| i.node_ranks.get(p).copied().unwrap_or(p);
-        let at = |op: String| format!("{op} (inside node {})", i.node);
-        let rank = i.rank;
-        match e {
-            Error::Timeout {
-                peer,
-                op,
-                seq,
-                waited,
-                ..
-            } => Error::Timeout {
-                rank,
-                peer: peer_of(peer),
-                op: at(op),
-                seq,
-                waited,
-            },
-            Error::Mismatch {
-                peer,
-                op,
-                seq,
-                detail,
-                ..
-            } => Error::Mismatch {
-                rank,
-                peer: peer_of(peer),
-                op: at(op),
-                seq,
-                detail,
-            },
-            Error::PeerLost {
-                peer, op, detail, ..
-            } => Error::PeerLost {
-                rank,
-                peer: peer_of(peer),
-                op: at(op),
-                detail,
-            },
-            Error::Aborted { reason, .. } => Error::Aborted { rank, reason },
-            Error::Cuda { op, detail, .. } => Error::Cuda {
-                rank,
-                op: at(op),
-                detail,
-            },
-            Error::CudaDriver {
-                op, code, detail, ..
-            } => Error::CudaDriver {
-                rank,
-                op: at(op),
-                code,
-                detail,
-            },
-            Error::PeerAccess {
-                peer, op, detail, ..
-            } => Error::PeerAccess {
-                rank,
-                peer: peer_of(peer),
-                op,
-                detail,
-            },
-            Error::InvalidArgument { op, detail, .. } => {
-                Error::InvalidArgument { rank, op, detail }
-            }
-            Error::Bootstrap {
-                peer, op, detail, ..
-            } => Error::Bootstrap {
-                rank,
-                peer: peer.map(peer_of),
-                op,
-                detail: format!("{detail} (inside node {})", i.node),
-            },
-            other => other,
+        match &self.inter {
+            Some(i) => job_terms(e, i.rank, i.node, &i.node_ranks),
+            None => e,
         }
+    }
+}
+
+/// `e`, an error of node `node`'s communicator (which numbers the node's ranks by local rank),
+/// in the job's terms: this rank's job rank `rank`, peers by their job rank (`node_ranks`, by
+/// local rank), the node named in the operation.
+fn job_terms(e: Error, rank: usize, node: usize, node_ranks: &[usize]) -> Error {
+    // The NCCL step's errors are made in the job's terms already.
+    if matches!(&e, Error::Cuda { op, .. } if op.contains(BETWEEN_NODES)) {
+        return e;
+    }
+    let peer_of = |p: usize| node_ranks.get(p).copied().unwrap_or(p);
+    let at = |op: String| format!("{op} (inside node {node})");
+    match e {
+        Error::Timeout {
+            peer,
+            op,
+            seq,
+            waited,
+            ..
+        } => Error::Timeout {
+            rank,
+            peer: peer_of(peer),
+            op: at(op),
+            seq,
+            waited,
+        },
+        Error::Mismatch {
+            peer,
+            op,
+            seq,
+            detail,
+            ..
+        } => Error::Mismatch {
+            rank,
+            peer: peer_of(peer),
+            op: at(op),
+            seq,
+            detail,
+        },
+        Error::PeerLost {
+            peer, op, detail, ..
+        } => Error::PeerLost {
+            rank,
+            peer: peer_of(peer),
+            op: at(op),
+            detail,
+        },
+        Error::Aborted { reason, .. } => Error::Aborted { rank, reason },
+        Error::Cuda { op, detail, .. } => Error::Cuda {
+            rank,
+            op: at(op),
+            detail,
+        },
+        Error::CudaDriver {
+            op, code, detail, ..
+        } => Error::CudaDriver {
+            rank,
+            op: at(op),
+            code,
+            detail,
+        },
+        Error::PeerAccess {
+            peer, op, detail, ..
+        } => Error::PeerAccess {
+            rank,
+            peer: peer_of(peer),
+            op,
+            detail,
+        },
+        Error::InvalidArgument { op, detail, .. } => Error::InvalidArgument { rank, op, detail },
+        Error::Bootstrap {
+            peer, op, detail, ..
+        } => Error::Bootstrap {
+            rank,
+            peer: peer.map(peer_of),
+            op,
+            detail: format!("{detail} (inside node {node})"),
+        },
+        other => other,
     }
 }
 
@@ -329,5 +341,51 @@ impl CudaComm {
 
     fn synchronize_here(&mut self) -> Result<()> {
         crate::backend::BackendOps::synchronize(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_errors_name_job_ranks_and_the_node() {
+        // Node 1 holds job ranks 2 and 3; local rank 1 (job rank 3) timed out waiting for
+        // local rank 0 (job rank 2).
+        let e = Error::Timeout {
+            rank: 1,
+            peer: 0,
+            op: "all_reduce (kernel barrier)".into(),
+            seq: 4,
+            waited: std::time::Duration::from_secs(1),
+        };
+        let text = job_terms(e, 3, 1, &[2, 3]).to_string();
+        assert!(text.starts_with("rank 3:"), "{text}");
+        assert!(
+            text.contains("peer rank 2") && text.contains("inside node 1"),
+            "{text}"
+        );
+        let m = Error::Mismatch {
+            rank: 0,
+            peer: 1,
+            op: "all_reduce".into(),
+            seq: 1,
+            detail: "count 1 vs 2".into(),
+        };
+        let text = job_terms(m, 2, 1, &[2, 3]).to_string();
+        assert!(
+            text.contains("rank 2:") && text.contains("peer rank 3"),
+            "{text}"
+        );
+        // The NCCL step's own errors stay as they are.
+        let n = Error::Cuda {
+            rank: 3,
+            op: format!("all_reduce {BETWEEN_NODES} (node 1, NCCL with ranks [1, 3])"),
+            detail: "x".into(),
+        };
+        assert_eq!(
+            job_terms(n, 3, 1, &[2, 3]).to_string(),
+            "rank 3: all_reduce between nodes (node 1, NCCL with ranks [1, 3]) failed: x"
+        );
     }
 }

@@ -755,6 +755,7 @@ impl BackendOps for CudaComm {
         // CUDA's meaning: 0 is the legacy default stream.
         let stream = stream as sys::CUstream;
         self.enqueue(send as u64, recv as u64, count, dtype, op, algo, stream)
+            .map_err(|e| self.in_job(e))
     }
 
     unsafe fn scatter_gather_raw(
@@ -828,7 +829,9 @@ impl BackendOps for CudaComm {
 
     fn alloc_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<RegisteredBuffer> {
         if self.inter.is_some() {
-            return self.with_node_boot(boot, |c, b| c.alloc_registered(b, bytes));
+            return self.with_node_boot(boot, |c, b| {
+                c.alloc_registered(b, bytes).map_err(|e| c.in_job(e))
+            });
         }
         self.bind()?;
         self.require_peer_memory("alloc", bytes)?;
@@ -848,7 +851,9 @@ impl BackendOps for CudaComm {
     ) -> Result<RegisteredBuffer> {
         if self.inter.is_some() {
             // SAFETY: forwarded contract.
-            return self.with_node_boot(boot, |c, b| unsafe { c.register(b, ptr, bytes) });
+            return self.with_node_boot(boot, |c, b| unsafe {
+                c.register(b, ptr, bytes).map_err(|e| c.in_job(e))
+            });
         }
         self.bind()?;
         self.require_peer_memory("register", bytes)?;
@@ -862,7 +867,9 @@ impl BackendOps for CudaComm {
 
     fn free_registered(&mut self, boot: &mut Bootstrap, buf: RegisteredBuffer) -> Result<()> {
         if self.inter.is_some() {
-            return self.with_node_boot(boot, |c, b| c.free_registered(b, buf));
+            return self.with_node_boot(boot, |c, b| {
+                c.free_registered(b, buf).map_err(|e| c.in_job(e))
+            });
         }
         // Our work on every stream that may touch it is done (bounded), then every peer's.
         self.wait_all("free")?;

@@ -14,7 +14,7 @@
 // Staged (user buffers), per chunk: copy into our slot, barrier, read the peers' slots: the
 // pattern of one_shot, with its slot and parity rules (invariant 3) and the same rank-wide chunk
 // counter, so calls of every kind may follow each other. Reduce-scatter's slot holds one region
-// of slot_bytes / world per shard; all-gather's holds the chunk of our own shard. Block b touches
+// of slot_bytes / world (rounded down to 16 bytes) per shard; all-gather's holds the chunk of our own shard. Block b touches
 // piece b (cut from the chunk frame) of every region, and the only reader of piece b of a region
 // is block b of a peer. Chunks are counted from `per`, not from this rank's own shard, so every
 // rank runs the same number of chunks and barriers.
@@ -45,7 +45,9 @@ template <typename D, typename Op, int W> __device__ void reduce_scatter_staged(
     u32 *st = a.counters + STATE_STAGED;
     u32 F = ctr[0];
     const u32 L0 = *(volatile u32 *)&st[0];
-    const u64 region = a.slot_bytes / a.world; // bytes; slot_bytes is a multiple of 16 * world
+    // Bytes per region, a multiple of 16 so every region starts on a whole pack (slot_bytes
+    // is only a multiple of 256, and the world may be 3, 5, 6 or 7).
+    const u64 region = (a.slot_bytes / a.world) & ~(u64)15;
     const u64 chunk = region / D::SIZE;
     const u64 frame = min(chunk, g.per);
     const u64 mine = sg_shard_len(g, a.rank);
