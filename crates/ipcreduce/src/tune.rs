@@ -2,12 +2,12 @@
 //! fastest on this machine for a world size, an element size and a message size.
 //!
 //! `ipcreduce tune` measures and writes the table to a cache file (a plain text format of its
-//! own, [`text`]) keyed by the GPU model, the topology (GPU count, P2P between every pair) and
-//! the driver version. At
-//! communicator init rank 0 loads it and every rank uses rank 0's copy (the choice must be the
-//! same on every rank); `Auto` consults it before the plan's size rules. A missing file, a file
-//! that does not parse or one measured on another machine gives the built-in defaults (no
-//! entries: the plan's rules) and a note saying why.
+//! own, read strictly: see `tune/text.rs`) keyed by the GPU model, the topology (GPU count,
+//! P2P between every pair) and the driver version. At communicator init rank 0 loads it and
+//! every rank uses rank 0's copy (the choice must be the same on every rank); `Auto` consults
+//! it before the plan's size rules. A missing file, a file that does not parse (the note names
+//! the file and line) or one measured on another machine (the note says what differs) gives
+//! the built-in defaults (no entries: the plan's rules).
 //!
 //! Everything here is pure except [`TuneKey::of_machine`] (driver queries) and [`agree`]
 //! (the communicator's init hook: file and bootstrap).
@@ -120,7 +120,7 @@ impl Table {
             .or(rows.last().copied())
     }
 
-    /// The table in the file format ([`text`]); [`Table::parse`] reads it back exactly.
+    /// The table in the file format (`tune/text.rs`); [`Table::parse`] reads it back exactly.
     pub fn to_text(&self) -> String {
         text::write(self)
     }
