@@ -279,7 +279,11 @@ impl TuneKey {
         use cudarc::driver::{safe as cs, sys};
         let count = cs::CudaContext::device_count().ok()?;
         let ctx = cs::CudaContext::new(ordinal).ok()?;
-        let gpu = ctx.name().ok()?;
+        // Trimmed: the file keeps values without surrounding blanks, and must match them. A
+        // key without a GPU name or driver version would match any machine: none then.
+        let known = |s: String| Some(s.trim().to_string()).filter(|s| !s.is_empty());
+        let gpu = known(ctx.name().ok()?)?;
+        let driver = known(crate::backend::cuda::driver::driver_version()?)?;
         let mut p2p = true;
         for a in 0..count {
             for b in 0..count {
@@ -296,7 +300,7 @@ impl TuneKey {
             gpu,
             gpus: usize::try_from(count).unwrap_or(0),
             p2p,
-            driver: crate::backend::cuda::driver::driver_version().unwrap_or_default(),
+            driver,
         })
     }
 }
