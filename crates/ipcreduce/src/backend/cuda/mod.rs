@@ -716,6 +716,8 @@ impl BackendOps for CudaComm {
         algo: Algorithm,
         stream: *mut c_void,
     ) -> Result<()> {
+        // The calling thread may have no context or another one current (cuCtxGetCurrent, a
+        // thread-local read; cuCtxSetCurrent only when it differs).
         self.ctx
             .bind_to_thread()
             .map_err(|e| self.cuda_err("binding the context".into(), e))?;
