@@ -100,6 +100,12 @@ impl Communicator {
         self.backend.meta()
     }
 
+    /// What the data crosses (cuda: peer memory, under the PCIe policy or not, or host
+    /// staging), as every rank agreed at init; it shapes `Auto`'s rules.
+    pub fn fabric(&self) -> crate::plan::Fabric {
+        self.backend.fabric()
+    }
+
     /// The bootstrap, for exchanging small control messages between ranks.
     pub fn bootstrap(&mut self) -> &mut Bootstrap {
         &mut self.boot
@@ -111,6 +117,7 @@ impl Communicator {
             requested,
             self.algo_env,
             self.backend(),
+            self.backend.fabric(),
             self.world(),
             bytes,
         )
