@@ -127,7 +127,10 @@ impl Communicator {
     /// takes the tuning table's choice for this world, element size and size when it has one
     /// (and it can run), else [`Communicator::resolve`]'s size rule.
     pub fn resolve_for(&self, requested: Algorithm, dtype: DType, bytes: usize) -> Algorithm {
-        if requested == Algorithm::Auto && self.algo_env.is_none() {
+        // Tables are keyed by the GPUs and their P2P, not by the transport: one measured on
+        // peer memory says nothing about staging through host memory (forced, or a fallback).
+        let tunable = self.backend.fabric() != crate::plan::Fabric::HostStaged;
+        if requested == Algorithm::Auto && self.algo_env.is_none() && tunable {
             let tuned = self
                 .tune
                 .lookup(self.world(), dtype.size(), bytes)
