@@ -31,6 +31,7 @@
 #   CASES_PCIE), MAX_BYTES=256M (check), BENCH_MAX=128M, BUDGET=560, BLOCKS (IPCREDUCE_BLOCKS
 #   for every run), BLOCKS_SWEEP="16 64" and SLOT_SWEEP="2097152 4194304" (two: extra two-shot
 #   benches), CASES_SLOT=500, SOAK_CASES=20000 CYCLES=200 (faults).
+# On nvidia-h200-x2, for the two-GPU figures alone: PHASES=two.
 # summary.txt lists every step: OK, FAILED or SKIPPED. Exit status: 0 all ran and passed, 1 a
 # step failed, 2 none failed but some were skipped for the budget.
 set -u
