@@ -6,10 +6,13 @@
 # Usage: scripts/device/host-staged.sh OUT_DIR
 #
 # The default phases fit ONE device call (10 minutes) on ONE H200; every step has a timeout
-# that never reaches past BUDGET seconds (+30 s for the summary), and a step that no longer fits
-# is skipped and reported as skipped (never as passed).
-# On GPU 0 under MPS (every rank's traffic crosses the one PCIe link to host memory and back),
-# in this order:
+# that never reaches past BUDGET seconds, and a step that no longer fits is skipped and reported
+# as skipped (never as passed). In this order:
+# When `nvidia-smi -L` lists two GPUs or more, on GPUs 0 and 1 without MPS, first:
+#   two       world 2, bf16, 8 B - BENCH_MAX: host transport (auto, oneshot, twoshot) against
+#             NCCL over its shared-memory transport (-a nccl-shm: NCCL_P2P_DISABLE=1 in the
+#             same bench process, the same buffers, every call checked).
+# On GPU 0 under MPS (every rank's traffic crosses the one PCIe link to host memory and back):
 #   fallback  auto with the pair 1:0 denied (IPCREDUCE_DENY_PEER=1:0): `topo` must name the pair
 #             in its table and JSON, and `check` must name it in the log while the job runs
 #             on the host-staged path and passes.
@@ -17,17 +20,14 @@
 #             passes, at most 16 CTAs). These machines are NVLink/one-GPU: this tests the
 #             policy's correctness only; PCIe contention cannot be reproduced here.
 #   check     `check` at WORLDS (2 4 8) with the host transport forced.
-# When `nvidia-smi -L` lists two GPUs or more, on GPUs 0 and 1 without MPS:
-#   two       world 2, bf16, 8 B - BENCH_MAX: host transport (auto, oneshot, twoshot) against
-#             NCCL over its shared-memory transport (-a nccl-shm: NCCL_P2P_DISABLE=1 in the
-#             same bench process, the same buffers, every call checked).
+#   bench     (if the budget allows) world 2, eager and CUDA graph, every call checked: host
+#             transport and nccl-shm (two ranks on one GPU: NCCL over loopback sockets, a
+#             functional column only), then the peer transport.
 # Optional phases (PHASES=...):
-#   bench     world 2 under MPS on GPU 0: host transport and nccl-shm (two ranks on one GPU:
-#             NCCL over loopback sockets, a functional column only), then the peer transport.
 #   slots     `check` at world 2, host transport, 1 MiB slots (many chunks per call).
 #   peer      `check` at world 2 on the peer transport (the kernels are shared with it).
 #   faults    scripts/device/mps-faults.sh with the host transport forced.
-# Knobs: PHASES="check pcie fallback two", WORLDS="2 4 8", CASES=2000 (CASES_4, CASES_8,
+# Knobs: PHASES="check pcie fallback two bench", WORLDS="2 4 8", CASES=2000 (CASES_4, CASES_8,
 #   CASES_PCIE), MAX_BYTES=256M (check), BENCH_MAX=128M, BUDGET=560, BLOCKS (IPCREDUCE_BLOCKS
 #   for every run), BLOCKS_SWEEP="16 64" and SLOT_SWEEP="2097152 4194304" (two: extra two-shot
 #   benches), CASES_SLOT=500, SOAK_CASES=20000 CYCLES=200 (faults).
@@ -37,7 +37,7 @@
 set -u
 OUT=${1:?usage: host-staged.sh OUT_DIR}
 BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
-PHASES=${PHASES:-check pcie fallback two}
+PHASES=${PHASES:-check pcie fallback two bench}
 CASES=${CASES:-2000}
 MAX_BYTES=${MAX_BYTES:-256M}
 BENCH_MAX=${BENCH_MAX:-128M}
@@ -108,6 +108,28 @@ bench() {
   grep -E "bfloat16" "$OUT/$name.log" | head -n 120
   tail -n 2 "$OUT/$name.log"
   if [ $rc -eq 0 ]; then result "$name" OK; else result "$name" FAILED "exit $rc"; fi
+  [ -s "$OUT/$name.json" ] && ratios "$OUT/$name.json"
+}
+
+# ratios JSON: ipcreduce auto against NCCL per size and mode (busbw and time), into
+# JSON's .ratios.txt; the goals: >= 2x NCCL's speed up to 1 MB, >= 1.5x its busbw from 8 MB.
+ratios() {
+  python3 - "$1" <<'PY' | tee "${1%.json}.ratios.txt"
+import json, sys
+rows = json.load(open(sys.argv[1])).get("rows", [])
+get = {(r["algo"], r["mode"], r["bytes"]): r for r in rows if not r.get("registered")}
+print("# bytes mode auto_us nccl_us speedup auto_busbw nccl_busbw nccl_flavor goal")
+for (algo, mode, b), r in sorted(get.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+    n = get.get(("nccl", mode, b))
+    if algo != "auto" or n is None:
+        continue
+    x = n["time_us"] / r["time_us"]
+    goal = "2x" if b <= 1 << 20 else ("1.5x" if b >= 8 << 20 else "-")
+    met = {"2x": x >= 2, "1.5x": x >= 1.5}.get(goal)
+    print(b, mode, "%.2f" % r["time_us"], "%.2f" % n["time_us"], "%.2fx" % x,
+          "%.1f" % r["busbw_gbps"], "%.1f" % n["busbw_gbps"], n.get("nccl"),
+          goal + ("" if met is None else (" met" if met else " MISSED")))
+PY
 }
 
 # topo_deny: `topo` with the pair 1:0 denied must take the host-staged path and name the pair,
@@ -134,6 +156,25 @@ PY
     result topo-deny-1-0 FAILED "exit $rc, or the pair is not named"
   fi
 }
+
+# The two-GPU figures first: on nvidia-h200-x2 they are what the call is for.
+if has two; then
+  if [ "$GPUS" -ge 2 ]; then
+    echo "== [$SECONDS s] bench world 2 over GPUs 0 and 1: host transport vs NCCL over shared memory"
+    CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host \
+      bench bench-2gpu-host 240 8 -a auto,oneshot,twoshot,nccl-shm
+    for sl in ${SLOT_SWEEP:-}; do
+      CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host IPCREDUCE_SLOT_BYTES=$sl \
+        bench "bench-2gpu-host-slot$sl" 120 1M -a oneshot,twoshot
+    done
+    for b in ${BLOCKS_SWEEP:-}; do
+      CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host IPCREDUCE_BLOCKS=$b \
+        bench "bench-2gpu-host-blocks$b" 120 1M -a oneshot,twoshot
+    done
+  else
+    result bench-2gpu-host SKIPPED "nvidia-smi lists $GPUS GPU(s)"
+  fi
+fi
 
 if has check || has pcie || has fallback || has bench || has slots || has peer; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
@@ -200,23 +241,6 @@ if has faults; then
   fi
 fi
 
-if has two; then
-  if [ "$GPUS" -ge 2 ]; then
-    echo "== [$SECONDS s] bench world 2 over GPUs 0 and 1: host transport vs NCCL over shared memory"
-    CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host \
-      bench bench-2gpu-host 240 8 -a auto,oneshot,twoshot,nccl-shm
-    for sl in ${SLOT_SWEEP:-}; do
-      CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host IPCREDUCE_SLOT_BYTES=$sl \
-        bench "bench-2gpu-host-slot$sl" 120 1M -a oneshot,twoshot
-    done
-    for b in ${BLOCKS_SWEEP:-}; do
-      CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host IPCREDUCE_BLOCKS=$b \
-        bench "bench-2gpu-host-blocks$b" 120 1M -a oneshot,twoshot
-    done
-  else
-    result bench-2gpu-host SKIPPED "nvidia-smi lists $GPUS GPU(s)"
-  fi
-fi
 echo "== [$SECONDS s] done"
 cat "$OUT/summary.txt"
 exit $status
