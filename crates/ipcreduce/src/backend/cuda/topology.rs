@@ -80,7 +80,13 @@ pub fn agree(
     forced: Option<Topology>,
 ) -> Result<Fabric> {
     let rank = boot.rank();
-    let pcie = !host_staged && forced.is_none() && sees_pcie(rank, device, uuids)?;
+    // A failed query counts as no PCIe pair (logged): every rank must reach the exchange.
+    let pcie = !host_staged
+        && forced.is_none()
+        && sees_pcie(rank, device, uuids).unwrap_or_else(|e| {
+            tracing::warn!(rank, "PCIe classification failed, taken as NVLink: {e}");
+            false
+        });
     let reports = boot.all_gather(&[code(forced), pcie as u8])?;
     let fabric = decide(&reports, host_staged, forced)?;
     if rank == 0 && fabric != Fabric::Peer {
