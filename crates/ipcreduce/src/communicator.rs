@@ -104,6 +104,12 @@ impl Communicator {
         self.backend.meta()
     }
 
+    /// What the data crosses (cuda: peer memory, under the PCIe policy or not, or host
+    /// staging), as every rank agreed at init; it shapes `Auto`'s rules.
+    pub fn fabric(&self) -> crate::plan::Fabric {
+        self.backend.fabric()
+    }
+
     /// The bootstrap, for exchanging small control messages between ranks.
     pub fn bootstrap(&mut self) -> &mut Bootstrap {
         &mut self.boot
@@ -115,6 +121,7 @@ impl Communicator {
             requested,
             self.algo_env,
             self.backend(),
+            self.backend.fabric(),
             self.world(),
             bytes,
         )
@@ -124,7 +131,10 @@ impl Communicator {
     /// takes the tuning table's choice for this world, element size and size when it has one
     /// (and it can run), else [`Communicator::resolve`]'s size rule.
     pub fn resolve_for(&self, requested: Algorithm, dtype: DType, bytes: usize) -> Algorithm {
-        if requested == Algorithm::Auto && self.algo_env.is_none() {
+        // Tables are keyed by the GPUs and their P2P, not by the transport: one measured on
+        // peer memory says nothing about staging through host memory (forced, or a fallback).
+        let tunable = self.backend.fabric() != crate::plan::Fabric::HostStaged;
+        if requested == Algorithm::Auto && self.algo_env.is_none() && tunable {
             let tuned = self
                 .tune
                 .lookup(self.world(), dtype.size(), bytes)

@@ -54,6 +54,25 @@ impl Transport {
     }
 }
 
+/// What the cuda backend assumes about the links between GPUs, when forced
+/// (`IPCREDUCE_TOPOLOGY`); unset, it is classified from the P2P attributes of every pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Topology {
+    /// PCIe between GPUs: peer-memory pushes in passes and fewer CTAs (the PCIe policy).
+    Pcie,
+    /// NVLink (or one GPU): no PCIe policy, whatever the classification says.
+    Nvlink,
+}
+
+impl Topology {
+    pub fn name(self) -> &'static str {
+        match self {
+            Topology::Pcie => "pcie",
+            Topology::Nvlink => "nvlink",
+        }
+    }
+}
+
 /// Everything that shapes a communicator. `None` means "not set here": the environment
 /// variable named on the field decides, else the default. Every rank of a job must end up
 /// with the same values for the knobs marked *(same on every rank)*; init checks it.
@@ -88,6 +107,10 @@ pub struct Config {
     /// cuda, tests of `auto`'s fallback: rank R reports that its P2P query for rank P failed.
     /// `IPCREDUCE_DENY_PEER=R:P`.
     pub deny_peer: Option<(usize, usize)>,
+    /// cuda, peer transport: the links between GPUs *(same on every rank)*.
+    /// `IPCREDUCE_TOPOLOGY` (pcie, nvlink, auto); auto classifies every pair of GPUs (PCIe
+    /// when P2P works without native atomics) and takes the PCIe policy if any pair is PCIe.
+    pub topology: Option<Topology>,
     /// host: bytes of the zero-copy heap in each arena *(same on every rank)*.
     /// `IPCREDUCE_HOST_HEAP_MB`; 64 MiB.
     pub host_heap_bytes: Option<usize>,
@@ -126,6 +149,7 @@ impl Config {
             sharing: self.sharing.or(from_env.sharing),
             transport: self.transport.or(from_env.transport),
             deny_peer: self.deny_peer.or(from_env.deny_peer),
+            topology: self.topology.or(from_env.topology),
             host_heap_bytes: self.host_heap_bytes.or(from_env.host_heap_bytes),
             device: self.device.or(from_env.device),
             with_nccl: self.with_nccl,
@@ -156,32 +180,24 @@ impl Config {
                     .map_err(|e| Error::Config(format!("IPCREDUCE_ALGO={v}: {e}")))
             })
             .transpose()?;
-        let sharing = match var("IPCREDUCE_SHARE") {
-            None => None,
-            Some(v) => match v.trim().to_ascii_lowercase().as_str() {
-                "auto" => None,
-                "vmm" => Some(Sharing::Vmm),
-                "ipc" => Some(Sharing::Ipc),
-                _ => {
-                    return Err(Error::Config(format!(
-                        "IPCREDUCE_SHARE={v}: expected vmm, ipc or auto"
-                    )))
-                }
-            },
-        };
-        let transport = match var("IPCREDUCE_TRANSPORT") {
-            None => None,
-            Some(v) => match v.trim().to_ascii_lowercase().as_str() {
-                "auto" => None,
-                "peer" => Some(Transport::Peer),
-                "host" => Some(Transport::Host),
-                _ => {
-                    return Err(Error::Config(format!(
-                        "IPCREDUCE_TRANSPORT={v}: expected peer, host or auto"
-                    )))
-                }
-            },
-        };
+        // Enumerated variables: one of the words, "auto" (the default's word) meaning unset.
+        use Topology::{Nvlink, Pcie};
+        use Transport::{Host, Peer};
+        let sharing = choice(
+            &var,
+            "IPCREDUCE_SHARE",
+            &[("vmm", Sharing::Vmm), ("ipc", Sharing::Ipc)],
+        )?;
+        let transport = choice(
+            &var,
+            "IPCREDUCE_TRANSPORT",
+            &[("peer", Peer), ("host", Host)],
+        )?;
+        let topology = choice(
+            &var,
+            "IPCREDUCE_TOPOLOGY",
+            &[("pcie", Pcie), ("nvlink", Nvlink)],
+        )?;
         let deny_peer = var("IPCREDUCE_DENY_PEER")
             .map(|v| {
                 let bad = || Error::Config(format!("IPCREDUCE_DENY_PEER={v}: expected RANK:PEER"));
@@ -206,6 +222,7 @@ impl Config {
             sharing,
             transport,
             deny_peer,
+            topology,
             host_heap_bytes: times("IPCREDUCE_HOST_HEAP_MB", 1 << 20)?,
             device: int("IPCREDUCE_DEVICE")?,
             with_nccl: false,
@@ -276,6 +293,28 @@ fn parse_int<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
         .map_err(|_| Error::Config(format!("{name}={v}: expected a non-negative integer")))
 }
 
+/// Variable `name` (from `var`): one of `table`'s words, in any case; "auto" and unset are
+/// None; anything else is an error listing the words.
+fn choice<T: Copy>(
+    var: &dyn Fn(&str) -> Option<String>,
+    name: &str,
+    table: &[(&str, T)],
+) -> Result<Option<T>> {
+    let Some(v) = var(name) else { return Ok(None) };
+    let word = v.trim().to_ascii_lowercase();
+    if word == "auto" {
+        return Ok(None);
+    }
+    if let Some((_, value)) = table.iter().find(|(w, _)| *w == word) {
+        return Ok(Some(*value));
+    }
+    let words: Vec<&str> = table.iter().map(|(w, _)| *w).collect();
+    Err(Error::Config(format!(
+        "{name}={v}: expected {} or auto",
+        words.join(", ")
+    )))
+}
+
 fn parse_bool(name: &str, v: &str) -> Result<bool> {
     match v.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Ok(true),
@@ -316,6 +355,7 @@ mod tests {
                 ("IPCREDUCE_NCCL_SHARED_GPU", "1"),
                 ("IPCREDUCE_TRANSPORT", "host"),
                 ("IPCREDUCE_DENY_PEER", "1:0"),
+                ("IPCREDUCE_TOPOLOGY", "PCIe"),
             ]))
             .unwrap();
         assert_eq!(c.timeout(), Duration::from_millis(1500));
@@ -329,6 +369,7 @@ mod tests {
         assert!(c.nccl_shared_gpu());
         assert_eq!(c.transport, Some(Transport::Host));
         assert_eq!(c.deny_peer, Some((1, 0)));
+        assert_eq!(c.topology, Some(Topology::Pcie));
     }
 
     #[test]
@@ -345,6 +386,7 @@ mod tests {
                 ("IPCREDUCE_TIMEOUT_MS", ""),
                 ("IPCREDUCE_SHARE", "auto"),
                 ("IPCREDUCE_TRANSPORT", "auto"),
+                ("IPCREDUCE_TOPOLOGY", "auto"),
             ]))
             .unwrap();
         assert_eq!(c, Config::default());
@@ -372,10 +414,19 @@ mod tests {
             ("IPCREDUCE_DENY_PEER", "1:1"),
             ("IPCREDUCE_DENY_PEER", "a:0"),
             ("IPCREDUCE_DENY_PEER", "1:0:2"),
+            ("IPCREDUCE_TOPOLOGY", "pci"),
+            ("IPCREDUCE_TOPOLOGY", "host"),
+            ("IPCREDUCE_TOPOLOGY", "1"),
         ] {
             let msg = config_error(&[(k, v)]);
             assert!(msg.contains(k), "{k}={v}: {msg}");
         }
+        // Enumerated variables list their words.
+        assert_eq!(
+            config_error(&[("IPCREDUCE_TOPOLOGY", "pci")]),
+            "IPCREDUCE_TOPOLOGY=pci: expected pcie, nvlink or auto"
+        );
+        assert!(config_error(&[("IPCREDUCE_SHARE", "x")]).ends_with("expected vmm, ipc or auto"));
     }
 
     #[test]

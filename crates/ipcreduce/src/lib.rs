@@ -31,8 +31,8 @@ pub mod types;
 
 pub use backend::RegisteredBuffer;
 pub use communicator::{AbortHandle, Communicator};
-pub use config::{Config, Options, Sharing, Transport};
-pub use plan::PathInfo;
+pub use config::{Config, Options, Sharing, Topology, Transport};
+pub use plan::{Fabric, PathInfo};
 
 /// Cores online on this machine. Not `available_parallelism`: `launch` binds each rank to one
 /// core, and a rank must still know how many its peers can use.

@@ -9,10 +9,10 @@
 //! - teardown with work in flight, in both sharing modes;
 //! - registered (zero-copy) buffers: every path on them, eager and in CUDA graph replays, in
 //!   place and out of place, the copy-engine path; cuMemAlloc memory refused by register;
-//! - reduce-scatter and all-gather: plain and registered buffers, in place and out of place,
-//!   eager and in CUDA graph replays, against the all-reduce (bitwise) and every rank's input;
 //! - the caller's buffers: another GPU's memory, page-locked and pageable host memory refused
 //!   by every rank (the communicator stays usable), memory seen before reduced right;
+//! - reduce-scatter and all-gather: plain and registered buffers, in place and out of place,
+//!   eager and in CUDA graph replays, against the all-reduce (bitwise) and every rank's input;
 //! - the low-latency wrap: more than 200,000 LL one-shot calls, every result checked, built so
 //!   that a sequence number kept in 16 bits accepts a line left 65,536 calls earlier.
 
@@ -47,8 +47,8 @@ fn play_rank_if_child() {
         "llwrap" => rank_ll_wrap(),
         "device" => rank_device(),
         "registered" => rank_registered(),
-        "scatter_gather" => rank_scatter_gather(),
         "pointers" => rank_pointers(),
+        "scatter_gather" => rank_scatter_gather(),
         other => panic!("unknown role {other}"),
     };
     let _ = std::io::stdout().flush();

@@ -99,6 +99,20 @@ pub struct BackendMeta {
     pub devices: Vec<String>,
     pub driver: Option<String>,
     pub nccl_version: Option<String>,
+    /// cuda: why `auto` staged through host memory (the failed pair and check), if it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<Fallback>,
+}
+
+/// The pair whose start-up check made `auto` take the host-staged transport.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Fallback {
+    /// The rank that saw the failure, and the rank it could not use (itself: its own setup).
+    pub rank: usize,
+    pub peer: usize,
+    /// The check ("P2P query", "workspace mapping", "cross-process read") and what it said.
+    pub check: String,
+    pub detail: String,
 }
 
 /// What a backend offers the communicator.
@@ -157,6 +171,11 @@ pub trait BackendOps: Send {
     /// The error that made the communicator unusable, or one a kernel recorded, if any,
     /// without waiting (as `ncclCommGetAsyncError`).
     fn async_error(&self) -> Option<Error>;
+
+    /// What the data crosses (see [`crate::plan::Fabric`]).
+    fn fabric(&self) -> crate::plan::Fabric {
+        crate::plan::Fabric::Peer
+    }
 
     /// cuda: the GPU ordinal this communicator runs on.
     fn device(&self) -> Option<usize> {

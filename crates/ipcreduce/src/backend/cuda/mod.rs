@@ -23,6 +23,7 @@ mod testbufs;
 mod workspace;
 // Workspaces over peer memory or staged through host memory (IPCREDUCE_TRANSPORT).
 mod host_staged;
+mod topology;
 mod transport;
 
 use crate::abort::AbortState;
@@ -30,7 +31,7 @@ use crate::backend::{BackendMeta, BackendOps, RegisteredBuffer, SgOp};
 use crate::bootstrap::Bootstrap;
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::plan::{CudaPath, GridLimits, PathInfo};
+use crate::plan::{CudaPath, Fabric, GridLimits, PathInfo};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use cudarc::driver::{safe as cs, sys};
 use driver::ck;
@@ -87,6 +88,8 @@ struct KernelArgs {
     aligned: i32,
     lane: i32,
     check: i32,
+    mode: i32,
+    chunk_bytes: u64,
 }
 
 /// Whether this process can use the cuda backend (driver, a GPU, NVRTC).
@@ -145,6 +148,8 @@ pub struct CudaComm {
     /// Whether teardown ran (else Drop waits for our work itself).
     left: bool,
     limits: GridLimits,
+    /// What the data crosses (agreed at init): chunk sizes, CTA cap, push order.
+    fabric: Fabric,
     slot_bytes: usize,
     timeout: std::time::Duration,
     abort: Arc<AbortState>,
@@ -304,7 +309,7 @@ impl CudaComm {
                 .unwrap_or(crate::plan::CE_DEFAULT_MIN_BYTES),
             _ => 0,
         };
-        let limits = GridLimits {
+        let mut limits = GridLimits {
             ll_max,
             cap,
             fixed,
@@ -347,6 +352,17 @@ impl CudaComm {
                 ),
             });
         }
+        // The PCIe policy (or none) from the transport, IPCREDUCE_TOPOLOGY and the pairs.
+        let fabric = topology::agree(
+            boot,
+            device,
+            &uuids,
+            ws.sharing().is_none(),
+            config.topology,
+        )?;
+        if fabric == Fabric::PciePeer && fixed.is_none() {
+            limits.cap = limits.cap.min(crate::plan::PCIE_CTA_CAP);
+        }
         let state = DeviceAlloc::new(MAX_BLOCKS * 2 * 4 + 64, rank)?;
         let words = Arc::new(MappedHostWords::new(16, rank)?);
         // SAFETY: zeroing memory we own (signal area of our workspace, private state).
@@ -366,7 +382,11 @@ impl CudaComm {
         }));
 
         let devices: Vec<String> = {
-            let via = ws.note(); // the transport, so results say how they were made
+            // The transport and policy, so results say how they were made.
+            let via = match fabric {
+                Fabric::PciePeer => ", PCIe policy",
+                _ => ws.note(),
+            };
             let names = boot.all_gather(format!("{name} (GPU {ordinal}{via})").as_bytes())?;
             names
                 .iter()
@@ -397,6 +417,7 @@ impl CudaComm {
             leak: teardown::Leak::Nothing,
             left: false,
             limits,
+            fabric,
             slot_bytes,
             timeout: config.timeout(),
             abort,
@@ -515,6 +536,8 @@ impl CudaComm {
             aligned: all16(&rsend) as i32 | (all16(&rrecv) as i32) << 1,
             lane: 0,
             check: 0,
+            mode: self.fabric.kernel_mode() as i32,
+            chunk_bytes: self.slot_bytes as u64,
         }
     }
 
@@ -681,6 +704,8 @@ impl CudaComm {
         let stamp = kernels::stamp(count, dtype, op, path.code());
         let zero_copy = zero_copy.filter(|_| path.registered());
         let mut args = self.kernel_args(send, recv, count, stamp, zero_copy);
+        args.chunk_bytes =
+            crate::plan::staged_chunk_bytes(self.fabric, bytes, self.slot_bytes) as u64;
         if path == CudaPath::Ce {
             return self.launch_ce(&args, dtype, op, grid, stream);
         }
@@ -810,6 +835,12 @@ impl BackendOps for CudaComm {
             devices: self.devices.clone(),
             driver: driver::driver_version(),
             nccl_version: nccl::version(),
+            fallback: self.ws.fallback.as_ref().map(|f| crate::backend::Fallback {
+                rank: f.rank,
+                peer: f.peer,
+                check: f.check.to_string(),
+                detail: f.detail.clone(),
+            }),
         }
     }
 
@@ -826,6 +857,10 @@ impl BackendOps for CudaComm {
 
     fn device(&self) -> Option<usize> {
         Some(self.ordinal)
+    }
+
+    fn fabric(&self) -> Fabric {
+        self.fabric
     }
 
     fn own_stream(&self) -> Option<*mut c_void> {

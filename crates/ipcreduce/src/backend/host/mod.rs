@@ -429,6 +429,7 @@ impl BackendOps for HostComm {
             devices: vec![format!("host: {cores} cores")],
             driver: None,
             nccl_version: None,
+            fallback: None,
         }
     }
 

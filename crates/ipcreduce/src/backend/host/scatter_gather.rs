@@ -46,7 +46,14 @@ impl HostComm {
         let size = dtype.size();
         let own = shards.span(self.rank);
         let (whole, mine) = (shards.total * size, own.len() * size);
-        let algo = crate::plan::choose(Algorithm::Auto, None, BackendKind::Host, self.world, whole);
+        let algo = crate::plan::choose(
+            Algorithm::Auto,
+            None,
+            BackendKind::Host,
+            crate::plan::Fabric::Peer,
+            self.world,
+            whole,
+        );
         let mut scratch = vec![0u8; whole];
         match what {
             SgOp::ReduceScatter => {
