@@ -29,13 +29,6 @@ struct SgArgs {
     u64 per;     // elements per shard
 };
 
-// Every rank's staged slot at `off` (reduce-scatter: the region of our shard).
-struct RegionSrc {
-    const Args &a;
-    u64 off;
-    __device__ const char *operator()(int r) const { return a.data[r] + off; }
-};
-
 __device__ __forceinline__ u64 sg_shard_len(const SgArgs &g, int s) {
     const u64 b = min(g.total, (u64)s * g.per);
     return min(g.total, b + g.per) - b;
@@ -78,7 +71,7 @@ template <typename D, typename Op, int W> __device__ void reduce_scatter_staged(
         if (!barrier(a, F, c0 == 0)) break;
         shard_piece<D>(frame, sg_in_chunk(mine, c0, chunk), 1, 0, b, e);
         char *out = a.recv + c0 * D::SIZE;
-        reduce_range<D, Op, W, STAGED_LOADS_IN_FLIGHT>(RegionSrc{a, slot_off + a.rank * region},
+        reduce_range<D, Op, W, STAGED_LOADS_IN_FLIGHT>(SlotSrc{a, slot_off + a.rank * region},
                                                         OwnDst{out, aligned16(out)}, a.world, b, e, true);
     }
     if (threadIdx.x == 0) ctr[0] = F;
