@@ -22,10 +22,13 @@ pub const MAX_BLOCKS: usize = 128;
 /// call stamps (u64) per (block, rank).
 pub const SIG_BYTES: usize = MAX_BLOCKS * MAX_RANKS * (4 + 2 * 8);
 /// Largest message the low-latency one-shot handles.
-pub const LL_MAX_BYTES: usize = 256 * 1024;
-/// Bytes of the LL area after the signal area: two parities of lines (16 bytes per 8 data
-/// bytes) from every rank.
-pub const LL_BYTES: usize = 2 * MAX_RANKS * (LL_MAX_BYTES / 8) * 16;
+pub const LL_MAX_BYTES: usize = 1024 * 1024;
+
+/// Bytes of the LL area after the signal area of a `world`-rank workspace: two parities of
+/// lines (16 bytes per 8 data bytes) from every rank (`LL_BYTES(world)` in allreduce.cu).
+pub fn ll_bytes(world: usize) -> usize {
+    2 * world * (LL_MAX_BYTES / 8) * 16
+}
 
 /// The compile-time world-size bound (`-DIPCR_W`) of the module that serves `world` ranks: it
 /// sets the reduction's unroll (8 / W packs per rank in flight per thread).
@@ -67,6 +70,8 @@ pub fn describe_stamp_difference(mine: u64, theirs: u64) -> String {
         "oneshot-reg",
         "twoshot-reg",
         "ce",
+        "oneshot-reg16",
+        "twoshot-reg16",
     ];
     let dtypes = ["float", "half", "bfloat16"];
     let ops = ["sum", "max", "min"];
@@ -123,6 +128,8 @@ pub fn kernel_name(path: CudaPath, w: usize, dtype: DType, op: ReduceOp) -> Stri
         CudaPath::TwoShotStaged => "twoshot",
         CudaPath::OneShotReg => "oneshotreg",
         CudaPath::TwoShotReg => "twoshotreg",
+        CudaPath::OneShotRegDeep => "oneshotreg16",
+        CudaPath::TwoShotRegDeep => "twoshotreg16",
         // Two ranks only: one kernel in every module.
         CudaPath::Ce => return format!("ipcr_cereduce_{d}_{}", op.name()),
     };
@@ -226,7 +233,9 @@ mod tests {
             "#define LL_MAX_BYTES ({} * 1024)",
             LL_MAX_BYTES / 1024
         )));
-        assert!(ALLREDUCE_SOURCE.contains("#define LL_BYTES (2 * MAX_RANKS * LL_LINES * 16)"));
+        assert!(ALLREDUCE_SOURCE.contains("#define LL_LINES (LL_MAX_BYTES / 8)"));
+        assert!(ALLREDUCE_SOURCE.contains("#define LL_BYTES(world) (2 * (world) * LL_LINES * 16)"));
+        assert_eq!(ll_bytes(2), 8 << 20);
         let codes = format!("ERR_TIMEOUT = {ERR_TIMEOUT}, ERR_ABORTED = {ERR_ABORTED}, ERR_MISMATCH = {ERR_MISMATCH}");
         assert!(
             ALLREDUCE_SOURCE.contains(&codes),

@@ -16,12 +16,13 @@
 //                                    different arguments all fail at once instead of hanging or
 //                                    reading out of bounds. Indexed by the barrier's parity: a
 //                                    peer may run one barrier ahead and stamp its next call.
-//   LL area (LL_BYTES)               lines[2][MAX_RANKS][LL_LINES] of 16 bytes, for the low-latency
+//   LL area (LL_BYTES(world))        lines[2][world][LL_LINES] of 16 bytes, for the low-latency
 //                                    one-shot (see one_shot_ll): peer p pushes its input into
 //                                    lines[parity][p] of every other rank, 8 data bytes, the
 //                                    call's 32-bit sequence number and a hash of its arguments per
 //                                    line, so the receiver polls its own memory and needs no
-//                                    barrier at all.
+//                                    barrier at all. Sized by the world (not MAX_RANKS): two ranks
+//                                    hold LL_MAX_BYTES of LL data in 8 MiB.
 //   data area (2 * slot_bytes)       two slots for the staged kernels (alternating by chunk).
 //
 // Per-rank private state (device memory, not shared), in u32 words:
@@ -62,20 +63,25 @@
 // (4) Rank order. Peers are summed in rank order 0..world-1 with f32 accumulation and one final
 //     rounding, so all ranks, and every path, produce bitwise the same result.
 // (5) Loads in flight. The reduction loads U packs (16 bytes each) from each of W ranks before
-//     using any of them (U * W = 8 uint4 registers for the zero-copy kernels: a 512-thread block
-//     keeps 64 KiB in flight; 4 for the staged ones, whose chunk loop holds more state and which
-//     run more blocks); kernels are compiled for two blocks per SM (<= 64 registers).
+//     using any of them. U * W = 8 uint4 registers for the zero-copy kernels (a 512-thread block
+//     keeps 64 KiB in flight), compiled for two blocks per SM (<= 64 registers); 16 for their
+//     deep variants (oneshotreg16/twoshotreg16: 8 packs per rank at two ranks, 128 KiB in flight
+//     per block, the design the stand-alone probe measured), compiled for one block per SM
+//     (<= 128 registers); 4 for the staged ones, whose chunk loop holds more state and which run
+//     more blocks. The LL kernel peeks both lines of its 16-byte pair from every peer before it
+//     waits on any of them.
 
 #define MAX_RANKS 8
 #define MAX_BLOCKS 128
-#define LL_MAX_BYTES (256 * 1024)
+#define LL_MAX_BYTES (1024 * 1024)
 #define LL_LINES (LL_MAX_BYTES / 8)
-#define LL_BYTES (2 * MAX_RANKS * LL_LINES * 16)
+#define LL_BYTES(world) (2 * (world) * LL_LINES * 16)
 #define FLAG_BYTES (MAX_BLOCKS * MAX_RANKS * 4)
 #define SIG_BYTES (FLAG_BYTES + 2 * MAX_BLOCKS * MAX_RANKS * 8)
 #define STATE_LL (2 * MAX_BLOCKS + 4)
 #define STATE_STAGED (2 * MAX_BLOCKS + 8)
 #define LOADS_IN_FLIGHT 8
+#define DEEP_LOADS_IN_FLIGHT(W) ((W) == 4 ? 12 : 16)
 #define STAGED_LOADS_IN_FLIGHT 4
 #define COPY_UNROLL 4
 
@@ -530,27 +536,27 @@ template <typename D, typename Op, int W> __device__ void two_shot(const Args &a
 // ---------------------------------------------------------------------------------------------
 // Zero-copy kernels (registered buffers, see invariant 2): no workspace data, no chunks.
 
-template <typename D, typename Op, int W> __device__ void one_shot_reg(const Args &a) {
+template <typename D, typename Op, int W, int LOADS> __device__ void one_shot_reg(const Args &a) {
     u32 *ctr = a.counters + 2 * blockIdx.x;
     u32 F = ctr[0];
     if (barrier(a, F, true)) { // inputs ready
         u64 b, e;
         piece<D>(0, a.count, gridDim.x, blockIdx.x, b, e);
-        reduce_range<D, Op, W>(SendSrc{a}, OwnDst{a.recv, aligned16(a.recv)}, a.world, b, e,
-                               (a.aligned & 1) != 0);
+        reduce_range<D, Op, W, LOADS>(SendSrc{a}, OwnDst{a.recv, aligned16(a.recv)}, a.world, b, e,
+                                      (a.aligned & 1) != 0);
         barrier(a, F); // done reading every send
     }
     if (threadIdx.x == 0) ctr[0] = F;
 }
 
-template <typename D, typename Op, int W> __device__ void two_shot_reg(const Args &a) {
+template <typename D, typename Op, int W, int LOADS> __device__ void two_shot_reg(const Args &a) {
     u32 *ctr = a.counters + 2 * blockIdx.x;
     u32 F = ctr[0];
     if (barrier(a, F, true)) { // inputs ready
         u64 b, e;
         shard_piece<D>(a.count, a.count, a.world, a.rank, b, e);
         // Reduce-scatter by loads from every rank, all-gather by stores into every rank's recv.
-        reduce_range<D, Op, W>(SendSrc{a}, AllRecvDst{a}, a.world, b, e, (a.aligned & 1) != 0);
+        reduce_range<D, Op, W, LOADS>(SendSrc{a}, AllRecvDst{a}, a.world, b, e, (a.aligned & 1) != 0);
         barrier(a, F); // every shard stored everywhere, every send read
     }
     if (threadIdx.x == 0) ctr[0] = F;
@@ -565,6 +571,9 @@ template <typename D, typename Op, int W> __device__ void two_shot_reg(const Arg
 // peer that called with other arguments (same seq, other tag) is seen at once. Buffer parity
 // alternates by call; a peer cannot start writing parity p again before this rank has finished
 // reading it, since the call in between needs this rank's data.
+// Each thread owns 16-byte pairs of units (grid-stride): one 16-byte load of its input, two lines
+// to every peer, then the two lines of every peer peeked at once before it waits on any, so a
+// thread has 2 * (world - 1) polls in flight instead of one.
 
 __device__ __forceinline__ u32 ll_tag(u64 stamp) {
     u32 h = (u32)(stamp ^ (stamp >> 32));
@@ -572,7 +581,7 @@ __device__ __forceinline__ u32 ll_tag(u64 stamp) {
 }
 
 __device__ __forceinline__ uint4 *ll_line(const Args &a, int owner, u32 parity, int from, u64 i) {
-    return (uint4 *)a.ll[owner] + ((u64)(parity * MAX_RANKS + from) * LL_LINES + i);
+    return (uint4 *)a.ll[owner] + ((u64)(parity * a.world + from) * LL_LINES + i);
 }
 
 // 8 bytes of `src` at unit i (zero past `total` bytes); byte by byte when not 8-byte aligned.
@@ -595,20 +604,43 @@ __device__ __forceinline__ void store_unit(char *dst, u64 i, u64 total, uint2 w)
         if (i * 8 + k < total) dst[i * 8 + k] = b[k];
 }
 
-// Waits for peer `from`'s line i of this call; false on timeout, abort, mismatch or another failure.
-__device__ bool ll_poll(const Args &a, u32 parity, int from, u64 i, u32 seq, u32 tag, uint2 &out) {
+// Units 2j and 2j+1 as one 16-byte value: one load when aligned and whole.
+__device__ __forceinline__ uint4 load_pair(const char *src, u64 j, u64 total) {
+    if (aligned16(src) && (j + 1) * 16 <= total) return *(const uint4 *)(src + j * 16);
+    uint2 lo = load_unit(src, 2 * j, total), hi = load_unit(src, 2 * j + 1, total);
+    return make_uint4(lo.x, lo.y, hi.x, hi.y);
+}
+
+__device__ __forceinline__ void store_pair(char *dst, u64 j, u64 total, uint4 w) {
+    if (aligned16(dst) && (j + 1) * 16 <= total) {
+        *(uint4 *)(dst + j * 16) = w;
+        return;
+    }
+    store_unit(dst, 2 * j, total, make_uint2(w.x, w.y));
+    store_unit(dst, 2 * j + 1, total, make_uint2(w.z, w.w));
+}
+
+__device__ __forceinline__ uint4 ll_peek(const uint4 *line) {
+    uint4 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(line));
+    return v;
+}
+
+__device__ __forceinline__ void ll_put(uint4 *line, u32 lo, u32 seq, u32 hi, u32 tag) {
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(line), "r"(lo), "r"(seq),
+                 "r"(hi), "r"(tag)
+                 : "memory");
+}
+
+// Waits for peer `from`'s line i of this call, starting from `v` (a value already read from
+// it); returns its 8 data bytes in v.x, v.z. False on timeout, abort, mismatch or another failure.
+__device__ bool ll_wait(const Args &a, u32 parity, int from, u64 i, u32 seq, u32 tag, uint4 &v) {
     const uint4 *line = ll_line(a, a.rank, parity, from, i);
     u64 deadline = 0;
     u32 spins = 0;
-    while (true) {
-        uint4 v;
-        asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "l"(line));
-        if (v.y == seq && v.w == tag) {
-            out = make_uint2(v.x, v.z);
-            return true;
-        }
+    while (!(v.y == seq && v.w == tag)) {
         if ((++spins & 1023u) == 0u) {
             // Our sequence number with another tag, still there 1024 reads later (not a line
             // caught half written): the peer called with other arguments.
@@ -628,52 +660,110 @@ __device__ bool ll_poll(const Args &a, u32 parity, int from, u64 i, u32 seq, u32
                 return false;
             }
         }
+        v = ll_peek(line);
+    }
+    return true;
+}
+
+// Half h (8 bytes: unit 2j+h of a pair) of a 16-byte pack: acc = w (first rank) or op(acc, w),
+// in f32.
+template <typename D, typename Op>
+__device__ __forceinline__ void ll_accumulate(Pack<D> &acc, int h, uint2 w, bool first) {
+    const int H = Pack<D>::N / 2;
+    const char *b = (const char *)&w;
+#pragma unroll
+    for (int k = 0; k < H; k++) {
+        float v = D::load(b + k * D::SIZE);
+        acc.v[h * H + k] = first ? v : Op::apply(acc.v[h * H + k], v);
     }
 }
 
-template <typename D, typename Op> __device__ void one_shot_ll(const Args &a) {
+template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args &a) {
     u32 *ll_state = a.counters + STATE_LL; // {last sequence number, blocks done}
     const u32 seq = *(volatile u32 *)&ll_state[0] + 1;
     const u32 tag = ll_tag(a.stamp);
     const u32 parity = seq & 1u;
     const u64 total = a.count * D::SIZE;
     const u64 units = (total + 7) / 8;
+    const u64 pairs = (total + 15) / 16;
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 stride = (u64)gridDim.x * blockDim.x;
-    // Push: each unit to every peer, peers in rotated order so links load evenly.
-    for (u64 i = first; i < units; i += stride) {
-        uint2 v = load_unit(a.send, i, total);
-        for (int k = 1; k < a.world; k++) {
-            int r = (a.rank + k) % a.world;
-            asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(ll_line(a, r, parity, a.rank, i)),
-                         "r"(v.x), "r"(seq), "r"(v.y), "r"(tag)
-                         : "memory");
-        }
-    }
-    // Reduce in rank order from our own memory. The same thread handles unit i in both loops, so
-    // in place (send == recv) is safe.
-    bool ok = true;
-    for (u64 i = first; ok && i < units; i += stride) {
-        const int N = 8 / D::SIZE;
-        float acc[N];
-        for (int r = 0; r < a.world; r++) {
-            uint2 x;
-            if (r == a.rank) x = load_unit(a.send, i, total);
-            else if (!ll_poll(a, parity, r, i, seq, tag, x)) { ok = false; break; }
-            const char *xb = (const char *)&x;
+    // Push: both units of each pair to every peer, peers in rotated order so links load evenly.
+    for (u64 j = first; j < pairs; j += stride) {
+        const uint4 v = load_pair(a.send, j, total);
+        const bool two = 2 * j + 1 < units;
 #pragma unroll
-            for (int k = 0; k < N; k++) {
-                float v = D::load(xb + k * D::SIZE);
-                acc[k] = r == 0 ? v : Op::apply(acc[k], v); // f32 accumulation, rank order
+        for (int k = 1; k < W; k++) {
+            if (k < a.world) {
+                int r = a.rank + k;
+                if (r >= a.world) r -= a.world;
+                uint4 *line = ll_line(a, r, parity, a.rank, 2 * j);
+                ll_put(line, v.x, seq, v.y, tag);
+                if (two) ll_put(line + 1, v.z, seq, v.w, tag);
             }
         }
-        if (ok) {
-            uint2 w;
-            char *wb = (char *)&w;
+    }
+    // Reduce in rank order from our own memory. The same thread handles pair j in both loops, so
+    // in place (send == recv) is safe. Two ranks: both lines of the peer are peeked before either
+    // is waited for. More ranks: one unit at a time, its line of every peer peeked before any
+    // wait (2 * (world - 1) lines held at once would not fit two blocks per SM: 64 registers).
+    bool ok = true;
+    for (u64 j = first; ok && j < pairs; j += stride) {
+        const bool two = 2 * j + 1 < units;
+        const uint4 mine = load_pair(a.send, j, total);
+        Pack<D> acc;
+        if (W <= 2) {
+            uint4 got[2][2];
 #pragma unroll
-            for (int k = 0; k < N; k++) D::store(wb + k * D::SIZE, acc[k]);
-            store_unit(a.recv, i, total, w);
+            for (int r = 0; r < 2; r++) {
+                got[r][0] = got[r][1] = make_uint4(0u, seq, 0u, tag); // unused or past the end
+                if (r < a.world && r != a.rank) {
+                    const uint4 *line = ll_line(a, a.rank, parity, r, 2 * j);
+                    got[r][0] = ll_peek(line);
+                    if (two) got[r][1] = ll_peek(line + 1);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                if (r >= a.world) break;
+                uint4 w = mine;
+                if (r != a.rank) {
+                    if (!ll_wait(a, parity, r, 2 * j, seq, tag, got[r][0]) ||
+                        (two && !ll_wait(a, parity, r, 2 * j + 1, seq, tag, got[r][1]))) {
+                        ok = false;
+                        break;
+                    }
+                    w = make_uint4(got[r][0].x, got[r][0].z, got[r][1].x, got[r][1].z);
+                }
+                ll_accumulate<D, Op>(acc, 0, make_uint2(w.x, w.y), r == 0);
+                ll_accumulate<D, Op>(acc, 1, make_uint2(w.z, w.w), r == 0);
+            }
+        } else {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                if (!ok || (h == 1 && !two)) break;
+                uint4 got[W];
+#pragma unroll
+                for (int r = 0; r < W; r++) {
+                    got[r] = make_uint4(0u, seq, 0u, tag);
+                    if (r < a.world && r != a.rank) got[r] = ll_peek(ll_line(a, a.rank, parity, r, 2 * j + h));
+                }
+#pragma unroll
+                for (int r = 0; r < W; r++) {
+                    if (r >= a.world) break;
+                    uint2 w = h == 0 ? make_uint2(mine.x, mine.y) : make_uint2(mine.z, mine.w);
+                    if (r != a.rank) {
+                        if (!ll_wait(a, parity, r, 2 * j + h, seq, tag, got[r])) {
+                            ok = false;
+                            break;
+                        }
+                        w = make_uint2(got[r].x, got[r].z);
+                    }
+                    ll_accumulate<D, Op>(acc, h, w, r == 0);
+                }
+            }
         }
+        if (ok) store_pair(a.recv, j, total, repack<D>(acc));
     }
     // The last block to finish publishes the sequence number for the next call.
     publish_when_all_done(ll_state, seq);
@@ -720,17 +810,29 @@ template <typename D, typename Op> __device__ void ce_reduce(const Args &a) {
     extern "C" __global__ void __launch_bounds__(512, 2)                                      \
         ipcr_twoshot_w##W##_##DT##_##OPN(const Args a) { two_shot<D, OP, W>(a); }             \
     extern "C" __global__ void __launch_bounds__(512, 2)                                      \
-        ipcr_oneshotreg_w##W##_##DT##_##OPN(const Args a) { one_shot_reg<D, OP, W>(a); }      \
+        ipcr_oneshotreg_w##W##_##DT##_##OPN(const Args a) {                                   \
+        one_shot_reg<D, OP, W, LOADS_IN_FLIGHT>(a);                                           \
+    }                                                                                         \
     extern "C" __global__ void __launch_bounds__(512, 2)                                      \
-        ipcr_twoshotreg_w##W##_##DT##_##OPN(const Args a) { two_shot_reg<D, OP, W>(a); }
+        ipcr_twoshotreg_w##W##_##DT##_##OPN(const Args a) {                                   \
+        two_shot_reg<D, OP, W, LOADS_IN_FLIGHT>(a);                                           \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(512, 1)                                      \
+        ipcr_oneshotreg16_w##W##_##DT##_##OPN(const Args a) {                                 \
+        one_shot_reg<D, OP, W, DEEP_LOADS_IN_FLIGHT(W)>(a);                                    \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(512, 1)                                      \
+        ipcr_twoshotreg16_w##W##_##DT##_##OPN(const Args a) {                                 \
+        two_shot_reg<D, OP, W, DEEP_LOADS_IN_FLIGHT(W)>(a);                                    \
+    }
 #define SM_KERNELS_FOR(DT, OPN, D, OP, W) SM_KERNELS(DT, OPN, D, OP, W)
 
 #define KERNELS(DT, OPN, D, OP)                                                               \
     SM_KERNELS_FOR(DT, OPN, D, OP, IPCR_W)                                                    \
     extern "C" __global__ void __launch_bounds__(512, 2)                                      \
         ipcr_cereduce_##DT##_##OPN(const Args a) { ce_reduce<D, OP>(a); }                     \
-    extern "C" __global__ void __launch_bounds__(512)                                         \
-        ipcr_oneshotll_##DT##_##OPN(const Args a) { one_shot_ll<D, OP>(a); }
+    extern "C" __global__ void __launch_bounds__(512, 2)                                      \
+        ipcr_oneshotll_##DT##_##OPN(const Args a) { one_shot_ll<D, OP, IPCR_W>(a); }
 
 KERNELS(f32, sum, F32, OpSum)
 KERNELS(f32, max, F32, OpMax)
