@@ -856,6 +856,19 @@ fn registered_buffers_eager_and_in_graphs() {
 }
 
 #[test]
+fn registered_buffers_shallow_kernels_and_short_ll() {
+    // The zero-copy kernels with 8 packs in flight (two blocks per SM) and LL only up to 64 KiB,
+    // so one-shot zero-copy runs from there on: the variants the defaults do not take.
+    play_rank_if_child();
+    run_role(
+        "registered_buffers_shallow_kernels_and_short_ll",
+        "registered",
+        &[2, 4, 8],
+        &[("IPCREDUCE_REG_LOADS", "8"), ("IPCREDUCE_LL_MAX", "65536")],
+    );
+}
+
+#[test]
 fn registered_buffers_through_the_copy_engine() {
     play_rank_if_child();
     run_role(

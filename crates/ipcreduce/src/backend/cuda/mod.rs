@@ -303,9 +303,11 @@ impl CudaComm {
         let deep = match config.reg_loads.unwrap_or(crate::plan::REG_LOADS_DEFAULT) {
             8 => false,
             16 => true,
-            n => return Err(Error::Config(format!(
+            n => {
+                return Err(Error::Config(format!(
                 "zero-copy loads in flight {n} (Config::reg_loads or IPCREDUCE_REG_LOADS): 8 or 16"
-            ))),
+            )))
+            }
         };
         let deep_cap = match (fixed, sharing) {
             (None, 2..) => cap.min(SHARED_GPU_DEEP_CTAS / sharing),
