@@ -13,7 +13,9 @@
 #       shallow  the 8-packs zero-copy kernels under the new rules, one-shot and two-shot, 2 MiB on;
 #       noll     LL off (IPCREDUCE_LL_MAX=0): one-shot and two-shot, 32 KiB - 2 MiB, what LL
 #                replaces there;
-#       blocksN  the deep zero-copy kernels with N CTAs (IPCREDUCE_BLOCKS), 4 MiB - 1 GiB.
+#       blocksN  the deep zero-copy kernels with N CTAs (IPCREDUCE_BLOCKS), 4 MiB - 1 GiB;
+#       llblocksN  LL one-shot with at most N CTAs (default: one thread per 16 bytes, at most
+#                64), 64 KiB - 1 MiB.
 #     Then side-by-side.md: per size the graph time of each variant's best path and NCCL's.
 #   one GPU (nvidia-h200), one call: PHASES="checks gputests" (the default there), ranks under
 #     MPS: `check` 2000 cases at world 2, 4 and 8, plain and registered buffers, then the library
@@ -108,6 +110,9 @@ if [[ " $PHASES " == *" bench "* ]]; then
   bench shallow oneshot,twoshot 2M "$BENCH_MAX" 10 3 5 IPCREDUCE_REG_LOADS=8
   for b in $BLOCKS_SWEEP; do
     bench "blocks$b" oneshot,twoshot 4M "$BENCH_MAX" 10 3 5 IPCREDUCE_BLOCKS="$b"
+  done
+  for b in 32 128; do
+    bench "llblocks$b" oneshot 64K 1M 100 20 10 IPCREDUCE_BLOCKS="$b"
   done
   # Per size, the graph time of every (variant, algorithm, path, CTAs, registration), NCCL
   # beside, and each variant's best; then the goals table of the new defaults.
