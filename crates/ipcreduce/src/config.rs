@@ -71,8 +71,8 @@ pub struct Config {
     /// `IPCREDUCE_BLOCKS`; 32, fewer when ranks share a GPU.
     pub blocks: Option<usize>,
     /// cuda: largest message for the low-latency one-shot, 0 = off *(same on every rank)*.
-    /// `IPCREDUCE_LL_MAX`; by world size ([`crate::plan::ll_default_max_bytes`]: 1 MiB at two
-    /// ranks), at most 1 MiB.
+    /// `IPCREDUCE_LL_MAX`; by world size and transport ([`crate::plan::ll_default_max_bytes`]:
+    /// 1 MiB at two ranks over peer memory), at most 1 MiB.
     pub ll_max_bytes: Option<usize>,
     /// cuda: 16-byte packs in flight per thread in the zero-copy kernels, 8 or 16 *(same on
     /// every rank)*. `IPCREDUCE_REG_LOADS`; 16.
@@ -248,10 +248,11 @@ impl Config {
         self.timeout.unwrap_or(DEFAULT_TIMEOUT)
     }
 
-    /// cuda: largest message for the low-latency one-shot at `world` ranks.
-    pub fn ll_max_bytes(&self, world: usize) -> usize {
+    /// cuda: largest message for the low-latency one-shot at `world` ranks, over peer memory
+    /// (`peer`) or staged through host memory.
+    pub fn ll_max_bytes(&self, world: usize, peer: bool) -> usize {
         self.ll_max_bytes
-            .unwrap_or_else(|| crate::plan::ll_default_max_bytes(world))
+            .unwrap_or_else(|| crate::plan::ll_default_max_bytes(world, peer))
     }
 
     /// host: zero-copy heap bytes per arena.
@@ -340,7 +341,7 @@ mod tests {
         assert_eq!(c.algo, Some(Algorithm::TwoShot));
         assert_eq!(c.workspace_bytes, Some(2 << 20));
         assert_eq!(c.blocks, Some(16));
-        assert_eq!(c.ll_max_bytes(2), 0);
+        assert_eq!(c.ll_max_bytes(2, true), 0);
         assert_eq!(c.reg_loads, Some(8));
         assert_eq!(c.reg_oneshot_max_bytes, Some(65536));
         assert_eq!(c.sharing, Some(Sharing::Ipc));
@@ -356,8 +357,9 @@ mod tests {
         let c = Config::default().resolve_with(env(&[])).unwrap();
         assert_eq!(c, Config::default());
         assert_eq!(c.timeout(), DEFAULT_TIMEOUT);
-        assert_eq!(c.ll_max_bytes(2), 1 << 20);
-        assert_eq!(c.ll_max_bytes(8), 64 << 10);
+        assert_eq!(c.ll_max_bytes(2, true), 1 << 20);
+        assert_eq!(c.ll_max_bytes(8, true), 64 << 10);
+        assert_eq!(c.ll_max_bytes(2, false), 64 << 10);
         assert_eq!(c.host_heap_bytes(), DEFAULT_HOST_HEAP_BYTES);
         assert!(!c.nccl_shared_gpu());
         // Empty counts as unset; "auto" sharing is no choice.

@@ -34,9 +34,12 @@ pub fn oneshot_max_bytes(backend: BackendKind, world: usize) -> usize {
 /// falls with the world. DEFAULTS from the design: at two ranks 1 MiB of LL lines is 2 MiB per
 /// direction, ~6 us at 370 GB/s, where the zero-copy one-shot's two system barriers and NCCL
 /// took 10-14 us (two H200s, 2026-11-30); to be confirmed by scripts/device/bw-variants.sh.
-/// `IPCREDUCE_LL_MAX` overrides for every world (0 disables).
-pub fn ll_default_max_bytes(world: usize) -> usize {
+/// Staged through host memory (`peer` false) every LL byte crosses PCIe twice as a line: the
+/// previous 64 KiB until that transport is measured. `IPCREDUCE_LL_MAX` overrides for every
+/// world and transport (0 disables).
+pub fn ll_default_max_bytes(world: usize, peer: bool) -> usize {
     match world {
+        _ if !peer => 64 << 10,
         0..=2 => 1 << 20,
         3..=4 => 256 << 10,
         _ => 64 << 10,
@@ -457,7 +460,7 @@ mod tests {
 
     fn limits() -> GridLimits {
         GridLimits {
-            ll_max: ll_default_max_bytes(2),
+            ll_max: ll_default_max_bytes(2, true),
             cap: 64,
             fixed: None,
             ce_min: 0,
@@ -468,11 +471,15 @@ mod tests {
 
     #[test]
     fn ll_limit_falls_with_the_world_and_fits_the_kernels_area() {
-        assert_eq!(ll_default_max_bytes(2), 1 << 20);
-        assert!(ll_default_max_bytes(4) < ll_default_max_bytes(2));
-        assert!(ll_default_max_bytes(8) < ll_default_max_bytes(4));
+        assert_eq!(ll_default_max_bytes(2, true), 1 << 20);
+        assert!(ll_default_max_bytes(4, true) < ll_default_max_bytes(2, true));
+        assert!(ll_default_max_bytes(8, true) < ll_default_max_bytes(4, true));
         for w in 1..=8 {
-            assert!(ll_default_max_bytes(w) <= crate::backend::cuda::kernels::LL_MAX_BYTES);
+            for peer in [true, false] {
+                let max = ll_default_max_bytes(w, peer);
+                assert!(max <= crate::backend::cuda::kernels::LL_MAX_BYTES);
+                assert!(peer || max == 64 << 10, "host-staged keeps 64 KiB");
+            }
         }
         // Registered or not, in place or not: one-shot up to the limit runs LL.
         let lim = limits();

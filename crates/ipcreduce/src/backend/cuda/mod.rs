@@ -286,7 +286,8 @@ impl CudaComm {
         let slot_bytes = config.workspace_bytes.map_or(DEFAULT_SLOT_BYTES, |b| b / 2);
         let slot_bytes = (slot_bytes.max(64 << 10) / 256) * 256;
         // Messages up to this size take the low-latency one-shot (0 disables it).
-        let ll_max = config.ll_max_bytes(world);
+        // Peer memory assumed here; staged through host memory, the default is set below.
+        let ll_max = config.ll_max_bytes(world, true);
         if ll_max > LL_MAX_BYTES {
             return Err(Error::Config(format!(
                 "low-latency limit {ll_max} bytes (Config::ll_max_bytes or IPCREDUCE_LL_MAX): \
@@ -348,6 +349,9 @@ impl CudaComm {
         // Also checks every pair (P2P query, mapping, cross-process read) for the transport.
         let bytes = data_offset(world) as usize + 2 * slot_bytes;
         let ws = SharedWorkspaces::open(boot, device, bytes, &uuids, config)?;
+        // Every rank takes the same transport, so every rank adjusts the same way.
+        let mut limits = limits;
+        limits.ll_max = config.ll_max_bytes(world, ws.sharing().is_some());
         if ws.size < bytes {
             return Err(Error::Cuda {
                 rank,
