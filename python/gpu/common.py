@@ -1,6 +1,7 @@
 """Shared set-up of the GPU test programs (run by scripts/device/python.sh under torchrun or
 `ipcreduce launch`): the rank's GPU, NCCL beside ipcreduce, reports, CUDA-event timing."""
 
+import faulthandler
 import json
 import os
 import sys
@@ -62,14 +63,29 @@ class Ctx:
               flush=True)
 
     def finish(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        # Teardown must not hang: if it is not over in 60 s, every thread's stack goes to the
+        # log and the process exits (non-zero), which names the call that hung.
+        faulthandler.dump_traceback_later(60, exit=True)
+        t0 = time.monotonic()
+
+        def step(what: str) -> None:
+            print(f"rank {self.rank}: teardown: {what} after {time.monotonic() - t0:.2f} s",
+                  flush=True)
+
+        # ipcreduce first: its close is collective and bounded, and must not depend on NCCL's
+        # teardown.
         try:
             self.comm.close()
         except ipcreduce.Error as e:  # a dead communicator cannot free collectively
             print(f"rank {self.rank}: close: {e}", flush=True)
             self.failures.append(f"close: {e}")
+        step("ipcreduce closed")
+        if dist.is_initialized():
+            dist.barrier()
+            step("NCCL barrier")
+            dist.destroy_process_group()
+            step("NCCL destroyed")
+        faulthandler.cancel_dump_traceback_later()
         sys.exit(1 if self.failures else 0)
 
 

@@ -62,7 +62,7 @@ timeout 120 "$BIN" check --backend cuda --ranks "$WORLD" --cases "$CASES" --seed
 tail -n 1 "$OUT/check.log"
 
 # Tune first: the table it writes is what `auto` consults in every run after it.
-export IPCREDUCE_TUNE_FILE="$OUT/tune.json"
+export IPCREDUCE_TUNE_FILE="$OUT/tune.txt"
 if [ -z "${SKIP_TUNE:-}" ]; then
   phase "tune (-> $IPCREDUCE_TUNE_FILE)"
   timeout "$(cap 180)" "$BIN" tune --backend cuda --ranks "$WORLD" -e "$BENCH_MAX" --json "$OUT/tune-samples.json" \

@@ -176,6 +176,8 @@ fn tune_here(args: &TuneArgs) -> Result<()> {
                     "algo": s.algo, "ctas": s.ctas, "time_us": s.time_us})
             })
             .collect();
+        let key = serde_json::json!({"gpu": key.gpu, "gpus": key.gpus, "p2p": key.p2p,
+            "driver": key.driver});
         let text = serde_json::to_string_pretty(&serde_json::json!({"key": key, "samples": rows}))
             .map_err(|e| bad(e.to_string()))?;
         std::fs::write(j, text).map_err(|e| Error::io(format!("writing {}", j.display()), e))?;
@@ -209,7 +211,7 @@ fn write_table(
         std::fs::create_dir_all(dir)
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
     }
-    std::fs::write(path, table.to_json())
+    std::fs::write(path, table.to_text())
         .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
     println!("# wrote {}", path.display());
     Ok(())
@@ -251,7 +253,7 @@ mod tests {
     #[test]
     fn the_table_file_merges_worlds() {
         let dir = std::env::temp_dir().join(format!("ipcreduce-tune-cli-{}", std::process::id()));
-        let path = dir.join("sub").join("tune.json");
+        let path = dir.join("sub").join(tune::FILE_NAME);
         let key = TuneKey {
             gpu: "G".into(),
             gpus: 2,

@@ -1,25 +1,32 @@
 //! The measured tuning table: which algorithm (and CTA count and chunk, where measured) is
 //! fastest on this machine for a world size, an element size and a message size.
 //!
-//! `ipcreduce tune` measures and writes the table as JSON to a cache file keyed by the GPU
-//! model, the topology (GPU count, P2P between every pair) and the driver version. At
-//! communicator init rank 0 loads it and every rank uses rank 0's copy (the choice must be the
-//! same on every rank); `Auto` consults it before the plan's size rules. A missing file, a file
-//! that does not parse or one measured on another machine gives the built-in defaults (no
-//! entries: the plan's rules) and a note saying why.
+//! `ipcreduce tune` measures and writes the table to a cache file (a plain text format of its
+//! own, read strictly: see `tune/text.rs`) keyed by the GPU model, the topology (GPU count,
+//! P2P between every pair) and the driver version. At communicator init rank 0 loads it and
+//! every rank uses rank 0's copy (the choice must be the same on every rank); `Auto` consults
+//! it before the plan's size rules. A missing file, a file that does not parse (the note names
+//! the file and line) or one measured on another machine (the note says what differs) gives
+//! the built-in defaults (no entries: the plan's rules).
 //!
 //! Everything here is pure except [`TuneKey::of_machine`] (driver queries) and [`agree`]
 //! (the communicator's init hook: file and bootstrap).
 
 use crate::types::Algorithm;
-use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-/// Version of the file format; another version is ignored with a note.
-pub const FORMAT_VERSION: u32 = 1;
+mod text;
+pub use text::ParseError;
+
+/// Version of the file format; another version is ignored with a note. (Version 1 was JSON:
+/// such a file is refused with a note saying so, and `ipcreduce tune` replaces it.)
+pub const FORMAT_VERSION: u32 = 2;
+
+/// The table's name in the cache directory.
+pub const FILE_NAME: &str = "tune.txt";
 
 /// What a table was measured on.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TuneKey {
     /// GPU model (the device name).
     pub gpu: String,
@@ -33,7 +40,7 @@ pub struct TuneKey {
 
 /// One row: for `world` ranks and `elem_bytes`-byte elements, messages of
 /// `min_bytes..=max_bytes` run `algo` (with `ctas` CTAs and `chunk`-byte chunks when set).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Entry {
     pub world: usize,
     pub elem_bytes: usize,
@@ -56,7 +63,7 @@ impl Entry {
 }
 
 /// The table and the machine it was measured on.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Table {
     pub version: u32,
     pub key: Option<TuneKey>,
@@ -113,27 +120,14 @@ impl Table {
             .or(rows.last().copied())
     }
 
-    pub fn to_json(&self) -> String {
-        serde_json::to_string_pretty(self).unwrap_or_else(|_| "{}".into())
+    /// The table in the file format (`tune/text.rs`); [`Table::parse`] reads it back exactly.
+    pub fn to_text(&self) -> String {
+        text::write(self)
     }
 
-    pub fn from_json(text: &str) -> Result<Table, String> {
-        let t: Table = serde_json::from_str(text).map_err(|e| e.to_string())?;
-        if t.version != FORMAT_VERSION {
-            return Err(format!(
-                "format version {} (this build reads {FORMAT_VERSION})",
-                t.version
-            ));
-        }
-        for e in &t.entries {
-            if e.min_bytes > e.max_bytes || e.world == 0 || e.elem_bytes == 0 {
-                return Err(format!("bad row {e:?}"));
-            }
-            if e.algorithm().is_none() {
-                return Err(format!("unknown algorithm '{}'", e.algo));
-            }
-        }
-        Ok(t)
+    /// Reads the file format, strictly: any line it does not expect is an error naming it.
+    pub fn parse(text: &str) -> Result<Table, ParseError> {
+        text::parse(text)
     }
 
     /// Replaces the rows of (world, elem_bytes) with `rows`, keeping the others.
@@ -196,8 +190,8 @@ pub fn from_samples(world: usize, elem_bytes: usize, samples: &[Sample]) -> Vec<
     rows
 }
 
-/// Where the table lives: `IPCREDUCE_TUNE_FILE`, else `$XDG_CACHE_HOME/ipcreduce/tune.json`,
-/// else `$HOME/.cache/ipcreduce/tune.json`. `env` reads a variable (tests pass their own).
+/// Where the table lives: `IPCREDUCE_TUNE_FILE`, else `$XDG_CACHE_HOME/ipcreduce/tune.txt`,
+/// else `$HOME/.cache/ipcreduce/tune.txt`. `env` reads a variable (tests pass their own).
 pub fn cache_path(env: impl Fn(&str) -> Option<String>) -> Option<PathBuf> {
     let set = |k: &str| env(k).filter(|v| !v.is_empty());
     if let Some(p) = set("IPCREDUCE_TUNE_FILE") {
@@ -206,7 +200,7 @@ pub fn cache_path(env: impl Fn(&str) -> Option<String>) -> Option<PathBuf> {
     let base = set("XDG_CACHE_HOME")
         .map(PathBuf::from)
         .or_else(|| set("HOME").map(|h| Path::new(&h).join(".cache")))?;
-    Some(base.join("ipcreduce").join("tune.json"))
+    Some(base.join("ipcreduce").join(FILE_NAME))
 }
 
 /// The table for this machine from `path` (None: no path known), or the built-in defaults
@@ -230,31 +224,66 @@ pub fn load(path: Option<&Path>, key: &TuneKey) -> (Table, Option<Note>) {
             )
         }
     };
-    match Table::from_json(&text) {
+    match Table::parse(&text) {
         Err(e) => (
             Table::builtin(),
-            Some(Note::Bad(format!("{}: {e}", path.display()))),
-        ),
-        Ok(t) if t.key.as_ref() != Some(key) => (
-            Table::builtin(),
             Some(Note::Bad(format!(
-                "{} was measured on {:?}, this machine is {key:?}",
+                "{}:{}: {}",
                 path.display(),
-                t.key
+                e.line,
+                e.msg
             ))),
         ),
+        Ok(t) if t.key.as_ref() != Some(key) => {
+            let why = match &t.key {
+                None => "names no machine".to_string(),
+                Some(theirs) => format!("was measured on another machine ({})", theirs.diff(key)),
+            };
+            (
+                Table::builtin(),
+                Some(Note::Bad(format!("{} {why}", path.display()))),
+            )
+        }
         Ok(t) => (t, None),
     }
 }
 
 impl TuneKey {
+    /// What differs between the machine a table was measured on (`self`) and `here`.
+    pub fn diff(&self, here: &TuneKey) -> String {
+        let mut d = Vec::new();
+        if self.gpu != here.gpu {
+            d.push(format!("GPU '{}' there, '{}' here", self.gpu, here.gpu));
+        }
+        if (self.gpus, self.p2p) != (here.gpus, here.p2p) {
+            let topo =
+                |k: &TuneKey| format!("{} GPUs, P2P {}", k.gpus, if k.p2p { "on" } else { "off" });
+            d.push(format!(
+                "topology {} there, {} here",
+                topo(self),
+                topo(here)
+            ));
+        }
+        if self.driver != here.driver {
+            d.push(format!(
+                "driver {} there, {} here",
+                self.driver, here.driver
+            ));
+        }
+        d.join("; ")
+    }
+
     /// This machine's key: the model of GPU `ordinal`, the visible GPUs, P2P between every
     /// pair, the driver version.
     pub fn of_machine(ordinal: usize) -> Option<TuneKey> {
         use cudarc::driver::{safe as cs, sys};
         let count = cs::CudaContext::device_count().ok()?;
         let ctx = cs::CudaContext::new(ordinal).ok()?;
-        let gpu = ctx.name().ok()?;
+        // Trimmed: the file keeps values without surrounding blanks, and must match them. A
+        // key without a GPU name or driver version would match any machine: none then.
+        let known = |s: String| Some(s.trim().to_string()).filter(|s| !s.is_empty());
+        let gpu = known(ctx.name().ok()?)?;
+        let driver = known(crate::backend::cuda::driver::driver_version()?)?;
         let mut p2p = true;
         for a in 0..count {
             for b in 0..count {
@@ -271,7 +300,7 @@ impl TuneKey {
             gpu,
             gpus: usize::try_from(count).unwrap_or(0),
             p2p,
-            driver: crate::backend::cuda::driver::driver_version().unwrap_or_default(),
+            driver,
         })
     }
 }
@@ -309,13 +338,13 @@ pub(crate) fn agree(
         _ => Table::builtin(),
     };
     let text = if boot.rank() == 0 {
-        mine.to_json()
+        mine.to_text()
     } else {
         String::new()
     };
     let all = boot.all_gather(text.as_bytes())?;
     let theirs = String::from_utf8_lossy(all.first().map_or(&[][..], |v| v.as_slice()));
-    Table::from_json(&theirs).map_err(|e| crate::error::Error::Bootstrap {
+    Table::parse(&theirs).map_err(|e| crate::error::Error::Bootstrap {
         rank: boot.rank(),
         peer: Some(0),
         op: "tuning table",
@@ -404,44 +433,202 @@ mod tests {
         );
     }
 
-    #[test]
-    fn files_round_trip_and_bad_ones_give_the_defaults() {
-        let dir = std::env::temp_dir().join(format!("ipcreduce-tune-{}", std::process::id()));
+    /// A fresh directory for one test's files.
+    fn scratch(name: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("ipcreduce-tune-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let good = dir.join("tune.json");
-        std::fs::write(&good, table().to_json()).unwrap();
-        let (t, note) = load(Some(&good), &key());
-        assert_eq!((t, note), (table(), None));
+        dir
+    }
 
-        let missing = dir.join("none.json");
+    #[test]
+    fn text_round_trips_exactly() {
+        let mut t = table();
+        // Every kind of field: unset and set options, the open upper bound, floats that need
+        // all their digits, a GPU name with spaces.
+        t.entries.push(Entry {
+            world: 8,
+            elem_bytes: 4,
+            min_bytes: 0,
+            max_bytes: usize::MAX,
+            algo: "nccl".into(),
+            ctas: None,
+            chunk: Some(1 << 20),
+            time_us: 0.1 + 0.2,
+            measured_bytes: 1 << 30,
+        });
+        t.entries[0].time_us = std::f64::consts::PI;
+        let text = t.to_text();
+        assert!(
+            text.starts_with("ipcreduce-tune 2\ngpu NVIDIA H200\n"),
+            "{text}"
+        );
+        assert_eq!(Table::parse(&text).unwrap(), t);
+        // The built-in table (no key, no rows) too: rank 0 sends it when it has no file.
+        let b = Table::builtin();
+        assert_eq!(Table::parse(&b.to_text()).unwrap(), b);
+    }
+
+    #[test]
+    fn a_file_for_this_machine_loads_and_a_missing_one_is_noted() {
+        let dir = scratch("load");
+        let good = dir.join(FILE_NAME);
+        std::fs::write(&good, table().to_text()).unwrap();
+        assert_eq!(load(Some(&good), &key()), (table(), None));
+
+        let missing = dir.join("none.txt");
         let (t, note) = load(Some(&missing), &key());
         assert_eq!(t, Table::builtin());
         assert_eq!(note, Some(Note::Missing(missing)));
+        std::fs::remove_dir_all(&dir).ok();
+    }
 
-        let other = TuneKey {
-            driver: "590".into(),
-            ..key()
-        };
-        let (t, note) = load(Some(&good), &other);
-        assert_eq!(t, Table::builtin());
-        assert!(matches!(note, Some(Note::Bad(m)) if m.contains("measured on")));
-
-        for (name, text) in [
-            ("garbage", "not json"),
-            ("version", r#"{"version": 9, "key": null, "entries": []}"#),
+    #[test]
+    fn a_table_of_another_gpu_topology_or_driver_is_not_used() {
+        let dir = scratch("key");
+        let good = dir.join(FILE_NAME);
+        std::fs::write(&good, table().to_text()).unwrap();
+        let cases = [
             (
-                "algo",
-                r#"{"version": 1, "key": null, "entries": [{"world": 2, "elem_bytes": 2,
-                "min_bytes": 0, "max_bytes": 8, "algo": "ring", "ctas": null, "chunk": null,
-                "time_us": 1.0, "measured_bytes": 8}]}"#,
+                TuneKey {
+                    gpu: "NVIDIA H100".into(),
+                    ..key()
+                },
+                "GPU 'NVIDIA H200' there, 'NVIDIA H100' here",
             ),
-        ] {
-            let p = dir.join(format!("{name}.json"));
-            std::fs::write(&p, text).unwrap();
-            let (t, note) = load(Some(&p), &key());
-            assert_eq!(t, Table::builtin(), "{name}");
-            assert!(matches!(note, Some(Note::Bad(_))), "{name}: {note:?}");
+            (
+                TuneKey { gpus: 8, ..key() },
+                "topology 2 GPUs, P2P on there, 8 GPUs, P2P on here",
+            ),
+            (
+                TuneKey {
+                    p2p: false,
+                    ..key()
+                },
+                "topology 2 GPUs, P2P on there, 2 GPUs, P2P off here",
+            ),
+            (
+                TuneKey {
+                    driver: "590.1".into(),
+                    ..key()
+                },
+                "driver 580.159.04 there, 590.1 here",
+            ),
+        ];
+        for (here, why) in cases {
+            let (t, note) = load(Some(&good), &here);
+            assert_eq!(t, Table::builtin(), "{why}");
+            let Some(Note::Bad(m)) = note else {
+                panic!("{why}: {note:?}")
+            };
+            assert!(m.contains("measured on another machine"), "{m}");
+            assert!(m.contains(why), "{m} lacks {why}");
         }
+        // A table that names no machine is no machine's.
+        let keyless = dir.join("keyless.txt");
+        let mut t = table();
+        t.key = None;
+        std::fs::write(&keyless, t.to_text()).unwrap();
+        let (t, note) = load(Some(&keyless), &key());
+        assert_eq!(t, Table::builtin());
+        assert!(matches!(note, Some(Note::Bad(m)) if m.ends_with("names no machine")));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn bad_text_is_refused_naming_the_line() {
+        const HEAD: &str = "ipcreduce-tune 2\ngpu G\ngpus 2\np2p yes\ndriver 1\n";
+        const ROW: &str = "row 2 2 0 - oneshot 8 - 3 4096";
+        let body = |row: &str| format!("{HEAD}# a comment\n\n{row}\n");
+        let cases: Vec<(String, usize, &str)> = vec![
+            ("".into(), 1, "expected 'ipcreduce-tune 2', found ''"),
+            (
+                r#"{"version": 1, "entries": []}"#.into(),
+                1,
+                "JSON table from an older build",
+            ),
+            (
+                "ipcreduce-tune 1\n".into(),
+                1,
+                "format version 1 (this build reads 2)",
+            ),
+            (
+                "ipcreduce-tune two\n".into(),
+                1,
+                "format version 'two' is not a whole number",
+            ),
+            (
+                body("rows 2 2 0 - oneshot 8 - 3 4096"),
+                8,
+                "unknown line 'rows'",
+            ),
+            (body("row 2 2 0 - oneshot 8 - 3"), 8, "a row has 9 fields"),
+            (body("row 2 2 0 - oneshot 8 - 3 4096 1"), 8, "this one 10"),
+            (body("row 2 x 0 - oneshot 8 - 3 4096"), 8, "elem_bytes 'x'"),
+            (body("row 2 2 -1 - oneshot 8 - 3 4096"), 8, "min_bytes '-1'"),
+            (body("row 0 2 0 - oneshot 8 - 3 4096"), 8, "at least 1"),
+            (
+                body("row 2 2 9 8 oneshot 8 - 3 4096"),
+                8,
+                "min_bytes 9 is above max_bytes 8",
+            ),
+            (
+                body("row 2 2 0 - ring 8 - 3 4096"),
+                8,
+                "unknown algorithm 'ring'",
+            ),
+            (
+                body("row 2 2 0 - auto 8 - 3 4096"),
+                8,
+                "unknown algorithm 'auto'",
+            ),
+            (
+                body("row 2 2 0 - oneshot 8 - NaN 4096"),
+                8,
+                "not a finite time",
+            ),
+            (
+                body("row 2 2 0 - oneshot 8 - -1 4096"),
+                8,
+                "not a finite time",
+            ),
+            (
+                body("row 2 2 0 - oneshot 8 - fast 4096"),
+                8,
+                "time_us 'fast'",
+            ),
+            (body("row 2 2 0 - oneshot 8.5 - 3 4096"), 8, "ctas '8.5'"),
+            (body("gpu H"), 8, "gpu given twice"),
+            (body("p2p maybe"), 8, "p2p is 'maybe'"),
+            (
+                format!("ipcreduce-tune 2\ngpu\n{ROW}\n"),
+                2,
+                "gpu has no value",
+            ),
+            (
+                format!("ipcreduce-tune 2\ngpu G\ndriver 1\n{ROW}\n"),
+                4,
+                "the machine key lacks gpus, p2p",
+            ),
+        ];
+        let dir = scratch("strict");
+        for (i, (text, line, why)) in cases.into_iter().enumerate() {
+            let e = Table::parse(&text).unwrap_err();
+            assert_eq!(e.line, line, "{text:?}: {e}");
+            assert!(e.msg.contains(why), "{text:?}: '{e}' lacks '{why}'");
+            // Through a file: the note names the file and the line, and the defaults hold.
+            let p = dir.join(format!("bad{i}.txt"));
+            std::fs::write(&p, &text).unwrap();
+            let (t, note) = load(Some(&p), &key());
+            assert_eq!(t, Table::builtin());
+            let at = format!("{}:{line}: ", p.display());
+            assert!(
+                matches!(&note, Some(Note::Bad(m)) if m.starts_with(&at) && m.contains(why)),
+                "{note:?}: not {at}...{why}"
+            );
+        }
+        // The good row in the same frame parses: the cases fail for their own reason.
+        assert_eq!(Table::parse(&body(ROW)).unwrap().entries.len(), 1);
         std::fs::remove_dir_all(&dir).ok();
     }
 
@@ -461,11 +648,11 @@ mod tests {
         );
         assert_eq!(
             cache_path(env(&[("XDG_CACHE_HOME", "/c"), ("HOME", "/h")])),
-            Some(PathBuf::from("/c/ipcreduce/tune.json"))
+            Some(PathBuf::from("/c/ipcreduce/tune.txt"))
         );
         assert_eq!(
             cache_path(env(&[("HOME", "/h")])),
-            Some(PathBuf::from("/h/.cache/ipcreduce/tune.json"))
+            Some(PathBuf::from("/h/.cache/ipcreduce/tune.txt"))
         );
         assert_eq!(cache_path(env(&[])), None);
     }

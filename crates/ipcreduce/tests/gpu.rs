@@ -9,6 +9,8 @@
 //! - teardown with work in flight, in both sharing modes;
 //! - registered (zero-copy) buffers: every path on them, eager and in CUDA graph replays, in
 //!   place and out of place, the copy-engine path; cuMemAlloc memory refused by register;
+//! - the caller's buffers: another GPU's memory, page-locked and pageable host memory refused
+//!   by every rank (the communicator stays usable), memory seen before reduced right;
 //! - the low-latency wrap: more than 200,000 LL one-shot calls, every result checked, built so
 //!   that a sequence number kept in 16 bits accepts a line left 65,536 calls earlier.
 
@@ -43,6 +45,7 @@ fn play_rank_if_child() {
         "llwrap" => rank_ll_wrap(),
         "device" => rank_device(),
         "registered" => rank_registered(),
+        "pointers" => rank_pointers(),
         other => panic!("unknown role {other}"),
     };
     let _ = std::io::stdout().flush();
@@ -700,6 +703,114 @@ fn rank_ll_wrap() -> i32 {
     0
 }
 
+/// What the communicator accepts as send and recv buffers (asked of the driver once per
+/// allocation, then known by address range): this GPU's device memory, anywhere inside the
+/// allocation; not another GPU's, page-locked host or pageable host memory, refused on every
+/// rank before anything is enqueued, so the communicator stays usable.
+fn rank_pointers() -> i32 {
+    let mut c = join();
+    let (rank, world) = (c.rank(), c.world());
+    let ordinal = c.cuda_device().expect("a cuda device");
+    let n = 4096;
+    let x = DeviceAlloc::new(n * 4, rank).unwrap();
+    let mut checked = 0;
+    // Calls on the allocation seen before (whole, then a part inside it) on the legacy
+    // default stream, chained without synchronizing: x <- sum(x) three times.
+    for (off, count) in [(0, n), (1024, n - 1024)] {
+        let init = vec![(rank + 1) as f32; n];
+        upload(&x, bytemuck::cast_slice(&init), std::ptr::null_mut());
+        let p = x.ptr + 4 * off as u64;
+        for _ in 0..3 {
+            let stream = std::ptr::null_mut();
+            reduce(
+                &mut c,
+                p,
+                p,
+                count,
+                DType::F32,
+                ReduceOp::Sum,
+                Algorithm::Auto,
+                stream,
+            );
+        }
+        let mut out = vec![0f32; count];
+        download(p, bytemuck::cast_slice_mut(&mut out), std::ptr::null_mut());
+        let w = world as f32;
+        let want = w * w * (w * (w + 1.0) / 2.0);
+        assert!(
+            out.iter().all(|v| *v == want),
+            "offset {off}: {} != {want}",
+            out[0]
+        );
+        checked += 1;
+    }
+    let refuse = |c: &mut Communicator, send: u64, recv: u64, why: &str| {
+        // SAFETY: refused before anything is enqueued (what this checks).
+        let r = unsafe {
+            c.all_reduce_raw(
+                send as *const c_void,
+                recv as *mut c_void,
+                n,
+                DType::F32,
+                ReduceOp::Sum,
+                Algorithm::Auto,
+                std::ptr::null_mut(),
+            )
+        };
+        let e = r.expect_err(why);
+        assert!(e.to_string().contains(why), "{e} lacks '{why}'");
+        assert!(!e.is_fatal(), "{e}");
+    };
+    let mut pinned: *mut c_void = std::ptr::null_mut();
+    // SAFETY: allocates page-locked host memory, freed below.
+    ck(
+        unsafe { sys::cuMemHostAlloc(&mut pinned, n * 4, 0) },
+        "cuMemHostAlloc",
+    );
+    refuse(&mut c, pinned as u64, pinned as u64, "send buffer");
+    refuse(&mut c, x.ptr, pinned as u64, "page-locked host memory");
+    // SAFETY: ours, freed once; nothing was enqueued on it.
+    ck(unsafe { sys::cuMemFreeHost(pinned) }, "cuMemFreeHost");
+    let pageable = vec![0f32; n];
+    refuse(
+        &mut c,
+        pageable.as_ptr() as u64,
+        x.ptr,
+        "not CUDA device memory",
+    );
+    checked += 1;
+    let count = cudarc::driver::safe::CudaContext::device_count().unwrap() as usize;
+    if count > 1 {
+        let other = cudarc::driver::safe::CudaContext::new((ordinal + 1) % count).unwrap();
+        other.bind_to_thread().unwrap();
+        let y = DeviceAlloc::new(n * 4, rank).unwrap();
+        refuse(
+            &mut c,
+            y.ptr,
+            y.ptr,
+            &format!("the communicator on GPU {ordinal}"),
+        );
+        other.bind_to_thread().unwrap();
+        drop(y);
+        eprintln!("rank {rank}: another GPU's memory refused");
+    }
+    // Still usable, and the memory seen before still passes.
+    reduce(
+        &mut c,
+        x.ptr,
+        x.ptr,
+        n,
+        DType::F32,
+        ReduceOp::Sum,
+        Algorithm::Auto,
+        std::ptr::null_mut(),
+    );
+    c.synchronize().unwrap();
+    checked += 1;
+    say(format!("DONE {checked}"));
+    0
+}
+
 /// The device is the caller's: the CUDA context current on the thread (made on another GPU
 /// than local_rank % count picks, where there are several), else the configured one.
 fn rank_device() -> i32 {
@@ -877,6 +988,12 @@ fn registered_buffers_through_the_copy_engine() {
         &[2],
         &[("IPCREDUCE_CE_MIN", "65536")],
     );
+}
+
+#[test]
+fn the_callers_buffers_are_checked() {
+    play_rank_if_child();
+    run_role("the_callers_buffers_are_checked", "pointers", &[2], &[]);
 }
 
 #[test]

@@ -12,6 +12,7 @@ pub mod kernels;
 pub mod memory;
 mod nccl;
 mod peers;
+mod pointers;
 mod registry;
 mod streams;
 mod teardown;
@@ -125,6 +126,8 @@ pub struct CudaComm {
     bufs: Vec<Option<testbufs::TestBuf>>,
     /// Registered (zero-copy) buffers; freed in Drop unless work may still run on them.
     registry: ManuallyDrop<Registry>,
+    /// What the caller's other buffers are, by allocation (see pointers.rs).
+    pointers: pointers::PointerCache,
     /// Streams and events of the copy-engine path, made at its first call.
     ce: Option<ce::Lanes>,
     next_region: u64,
@@ -393,6 +396,7 @@ impl CudaComm {
             ordinal,
             device,
             registry: ManuallyDrop::new(Registry::default()),
+            pointers: pointers::PointerCache::default(),
             ce: None,
             next_region: 0,
             last_path: None,
@@ -546,36 +550,34 @@ impl CudaComm {
         Some((s, r))
     }
 
-    /// Rejects device pointers that belong to another GPU.
-    fn check_pointer(&self, ptr: u64, what: &str) -> Result<()> {
-        let mut ordinal: i32 = -1;
-        // SAFETY: writes one int.
-        let res = unsafe {
-            sys::cuPointerGetAttribute(
-                (&mut ordinal as *mut i32).cast(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                ptr,
-            )
+    /// Refuses a buffer the kernels cannot use: another GPU's memory or host memory (the
+    /// kernel's access would fault and end the process's CUDA context). The driver is asked
+    /// once per allocation (pointers.rs); later calls in it cost no query.
+    fn check_pointer(&mut self, ptr: u64, what: &str) -> Result<()> {
+        let rank = self.rank;
+        let (facts, asked) = match self.pointers.get(ptr) {
+            Some(f) => (f, false),
+            None => {
+                let f = pointers::query(ptr).map_err(|res| {
+                    Error::invalid(
+                        rank,
+                        "all_reduce",
+                        format!(
+                            "{what} buffer {ptr:#x}: cuPointerGetAttributes failed ({})",
+                            driver::describe(res)
+                        ),
+                    )
+                })?;
+                (f, true)
+            }
         };
-        if res != sys::CUresult::CUDA_SUCCESS {
-            return Err(Error::invalid(
-                self.rank,
-                "all_reduce",
-                format!(
-                    "{what} buffer {ptr:#x} is not CUDA device memory ({})",
-                    driver::describe(res)
-                ),
-            ));
-        }
-        if ordinal as usize != self.ordinal {
-            return Err(Error::invalid(
-                self.rank,
-                "all_reduce",
-                format!(
-                    "{what} buffer is on GPU {ordinal}, the communicator on GPU {}",
-                    self.ordinal
-                ),
-            ));
+        facts
+            .judge(ptr, what, self.ordinal)
+            .map_err(|why| Error::invalid(rank, "all_reduce", why))?;
+        // Only what passed is kept: a refused range may be freed and come back as memory of
+        // this GPU, and is then asked about again.
+        if asked {
+            self.pointers.insert(facts);
         }
         Ok(())
     }
@@ -592,8 +594,12 @@ impl CudaComm {
         algo: Algorithm,
         stream: sys::CUstream,
     ) -> Result<()> {
-        let capturing = streams::capturing(stream, self.rank)?;
         let key = stream as streams::Key;
+        // The capture status decides whether the tracker may record and wait on events (not
+        // during capture: the graph orders its calls). Where it would do neither either way,
+        // the query is skipped: repeated calls on the legacy default stream (PyTorch's
+        // default) or on our own stream.
+        let capturing = !self.streams.quiet(key) && streams::capturing(stream, self.rank)?;
         self.streams.before(&mut self.events, key, capturing)?;
         self.launch(send, recv, count, dtype, op, algo, stream)?;
         self.streams.after(&mut self.events, key, capturing)
@@ -748,11 +754,14 @@ impl BackendOps for CudaComm {
         algo: Algorithm,
         stream: *mut c_void,
     ) -> Result<()> {
+        // The calling thread may have no context or another one current (cuCtxGetCurrent, a
+        // thread-local read; cuCtxSetCurrent only when it differs).
         self.ctx
             .bind_to_thread()
             .map_err(|e| self.cuda_err("binding the context".into(), e))?;
         let bytes = count * dtype.size();
-        // Registered buffers are known to be ours; anything else is asked of the driver.
+        // Registered buffers are known to be ours; anything else is asked of the driver once
+        // per allocation (check_pointer).
         if self.registry.lookup(send as u64, bytes).is_none() {
             self.check_pointer(send as u64, "send")?;
         }
@@ -803,14 +812,10 @@ impl BackendOps for CudaComm {
     }
 
     fn alloc_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<RegisteredBuffer> {
-        self.bind()?;
-        self.require_peer_memory("alloc", bytes)?;
-        let id = self.next_region;
-        let region = registry::alloc(boot, self.device, bytes, id)?;
-        self.next_region += 1;
-        let buf = RegisteredBuffer::new(region.base, region.bytes, id);
-        self.registry.insert(region, self.rank)?;
-        Ok(buf)
+        let device = self.device;
+        self.add_region("alloc", bytes, |id| {
+            registry::alloc(boot, device, bytes, id)
+        })
     }
 
     unsafe fn register(
@@ -819,21 +824,17 @@ impl BackendOps for CudaComm {
         ptr: u64,
         bytes: usize,
     ) -> Result<RegisteredBuffer> {
-        self.bind()?;
-        self.require_peer_memory("register", bytes)?;
-        let id = self.next_region;
-        let region = registry::register(boot, self.device, ptr, bytes, id)?;
-        self.next_region += 1;
-        let buf = RegisteredBuffer::new(region.base, region.bytes, id);
-        self.registry.insert(region, self.rank)?;
-        Ok(buf)
+        let device = self.device;
+        self.add_region("register", bytes, |id| {
+            registry::register(boot, device, ptr, bytes, id)
+        })
     }
 
     fn free_registered(&mut self, boot: &mut Bootstrap, buf: RegisteredBuffer) -> Result<()> {
         // Our work on every stream that may touch it is done (bounded), then every peer's.
         self.wait_all("free")?;
         boot.barrier()?;
-        self.registry.remove(buf.id()).map(drop).ok_or_else(|| {
+        self.remove_region(buf.id()).ok_or_else(|| {
             Error::invalid(
                 self.rank,
                 "free",
@@ -856,6 +857,33 @@ impl BackendOps for CudaComm {
 }
 
 impl CudaComm {
+    /// `alloc_registered` and `register`: checks, then `make` shares the region (collective)
+    /// under the next id, which is used up only if that succeeded (ids stay equal on every
+    /// rank), and the registry takes it.
+    fn add_region(
+        &mut self,
+        op: &'static str,
+        bytes: usize,
+        make: impl FnOnce(u64) -> Result<registry::Region>,
+    ) -> Result<RegisteredBuffer> {
+        self.bind()?;
+        self.require_peer_memory(op, bytes)?;
+        let id = self.next_region;
+        let region = make(id)?;
+        self.next_region += 1;
+        let buf = RegisteredBuffer::new(region.base, region.bytes, id);
+        self.registry.insert(region, self.rank)?;
+        Ok(buf)
+    }
+
+    /// Unregisters region `id` (its memory is released with it) and forgets what was known
+    /// about its addresses, which may next hold anything. None if it was not registered.
+    fn remove_region(&mut self, id: u64) -> Option<()> {
+        let region = self.registry.remove(id)?;
+        self.pointers.forget(region.base, region.bytes as u64);
+        Some(())
+    }
+
     /// Registered buffers are read and written by the peers' kernels: they need the peer
     /// transport (every rank takes the same transport, so all refuse together).
     fn require_peer_memory(&self, op: &'static str, bytes: usize) -> Result<()> {

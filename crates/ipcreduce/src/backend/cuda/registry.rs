@@ -103,7 +103,7 @@ impl Registry {
 
 /// Index of the range (by `span`: start, length; sorted, disjoint) holding `[ptr, ptr + len)`;
 /// `hint` (the last hit) is tried first.
-fn find<T>(
+pub(super) fn find<T>(
     items: &[T],
     hint: usize,
     ptr: u64,

@@ -69,6 +69,15 @@ impl Tracker {
         s == self.own || s == 0 || s == LEGACY_ALIAS
     }
 
+    /// Whether a call on `s` asks nothing of CUDA whether or not `s` is capturing: `s` ran
+    /// the previous call (nothing to wait for) and outlives us (its event is recorded when
+    /// needed, not after every call). The caller may then skip the capture-status query and
+    /// pass `capturing = false`: the only difference it makes is marking `s` as having had
+    /// work, which at worst records one more event when draining.
+    pub fn quiet(&self, s: Key) -> bool {
+        self.last == Some(s) && self.lasting(s)
+    }
+
     /// Before a call on `s`: if the previous call ran on another stream, `s` waits for it.
     pub fn before(&mut self, ev: &mut impl Events, s: Key, capturing: bool) -> Result<()> {
         if capturing {
@@ -97,6 +106,9 @@ impl Tracker {
                 self.dirty.push(s);
             }
         } else {
+            // Every call, not only on a change of stream: the caller may destroy its stream
+            // right after this call, and then teardown has only this event to know when the
+            // call's work is done (recording on a destroyed stream later is not allowed).
             ev.record(s)?;
             if ev.streams().len() > PRUNE_ABOVE {
                 for k in ev.streams() {
@@ -320,6 +332,24 @@ mod tests {
                 "record 16",
             ]
         );
+    }
+
+    #[test]
+    fn only_repeated_calls_on_a_lasting_stream_are_quiet() {
+        let (mut t, mut ev) = (Tracker::new(OWN), Log::default());
+        assert!(!t.quiet(0), "no call yet");
+        call(&mut t, &mut ev, 0);
+        assert!(t.quiet(0) && !t.quiet(OWN) && !t.quiet(0x10));
+        call(&mut t, &mut ev, 0x10);
+        // A caller's stream gets an event after every call: never quiet.
+        assert!(!t.quiet(0x10) && !t.quiet(0));
+        call(&mut t, &mut ev, OWN);
+        assert!(t.quiet(OWN));
+        // What a quiet call would do: nothing at all.
+        let before = ev.ops.len();
+        call(&mut t, &mut ev, OWN);
+        call(&mut t, &mut ev, OWN);
+        assert_eq!(ev.ops[before..], ["launch 1280", "launch 1280"]);
     }
 
     #[test]

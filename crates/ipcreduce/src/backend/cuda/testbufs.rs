@@ -28,7 +28,7 @@ impl TestBuffers for CudaComm {
         // kernels must be done with it first; if they are not, it stays until teardown.
         match self.wait_all("freeing a registered test buffer") {
             Ok(()) => {
-                drop(self.registry.remove(buf.id()));
+                self.remove_region(buf.id());
                 drop(own);
             }
             // Leaked (memory our work may still use), like teardown does.

@@ -1,0 +1,262 @@
+//! What the caller's buffers are (which GPU, what kind of memory), asked of the driver once
+//! per allocation and kept by address range, so that a call on buffers seen before makes no
+//! driver query.
+//!
+//! Why ask at all: a kernel handed another GPU's memory or host memory faults, and a fault
+//! ends the CUDA context of the whole process; one query per allocation buys a clear error
+//! instead. The query ([`query`]) asks everything in one `cuPointerGetAttributes` call,
+//! including the allocation's address range, which is what the facts are kept under.
+//!
+//! When facts go stale: when their allocation is freed. Registered buffers are ours to free,
+//! and their ranges are forgotten then ([`PointerCache::forget`]). CUDA does not tell us when
+//! the caller frees its own memory: if freed addresses come back holding memory of another
+//! GPU or of the host, a call on them is not refused here and fails as the kernel's access
+//! does (a CUDA error at this call or a later one). Allocators hand freed ranges back to the
+//! same device (PyTorch's caching allocator keeps them), which is the case this serves.
+
+use super::registry::find;
+use cudarc::driver::sys;
+
+/// Kept ranges at most; past it the cache starts over (a workload cycling through more
+/// allocations than this re-asks, as every call did before there was a cache).
+const CAPACITY: usize = 64;
+
+/// What kind of memory a pointer lies in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    /// Device memory (`cuMemAlloc`, `cuMemCreate` on a device, pools).
+    Device,
+    /// Managed (unified) memory: the kernel's access migrates it.
+    Managed,
+    /// Page-locked host memory (`cuMemHostAlloc`, `cuMemHostRegister`).
+    Host,
+    /// Not memory CUDA knows (pageable host memory, a wild pointer) or an array.
+    Other,
+}
+
+/// One allocation as the driver describes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Facts {
+    pub kind: Kind,
+    /// The GPU the memory belongs to (meaningful for device and managed memory).
+    pub ordinal: i32,
+    /// The allocation's address range (`bytes` 0: unknown, then nothing is kept).
+    pub start: u64,
+    pub bytes: u64,
+}
+
+impl Facts {
+    /// Whether the kernels of the communicator on GPU `mine` may use this memory; else why
+    /// not, for an error naming the buffer (`what`: "send" or "recv").
+    pub fn judge(&self, ptr: u64, what: &str, mine: usize) -> Result<(), String> {
+        match self.kind {
+            Kind::Device | Kind::Managed if self.ordinal as usize == mine => Ok(()),
+            Kind::Device | Kind::Managed => Err(format!(
+                "{what} buffer {ptr:#x} is on GPU {}, the communicator on GPU {mine}",
+                self.ordinal
+            )),
+            Kind::Host => Err(format!(
+                "{what} buffer {ptr:#x} is page-locked host memory: the cuda backend all-reduces \
+                 device memory of GPU {mine} (copy it there, or use the host backend)"
+            )),
+            Kind::Other => Err(format!(
+                "{what} buffer {ptr:#x} is not CUDA device memory (pageable host memory or an \
+                 invalid pointer?)"
+            )),
+        }
+    }
+}
+
+/// Facts by address range: sorted by start, never overlapping.
+#[derive(Default)]
+pub(super) struct PointerCache {
+    ranges: Vec<Facts>,
+    last_hit: std::cell::Cell<usize>,
+}
+
+impl PointerCache {
+    /// The facts of the allocation holding `ptr`, if known.
+    pub fn get(&self, ptr: u64) -> Option<Facts> {
+        let i = find(&self.ranges, self.last_hit.get(), ptr, 1, |f| {
+            (f.start, f.bytes as usize)
+        })?;
+        self.last_hit.set(i);
+        Some(self.ranges[i])
+    }
+
+    /// Keeps `f` (when its range is known), replacing what overlaps it: the driver's latest
+    /// answer describes those addresses now.
+    pub fn insert(&mut self, f: Facts) {
+        if f.bytes == 0 {
+            return;
+        }
+        self.forget(f.start, f.bytes);
+        if self.ranges.len() >= CAPACITY {
+            self.ranges.clear();
+        }
+        let at = self.ranges.partition_point(|r| r.start < f.start);
+        self.ranges.insert(at, f);
+    }
+
+    /// Drops every range overlapping `[start, start + bytes)` (its memory was freed).
+    pub fn forget(&mut self, start: u64, bytes: u64) {
+        let end = start.saturating_add(bytes);
+        self.ranges
+            .retain(|r| r.start.saturating_add(r.bytes) <= start || end <= r.start);
+        self.last_hit.set(0);
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.ranges.len()
+    }
+}
+
+/// Asks the driver about `ptr`: one `cuPointerGetAttributes` call. For a pointer CUDA does
+/// not know it still succeeds and leaves every attribute zero (memory type 0: `Other`).
+pub(super) fn query(ptr: u64) -> Result<Facts, sys::CUresult> {
+    use sys::CUpointer_attribute as A;
+    let mut attrs = [
+        A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+        A::CU_POINTER_ATTRIBUTE_IS_MANAGED,
+        A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+    ];
+    // One zeroed 8-byte slot each: the driver writes a 4-byte enum, bool or int, or an 8-byte
+    // address or size, at the slot's start (little-endian, so the slot reads the value).
+    let mut slots = [0u64; 5];
+    let mut data: Vec<*mut std::ffi::c_void> =
+        slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
+    // SAFETY: five attributes, five writable 8-byte slots that outlive the call.
+    let res = unsafe {
+        sys::cuPointerGetAttributes(
+            attrs.len() as u32,
+            attrs.as_mut_ptr(),
+            data.as_mut_ptr(),
+            ptr,
+        )
+    };
+    if res != sys::CUresult::CUDA_SUCCESS {
+        return Err(res);
+    }
+    let [memory_type, managed, ordinal, start, bytes] = slots;
+    Ok(Facts {
+        kind: kind_of(memory_type as u32, managed != 0),
+        ordinal: ordinal as u32 as i32,
+        start,
+        bytes,
+    })
+}
+
+/// The kind from `CU_POINTER_ATTRIBUTE_MEMORY_TYPE` and `IS_MANAGED`.
+fn kind_of(memory_type: u32, managed: bool) -> Kind {
+    use sys::CUmemorytype as M;
+    match memory_type {
+        _ if managed => Kind::Managed,
+        t if t == M::CU_MEMORYTYPE_DEVICE as u32 || t == M::CU_MEMORYTYPE_UNIFIED as u32 => {
+            Kind::Device
+        }
+        t if t == M::CU_MEMORYTYPE_HOST as u32 => Kind::Host,
+        _ => Kind::Other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dev(start: u64, bytes: u64, ordinal: i32) -> Facts {
+        Facts {
+            kind: Kind::Device,
+            ordinal,
+            start,
+            bytes,
+        }
+    }
+
+    #[test]
+    fn only_this_gpus_device_or_managed_memory_passes() {
+        assert_eq!(dev(0, 8, 1).judge(0x10, "send", 1), Ok(()));
+        let managed = Facts {
+            kind: Kind::Managed,
+            ..dev(0, 8, 1)
+        };
+        assert_eq!(managed.judge(0x10, "send", 1), Ok(()));
+        let e = dev(0, 8, 0).judge(0x10, "recv", 1).unwrap_err();
+        assert!(
+            e.contains("recv buffer 0x10 is on GPU 0, the communicator on GPU 1"),
+            "{e}"
+        );
+        let host = Facts {
+            kind: Kind::Host,
+            ..dev(0, 8, 1)
+        };
+        assert!(host
+            .judge(0x10, "send", 1)
+            .unwrap_err()
+            .contains("host memory"));
+        let other = Facts {
+            kind: Kind::Other,
+            ..dev(0, 0, 0)
+        };
+        assert!(other
+            .judge(0x10, "send", 0)
+            .unwrap_err()
+            .contains("not CUDA device memory"));
+    }
+
+    #[test]
+    fn kinds_from_the_driver_attributes() {
+        use sys::CUmemorytype as M;
+        assert_eq!(kind_of(M::CU_MEMORYTYPE_DEVICE as u32, false), Kind::Device);
+        assert_eq!(kind_of(M::CU_MEMORYTYPE_DEVICE as u32, true), Kind::Managed);
+        assert_eq!(kind_of(M::CU_MEMORYTYPE_HOST as u32, false), Kind::Host);
+        assert_eq!(kind_of(M::CU_MEMORYTYPE_ARRAY as u32, false), Kind::Other);
+        // What the driver leaves for a pointer it does not know.
+        assert_eq!(kind_of(0, false), Kind::Other);
+    }
+
+    #[test]
+    fn facts_are_found_anywhere_in_their_range() {
+        let mut c = PointerCache::default();
+        c.insert(dev(0x1000, 0x1000, 0));
+        c.insert(dev(0x4000, 0x100, 1));
+        assert_eq!(c.get(0x1000).map(|f| f.ordinal), Some(0));
+        assert_eq!(c.get(0x1fff).map(|f| f.ordinal), Some(0));
+        assert_eq!(c.get(0x40ff).map(|f| f.ordinal), Some(1));
+        assert_eq!(c.get(0x2000), None);
+        assert_eq!(c.get(0xfff), None);
+        assert_eq!(c.get(0x4100), None);
+        // An unknown range is not kept.
+        c.insert(dev(0x9000, 0, 0));
+        assert_eq!(c.get(0x9000), None);
+    }
+
+    #[test]
+    fn freed_or_reallocated_ranges_are_forgotten() {
+        let mut c = PointerCache::default();
+        c.insert(dev(0x1000, 0x1000, 0));
+        c.insert(dev(0x3000, 0x1000, 0));
+        c.insert(dev(0x5000, 0x1000, 0));
+        // Freed: [0x2800, 0x3800) overlaps only the middle range.
+        c.forget(0x2800, 0x1000);
+        assert_eq!(c.get(0x3000), None);
+        assert!(c.get(0x1800).is_some() && c.get(0x5800).is_some());
+        // The driver now reports a larger allocation over the first one: it replaces it.
+        c.insert(dev(0x0, 0x2000, 1));
+        assert_eq!(c.get(0x1800).map(|f| f.ordinal), Some(1));
+        assert_eq!(c.len(), 2);
+    }
+
+    #[test]
+    fn the_cache_stays_bounded() {
+        let mut c = PointerCache::default();
+        for i in 0..(3 * CAPACITY as u64) {
+            c.insert(dev(i * 0x100, 0x100, 0));
+            assert!(c.len() <= CAPACITY);
+            // The latest is always kept.
+            assert!(c.get(i * 0x100 + 1).is_some());
+        }
+    }
+}
