@@ -68,8 +68,9 @@
 //     deep variants (oneshotreg16/twoshotreg16: 8 packs per rank at two ranks, 128 KiB in flight
 //     per block, the design the stand-alone probe measured), compiled for one block per SM
 //     (<= 128 registers); 4 for the staged ones, whose chunk loop holds more state and which run
-//     more blocks. The LL kernel peeks both lines of its 16-byte pair from every peer before it
-//     waits on any of them.
+//     more blocks. The LL kernel peeks its lines from every peer before it waits on any of them.
+//     Blocks wait for their peers' blocks, so every CTA of every rank sharing a GPU must be
+//     resident at once: the host caps the grid per kernel class (two or one blocks per SM).
 
 #define MAX_RANKS 8
 #define MAX_BLOCKS 128
@@ -457,6 +458,12 @@ __device__ __forceinline__ void reduce_range(const Src &src, const Dst &dst, int
 // block reads st[0] at its start, before it counts itself here, so no block sees the new value.
 __device__ __forceinline__ void publish_when_all_done(u32 *st, u32 value) {
     __syncthreads();
+    if (gridDim.x == 1) {
+        // The only block: the next kernel on the stream sees the store (small LL calls run one
+        // block, and skip the fence and the atomic on their critical path).
+        if (threadIdx.x == 0) st[0] = value;
+        return;
+    }
     if (threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd(&st[1], 1u) == gridDim.x - 1) {
@@ -572,8 +579,8 @@ template <typename D, typename Op, int W, int LOADS> __device__ void two_shot_re
 // alternates by call; a peer cannot start writing parity p again before this rank has finished
 // reading it, since the call in between needs this rank's data.
 // Each thread owns 16-byte pairs of units (grid-stride): one 16-byte load of its input, two lines
-// to every peer, then the two lines of every peer peeked at once before it waits on any, so a
-// thread has 2 * (world - 1) polls in flight instead of one.
+// to every peer, then the lines of every peer peeked at once before it waits on any (both lines
+// at two ranks, one unit at a time at more), so a thread has several polls in flight, not one.
 
 __device__ __forceinline__ u32 ll_tag(u64 stamp) {
     u32 h = (u32)(stamp ^ (stamp >> 32));
