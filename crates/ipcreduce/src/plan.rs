@@ -295,6 +295,20 @@ pub fn cuda_path(
     (path, ctas.clamp(1, cap.max(1)) as u32)
 }
 
+/// Threads per block of a call: `full` (the kernels' 512), except a one-block LL call, which
+/// gets one thread per 16-byte pair rounded up to whole warps: fewer warps to start and to
+/// pass the block's final barrier on the smallest messages' critical path. LL pairs no block
+/// or thread with a peer's (lines are indexed by the message's pairs), so ranks need not agree.
+pub fn block_threads(path: CudaPath, bytes: usize, grid: u32, full: u32) -> u32 {
+    match path {
+        CudaPath::OneShotLl if grid == 1 => {
+            let pairs = bytes.div_ceil(16).max(1) as u32;
+            pairs.div_ceil(32).saturating_mul(32).min(full)
+        }
+        _ => full,
+    }
+}
+
 /// A half-open element range `[start, end)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Span {
@@ -606,6 +620,24 @@ mod tests {
         let one = Algorithm::OneShot;
         assert_eq!(cuda_path(one, 1 << 20, false, false, &lim, Some(16)).1, 16);
         assert_eq!(cuda_path(one, 4096, false, false, &lim, Some(16)).1, 1);
+    }
+
+    #[test]
+    fn small_ll_calls_launch_only_the_warps_they_need() {
+        let ll = CudaPath::OneShotLl;
+        assert_eq!(block_threads(ll, 8, 1, 512), 32);
+        assert_eq!(block_threads(ll, 512, 1, 512), 32);
+        assert_eq!(block_threads(ll, 528, 1, 512), 64);
+        assert_eq!(block_threads(ll, 8 << 10, 1, 512), 512);
+        // Every pair still has a thread: one block covers bytes/16 pairs.
+        for bytes in [1usize, 15, 16, 17, 1000, 4095, 8192] {
+            let t = block_threads(ll, bytes, 1, 512) as usize;
+            assert!(t * 16 >= bytes && t.is_multiple_of(32), "{bytes}: {t}");
+        }
+        // Several blocks, or any other path: the full block the kernels are built for.
+        assert_eq!(block_threads(ll, 64 << 10, 8, 512), 512);
+        assert_eq!(block_threads(CudaPath::TwoShotRegDeep, 8, 1, 512), 512);
+        assert_eq!(block_threads(CudaPath::OneShotStaged, 8, 1, 512), 512);
     }
 
     #[test]

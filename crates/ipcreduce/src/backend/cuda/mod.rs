@@ -692,7 +692,8 @@ impl CudaComm {
         if path == CudaPath::Ce {
             return self.launch_ce(&args, dtype, op, grid, stream);
         }
-        self.launch_kernel(f, grid, THREADS, stream, &mut args, || {
+        let threads = crate::plan::block_threads(path, bytes, grid, THREADS);
+        self.launch_kernel(f, grid, threads, stream, &mut args, || {
             format!(
                 "launching the {} kernel ({count} x {dtype} {op})",
                 path.name()
