@@ -81,9 +81,12 @@ mps_on() {
   nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
 }
 
-# The registers the driver reports for the loaded kernels (bf16 sum), per world-size class.
-IPCREDUCE_LOG=info timeout 120 "$BIN" check --backend cuda --ranks 2 --cases 1 >"$OUT/resources.log" 2>&1
-grep -h -E "kernels for world class" "$OUT/resources.log" | head -n 1 | tee "$OUT/resources.txt"
+# The registers the driver reports for the loaded kernels (bf16 sum) of world-size class 2 (two
+# ranks: on one GPU only under MPS, where both ranks' kernels run at once).
+resources() {
+  IPCREDUCE_LOG=info timeout 120 "$BIN" check --backend cuda --ranks 2 --cases 1 >"$OUT/resources.log" 2>&1
+  grep -h -E "kernels for world class" "$OUT/resources.log" | head -n 1 | tee "$OUT/resources.txt"
+}
 
 # --- two GPUs: the variants side by side -----------------------------------------------------
 # bench NAME ALGOS MIN MAX ITERS WARMUP GRAPH [VAR=VALUE...]: one bf16 run (eager and graph,
@@ -104,6 +107,7 @@ bench_all() {
   bench "$name-large" "$algos" 64M "$BENCH_MAX" 10 3 5 "$@"
 }
 if [[ " $PHASES " == *" bench "* ]]; then
+  resources
   bench_all new all
   bench_all old auto IPCREDUCE_REG_LOADS=8 IPCREDUCE_LL_MAX=65536 IPCREDUCE_REG_ONESHOT_MAX=1099511627776
   bench noll oneshot,twoshot 32K 2M 100 20 10 IPCREDUCE_LL_MAX=0
@@ -166,6 +170,7 @@ fi
 # --- one GPU, ranks under MPS: correctness ---------------------------------------------------
 if [[ " $PHASES " == *" checks "* ]]; then
   mps_on
+  resources
   for w in ${WORLDS:-2 4 8}; do
     step "check-w$w" 150 "$BIN" check --backend cuda --ranks "$w" --cases "$CASES" --seed "$w"
     step "check-w$w-registered" 150 "$BIN" check --backend cuda --ranks "$w" --cases "$CASES" \
