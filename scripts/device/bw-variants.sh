@@ -15,11 +15,13 @@
 #                replaces there;
 #       blocksN  the deep zero-copy kernels with N CTAs (IPCREDUCE_BLOCKS), 4 MiB - 1 GiB;
 #       llblocksN  LL one-shot with at most N CTAs (default: one thread per 16 bytes, at most
-#                64), 64 KiB - 1 MiB.
+#                64), 64 KiB - 1 MiB;
+#       ll12     LL with 12 data bytes per line (IPCREDUCE_LL_DATA=12), 8 B - 1 MiB.
 #     Then side-by-side.md: per size the graph time of each variant's best path and NCCL's.
 #   one GPU (nvidia-h200), one call: PHASES="checks gputests" (the default there), ranks under
-#     MPS: `check` 2000 cases at world 2, 4 and 8, plain and registered buffers, then the library
-#     GPU tests (scripts/device/gpu-tests.sh into OUT_DIR/gpu-tests).
+#     MPS: `check` 2000 cases at world 2, 4 and 8, plain and registered buffers (and 300 up to
+#     1 MiB with LL12 lines), then the library GPU tests (scripts/device/gpu-tests.sh into
+#     OUT_DIR/gpu-tests).
 # Every step runs under `timeout`; a step that no longer fits BUDGET seconds is skipped and
 # reported. summary.txt: one line per step (PASS/FAIL/SKIP and its last line).
 # Knobs: PHASES, BUDGET=540, CASES=2000, WORLDS="2 4 8", BENCH_MAX=1G, BLOCKS_SWEEP="16 32 64 128".
@@ -118,6 +120,7 @@ if [[ " $PHASES " == *" bench "* ]]; then
   for b in 32 128; do
     bench "llblocks$b" oneshot 64K 1M 100 20 10 IPCREDUCE_BLOCKS="$b"
   done
+  bench ll12 oneshot 8 1M 100 20 10 IPCREDUCE_LL_DATA=12
   # Per size, the graph time of every (variant, algorithm, path, CTAs, registration), NCCL
   # beside, and each variant's best; then the goals table of the new defaults.
   python3 - "$OUT" >"$OUT/side-by-side.md" <<'EOF' || status=1
@@ -186,6 +189,14 @@ if [[ " $PHASES " == *" gputests "* ]]; then
     sleep 2
   fi
   step gpu-tests 300 scripts/device/gpu-tests.sh "$OUT/gpu-tests"
+fi
+# Last, as time allows: the opt-in LL12 lines.
+if [[ " $PHASES " == *" checks "* ]]; then
+  [ -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || [[ " $PHASES " == *" gputests "* ]] && mps_on
+  for w in ${WORLDS:-2 4 8}; do
+    step "check-w$w-ll12" 60 env IPCREDUCE_LL_DATA=12 "$BIN" check --backend cuda --ranks "$w" \
+      --cases 300 --max-bytes 1M --seed $((w + 20))
+  done
 fi
 
 # Machine-readable: every step and its outcome.

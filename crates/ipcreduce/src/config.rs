@@ -74,6 +74,9 @@ pub struct Config {
     /// `IPCREDUCE_LL_MAX`; by world size and transport ([`crate::plan::ll_default_max_bytes`]:
     /// 1 MiB at two ranks over peer memory), at most 1 MiB.
     pub ll_max_bytes: Option<usize>,
+    /// cuda: data bytes per 16-byte line of the low-latency one-shot, 8 (`oneshot-ll`) or 12
+    /// (`oneshot-ll12`) *(same on every rank)*. `IPCREDUCE_LL_DATA`; 8.
+    pub ll_data_bytes: Option<usize>,
     /// cuda: 16-byte packs in flight per thread in the zero-copy kernels, 8 or 16 *(same on
     /// every rank)*. `IPCREDUCE_REG_LOADS`; 16.
     pub reg_loads: Option<usize>,
@@ -128,6 +131,7 @@ impl Config {
             workspace_bytes: self.workspace_bytes.or(from_env.workspace_bytes),
             blocks: self.blocks.or(from_env.blocks),
             ll_max_bytes: self.ll_max_bytes.or(from_env.ll_max_bytes),
+            ll_data_bytes: self.ll_data_bytes.or(from_env.ll_data_bytes),
             reg_loads: self.reg_loads.or(from_env.reg_loads),
             reg_oneshot_max_bytes: self
                 .reg_oneshot_max_bytes
@@ -212,6 +216,7 @@ impl Config {
             workspace_bytes: times("IPCREDUCE_SLOT_BYTES", 2)?,
             blocks: int("IPCREDUCE_BLOCKS")?,
             ll_max_bytes: int("IPCREDUCE_LL_MAX")?,
+            ll_data_bytes: int("IPCREDUCE_LL_DATA")?,
             reg_loads: int("IPCREDUCE_REG_LOADS")?,
             reg_oneshot_max_bytes: int("IPCREDUCE_REG_ONESHOT_MAX")?,
             ce_min_bytes: int("IPCREDUCE_CE_MIN")?,
@@ -236,6 +241,9 @@ impl Config {
         }
         if self.workspace_bytes == Some(0) {
             return bad("workspace_bytes (IPCREDUCE_SLOT_BYTES)", "must be above 0");
+        }
+        if self.ll_data_bytes.is_some_and(|n| n != 8 && n != 12) {
+            return bad("ll_data_bytes (IPCREDUCE_LL_DATA)", "must be 8 or 12");
         }
         if self.reg_loads.is_some_and(|n| n != 8 && n != 16) {
             return bad("reg_loads (IPCREDUCE_REG_LOADS)", "must be 8 or 16");
@@ -335,6 +343,7 @@ mod tests {
                 ("IPCREDUCE_DENY_PEER", "1:0"),
                 ("IPCREDUCE_REG_LOADS", "8"),
                 ("IPCREDUCE_REG_ONESHOT_MAX", "65536"),
+                ("IPCREDUCE_LL_DATA", "12"),
             ]))
             .unwrap();
         assert_eq!(c.timeout(), Duration::from_millis(1500));
@@ -343,6 +352,7 @@ mod tests {
         assert_eq!(c.blocks, Some(16));
         assert_eq!(c.ll_max_bytes(2, true), 0);
         assert_eq!(c.reg_loads, Some(8));
+        assert_eq!(c.ll_data_bytes, Some(12));
         assert_eq!(c.reg_oneshot_max_bytes, Some(65536));
         assert_eq!(c.sharing, Some(Sharing::Ipc));
         assert_eq!(c.host_heap_bytes(), 8 << 20);
@@ -386,6 +396,7 @@ mod tests {
             ("IPCREDUCE_BLOCKS", "many"),
             ("IPCREDUCE_LL_MAX", "1.5"),
             ("IPCREDUCE_REG_LOADS", "12"),
+            ("IPCREDUCE_LL_DATA", "16"),
             ("IPCREDUCE_REG_ONESHOT_MAX", "4M"),
             ("IPCREDUCE_SHARE", "nvlink"),
             ("IPCREDUCE_HOST_HEAP_MB", "99999999999999999999"),

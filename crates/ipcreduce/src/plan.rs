@@ -131,6 +131,8 @@ pub struct PathInfo {
 pub enum CudaPath {
     /// Data and flags pushed together into every peer's LL area; no barrier.
     OneShotLl,
+    /// [`CudaPath::OneShotLl`] with 12 data bytes per 16-byte line instead of 8.
+    OneShotLl12,
     /// Input copied into the shared workspace, every rank's copy read.
     OneShotStaged,
     /// Input copied into the workspace, reduce-scatter by loads, all-gather by stores.
@@ -148,8 +150,9 @@ pub enum CudaPath {
 }
 
 impl CudaPath {
-    pub const ALL: [CudaPath; 8] = [
+    pub const ALL: [CudaPath; 9] = [
         CudaPath::OneShotLl,
+        CudaPath::OneShotLl12,
         CudaPath::OneShotStaged,
         CudaPath::TwoShotStaged,
         CudaPath::OneShotReg,
@@ -162,6 +165,7 @@ impl CudaPath {
     pub fn name(self) -> &'static str {
         match self {
             CudaPath::OneShotLl => "oneshot-ll",
+            CudaPath::OneShotLl12 => "oneshot-ll12",
             CudaPath::OneShotStaged => "oneshot-staged",
             CudaPath::TwoShotStaged => "twoshot-staged",
             CudaPath::OneShotReg => "oneshot-reg",
@@ -192,7 +196,7 @@ impl CudaPath {
     /// Code stamped with the call's arguments: ranks on different paths fail with a mismatch.
     pub fn code(self) -> u32 {
         match self {
-            CudaPath::OneShotLl | CudaPath::OneShotStaged => 1,
+            CudaPath::OneShotLl | CudaPath::OneShotLl12 | CudaPath::OneShotStaged => 1,
             CudaPath::TwoShotStaged => 2,
             CudaPath::OneShotReg => 4,
             CudaPath::TwoShotReg => 5,
@@ -220,6 +224,8 @@ pub struct GridLimits {
     /// Most CTAs of a kernel compiled for one block per SM (the deep ones): `cap` on a GPU of
     /// its own, half the SM slots of `cap` when ranks share a GPU.
     pub deep_cap: usize,
+    /// LL calls carry 12 data bytes per line (`IPCREDUCE_LL_DATA=12`) instead of 8.
+    pub ll12: bool,
 }
 
 /// Default CTA counts by message size. DEFAULTS, first guesses from the kernels' design (8
@@ -231,6 +237,8 @@ fn default_ctas(path: CudaPath, bytes: usize) -> usize {
     match path {
         // One thread per 16-byte pair of LL lines: more CTAs as the message grows, up to the cap.
         CudaPath::OneShotLl => bytes.div_ceil(16).div_ceil(512),
+        // One thread per 12-byte line.
+        CudaPath::OneShotLl12 => bytes.div_ceil(12).div_ceil(512),
         // The copy-engine path's local reduce kernel.
         CudaPath::Ce => 16,
         // Measured with a zero-copy two-shot of the same structure on two H200s (2026-11-30):
@@ -272,6 +280,7 @@ pub fn cuda_path(
     tuned: Option<usize>,
 ) -> (CudaPath, u32) {
     let path = match (algo, registered) {
+        (Algorithm::OneShot, _) if bytes <= lim.ll_max && lim.ll12 => CudaPath::OneShotLl12,
         (Algorithm::OneShot, _) if bytes <= lim.ll_max => CudaPath::OneShotLl,
         (_, true) if lim.ce_min > 0 && bytes >= lim.ce_min && !in_place => CudaPath::Ce,
         // One-shot in place would let a peer read an element this rank already overwrote.
@@ -283,7 +292,7 @@ pub fn cuda_path(
         (_, false) => CudaPath::TwoShotStaged,
     };
     let ctas = match (path, lim.fixed.or(tuned)) {
-        (CudaPath::OneShotLl, Some(f)) => default_ctas(path, bytes).min(f),
+        (CudaPath::OneShotLl | CudaPath::OneShotLl12, Some(f)) => default_ctas(path, bytes).min(f),
         (_, Some(f)) => f,
         _ => default_ctas(path, bytes),
     };
@@ -296,17 +305,18 @@ pub fn cuda_path(
 }
 
 /// Threads per block of a call: `full` (the kernels' 512), except a one-block LL call, which
-/// gets one thread per 16-byte pair rounded up to whole warps: fewer warps to start and to
-/// pass the block's final barrier on the smallest messages' critical path. LL pairs no block
-/// or thread with a peer's (lines are indexed by the message's pairs), so ranks need not agree.
+/// gets one thread per 16-byte pair (LL12: per 12-byte line) rounded up to whole warps: fewer
+/// warps to start and to pass the block's final barrier on the smallest messages' critical
+/// path. LL pairs no block or thread with a peer's (lines are indexed by the message), so ranks
+/// need not agree.
 pub fn block_threads(path: CudaPath, bytes: usize, grid: u32, full: u32) -> u32 {
-    match path {
-        CudaPath::OneShotLl if grid == 1 => {
-            let pairs = bytes.div_ceil(16).max(1) as u32;
-            pairs.div_ceil(32).saturating_mul(32).min(full)
-        }
-        _ => full,
-    }
+    let per_thread = match path {
+        CudaPath::OneShotLl if grid == 1 => 16,
+        CudaPath::OneShotLl12 if grid == 1 => 12,
+        _ => return full,
+    };
+    let items = bytes.div_ceil(per_thread).max(1) as u32;
+    items.div_ceil(32).saturating_mul(32).min(full)
 }
 
 /// A half-open element range `[start, end)`.
@@ -385,6 +395,7 @@ mod tests {
             ce_min: 0,
             deep: false,
             deep_cap: 64,
+            ll12: false,
         };
         let one = Algorithm::OneShot;
         let two = Algorithm::TwoShot;
@@ -480,6 +491,7 @@ mod tests {
             ce_min: 0,
             deep: true,
             deep_cap: 64,
+            ll12: false,
         }
     }
 
@@ -641,13 +653,40 @@ mod tests {
     }
 
     #[test]
+    fn ll12_replaces_ll_when_chosen() {
+        let lim = GridLimits {
+            ll12: true,
+            ..limits()
+        };
+        let one = Algorithm::OneShot;
+        for (reg, inplace) in [(false, false), (true, false), (true, true)] {
+            assert_eq!(
+                cuda_path(one, 1 << 20, reg, inplace, &lim, None).0,
+                CudaPath::OneShotLl12
+            );
+        }
+        assert_eq!(
+            cuda_path(one, (1 << 20) + 2, true, false, &lim, None).0,
+            CudaPath::OneShotRegDeep
+        );
+        // One thread per 12-byte line: 1 MiB needs 171 CTAs of 512, capped; 6 KiB one block.
+        assert_eq!(cuda_path(one, 1 << 20, false, false, &lim, None).1, 64);
+        assert_eq!(cuda_path(one, 6 << 10, false, false, &lim, None).1, 1);
+        assert_eq!(block_threads(CudaPath::OneShotLl12, 12 * 33, 1, 512), 64);
+        assert_eq!(block_threads(CudaPath::OneShotLl12, 12 * 32, 1, 512), 32);
+        // LL12's lines stay below its header line (the last line of the area).
+        let lines = crate::backend::cuda::kernels::LL_MAX_BYTES.div_ceil(12);
+        assert!(lines < crate::backend::cuda::kernels::LL_MAX_BYTES / 8 - 1);
+    }
+
+    #[test]
     fn deep_and_shallow_paths_stamp_differently() {
         let codes: std::collections::HashSet<_> = CudaPath::ALL
             .iter()
-            .filter(|p| **p != CudaPath::OneShotLl)
+            .filter(|p| !matches!(p, CudaPath::OneShotLl | CudaPath::OneShotLl12))
             .map(|p| p.code())
             .collect();
-        assert_eq!(codes.len(), CudaPath::ALL.len() - 1);
+        assert_eq!(codes.len(), CudaPath::ALL.len() - 2);
         let names: std::collections::HashSet<_> = CudaPath::ALL.iter().map(|p| p.name()).collect();
         assert_eq!(names.len(), CudaPath::ALL.len());
     }

@@ -124,6 +124,7 @@ pub fn kernel_name(path: CudaPath, w: usize, dtype: DType, op: ReduceOp) -> Stri
     };
     let p = match path {
         CudaPath::OneShotLl => return format!("ipcr_oneshotll_{d}_{}", op.name()),
+        CudaPath::OneShotLl12 => return format!("ipcr_oneshotll12_{d}_{}", op.name()),
         CudaPath::OneShotStaged => "oneshot",
         CudaPath::TwoShotStaged => "twoshot",
         CudaPath::OneShotReg => "oneshotreg",
@@ -417,6 +418,7 @@ ptxas info    : Used 64 registers, used 1 barriers, 40 bytes cumulative stack si
             let all = resources("sm_90", w).unwrap_or_else(|e| panic!("{e}"));
             for path in [
                 CudaPath::OneShotLl,
+                CudaPath::OneShotLl12,
                 CudaPath::OneShotReg,
                 CudaPath::TwoShotReg,
                 CudaPath::OneShotRegDeep,

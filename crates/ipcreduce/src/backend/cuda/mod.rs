@@ -317,6 +317,8 @@ impl CudaComm {
             (None, 2..) => cap.min(SHARED_GPU_DEEP_CTAS / sharing),
             _ => cap,
         };
+        // Validated by Config: 8 or 12.
+        let ll12 = config.ll_data_bytes == Some(12);
         let limits = GridLimits {
             ll_max,
             cap,
@@ -324,6 +326,7 @@ impl CudaComm {
             ce_min,
             deep,
             deep_cap,
+            ll12,
         };
         // Every rank must compute the same grid for every call and use the same slot size: the
         // protocol pairs block b with block b and alternates slots by chunk count.
@@ -334,6 +337,7 @@ impl CudaComm {
             ll_max as u64,
             ce_min as u64,
             deep as u64,
+            ll12 as u64,
         ]
         .map(u64::to_le_bytes)
         .concat();
@@ -344,7 +348,7 @@ impl CudaComm {
                 peer,
                 op: "init".into(),
                 seq: 0,
-                detail: "IPCREDUCE_BLOCKS / IPCREDUCE_SLOT_BYTES / IPCREDUCE_LL_MAX / IPCREDUCE_CE_MIN / IPCREDUCE_REG_LOADS (or the GPU sharing) differ between ranks"
+                detail: "IPCREDUCE_BLOCKS / IPCREDUCE_SLOT_BYTES / IPCREDUCE_LL_MAX / IPCREDUCE_CE_MIN / IPCREDUCE_REG_LOADS / IPCREDUCE_LL_DATA (or the GPU sharing) differ between ranks"
                     .into(),
             });
         }
