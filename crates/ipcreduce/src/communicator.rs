@@ -18,6 +18,8 @@ pub struct Communicator {
     backend: Box<dyn BackendOps>,
     boot: Bootstrap,
     algo_env: Option<Algorithm>,
+    /// `Config::reg_oneshot_max_bytes`: `Auto`'s one-shot limit for zero-copy calls.
+    reg_oneshot_max: Option<usize>,
     /// Rank 0's tuning table (see [`crate::tune`]), consulted by `Auto`.
     tune: crate::tune::Table,
 }
@@ -33,10 +35,11 @@ impl Communicator {
     pub fn with_rank_info(info: RankInfo, config: &Config) -> Result<Communicator> {
         let config = config.resolve()?;
         let algo_env = config.algo;
+        let reg_oneshot_max = config.reg_oneshot_max_bytes;
         let mut boot = Bootstrap::connect(info, config.timeout())?;
         let kind = agree_on_backend(&mut boot, config.backend)?;
         boot.layout().check_backend(kind)?;
-        let backend: Box<dyn BackendOps> = match kind {
+        let mut backend: Box<dyn BackendOps> = match kind {
             BackendKind::Host => Box::new(backend::host::HostComm::new(&mut boot, &config)?),
             // Across hosts: peer memory inside each node, NCCL between nodes.
             BackendKind::Cuda if boot.layout().node_count() > 1 => Box::new(
@@ -46,10 +49,12 @@ impl Communicator {
         };
         // The tuning hook: every rank uses rank 0's measured table.
         let tune = crate::tune::agree(&mut boot, backend.device())?;
+        backend.use_tuning(&tune);
         Ok(Communicator {
             backend,
             boot,
             algo_env,
+            reg_oneshot_max,
             tune,
         })
     }
@@ -131,6 +136,19 @@ impl Communicator {
     /// takes the tuning table's choice for this world, element size and size when it has one
     /// (and it can run), else [`Communicator::resolve`]'s size rule.
     pub fn resolve_for(&self, requested: Algorithm, dtype: DType, bytes: usize) -> Algorithm {
+        self.resolve_call(requested, dtype, bytes, false)
+    }
+
+    /// [`Communicator::resolve_for`] for a call whose send and recv lie in registered buffers
+    /// when `zero_copy` (cuda): without a tuned row, `Auto` follows
+    /// [`plan::choose_zero_copy`]'s size rule for them.
+    pub fn resolve_call(
+        &self,
+        requested: Algorithm,
+        dtype: DType,
+        bytes: usize,
+        zero_copy: bool,
+    ) -> Algorithm {
         // Tables are keyed by the GPUs and their P2P, not by the transport: one measured on
         // peer memory says nothing about staging through host memory (forced, or a fallback).
         let tunable = self.backend.fabric() != crate::plan::Fabric::HostStaged;
@@ -143,6 +161,15 @@ impl Communicator {
             if let Some(a) = tuned {
                 return a;
             }
+        }
+        if zero_copy && self.backend() == BackendKind::Cuda {
+            return plan::choose_zero_copy(
+                requested,
+                self.algo_env,
+                self.world(),
+                bytes,
+                self.reg_oneshot_max,
+            );
         }
         self.resolve(requested, bytes)
     }
@@ -174,7 +201,9 @@ impl Communicator {
         if count == 0 {
             return Ok(());
         }
-        let algo = self.resolve_for(algo, dtype, count * dtype.size());
+        let bytes = count * dtype.size();
+        let zero_copy = self.backend.zero_copy_call(send as u64, recv as u64, bytes);
+        let algo = self.resolve_call(algo, dtype, bytes, zero_copy);
         self.backend
             .all_reduce_raw(send, recv, count, dtype, op, algo, stream)
     }

@@ -12,8 +12,6 @@ use std::time::Duration;
 
 /// Default bound on every wait.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
-/// Default largest message for the cuda backend's low-latency one-shot.
-pub const DEFAULT_LL_MAX_BYTES: usize = 64 << 10;
 /// Default size of the host backend's zero-copy heap in each rank's arena (virtual: pages are
 /// only allocated when buffers touch them).
 pub const DEFAULT_HOST_HEAP_BYTES: usize = 64 << 20;
@@ -92,8 +90,19 @@ pub struct Config {
     /// `IPCREDUCE_BLOCKS`; 32, fewer when ranks share a GPU.
     pub blocks: Option<usize>,
     /// cuda: largest message for the low-latency one-shot, 0 = off *(same on every rank)*.
-    /// `IPCREDUCE_LL_MAX`; 64 KiB, at most 256 KiB.
+    /// `IPCREDUCE_LL_MAX`; by world size and transport ([`crate::plan::ll_default_max_bytes`]:
+    /// 1 MiB at two ranks over peer memory), at most 1 MiB.
     pub ll_max_bytes: Option<usize>,
+    /// cuda: data bytes per 16-byte line of the low-latency one-shot, 8 (`oneshot-ll`) or 12
+    /// (`oneshot-ll12`) *(same on every rank)*. `IPCREDUCE_LL_DATA`; 8.
+    pub ll_data_bytes: Option<usize>,
+    /// cuda: 16-byte packs in flight per thread in the zero-copy kernels, 8 or 16 *(same on
+    /// every rank)*. `IPCREDUCE_REG_LOADS`; 16.
+    pub reg_loads: Option<usize>,
+    /// cuda: largest registered (zero-copy) message `Auto` runs one-shot; two-shot beyond
+    /// *(same on every rank)*. `IPCREDUCE_REG_ONESHOT_MAX`; by world size
+    /// ([`crate::plan::reg_oneshot_max_bytes`]: 4 MiB at two ranks).
+    pub reg_oneshot_max_bytes: Option<usize>,
     /// cuda, two ranks, registered buffers, out of place: messages from this size on take the
     /// copy-engine path, 0 = never *(same on every rank)*. `IPCREDUCE_CE_MIN`; 0 (until measured).
     pub ce_min_bytes: Option<usize>,
@@ -145,6 +154,11 @@ impl Config {
             workspace_bytes: self.workspace_bytes.or(from_env.workspace_bytes),
             blocks: self.blocks.or(from_env.blocks),
             ll_max_bytes: self.ll_max_bytes.or(from_env.ll_max_bytes),
+            ll_data_bytes: self.ll_data_bytes.or(from_env.ll_data_bytes),
+            reg_loads: self.reg_loads.or(from_env.reg_loads),
+            reg_oneshot_max_bytes: self
+                .reg_oneshot_max_bytes
+                .or(from_env.reg_oneshot_max_bytes),
             ce_min_bytes: self.ce_min_bytes.or(from_env.ce_min_bytes),
             sharing: self.sharing.or(from_env.sharing),
             transport: self.transport.or(from_env.transport),
@@ -218,6 +232,9 @@ impl Config {
             workspace_bytes: times("IPCREDUCE_SLOT_BYTES", 2)?,
             blocks: int("IPCREDUCE_BLOCKS")?,
             ll_max_bytes: int("IPCREDUCE_LL_MAX")?,
+            ll_data_bytes: int("IPCREDUCE_LL_DATA")?,
+            reg_loads: int("IPCREDUCE_REG_LOADS")?,
+            reg_oneshot_max_bytes: int("IPCREDUCE_REG_ONESHOT_MAX")?,
             ce_min_bytes: int("IPCREDUCE_CE_MIN")?,
             sharing,
             transport,
@@ -242,6 +259,12 @@ impl Config {
         if self.workspace_bytes == Some(0) {
             return bad("workspace_bytes (IPCREDUCE_SLOT_BYTES)", "must be above 0");
         }
+        if self.ll_data_bytes.is_some_and(|n| n != 8 && n != 12) {
+            return bad("ll_data_bytes (IPCREDUCE_LL_DATA)", "must be 8 or 12");
+        }
+        if self.reg_loads.is_some_and(|n| n != 8 && n != 16) {
+            return bad("reg_loads (IPCREDUCE_REG_LOADS)", "must be 8 or 16");
+        }
         Ok(())
     }
 
@@ -250,9 +273,11 @@ impl Config {
         self.timeout.unwrap_or(DEFAULT_TIMEOUT)
     }
 
-    /// cuda: largest message for the low-latency one-shot.
-    pub fn ll_max_bytes(&self) -> usize {
-        self.ll_max_bytes.unwrap_or(DEFAULT_LL_MAX_BYTES)
+    /// cuda: largest message for the low-latency one-shot at `world` ranks, over peer memory
+    /// (`peer`) or staged through host memory.
+    pub fn ll_max_bytes(&self, world: usize, peer: bool) -> usize {
+        self.ll_max_bytes
+            .unwrap_or_else(|| crate::plan::ll_default_max_bytes(world, peer))
     }
 
     /// host: zero-copy heap bytes per arena.
@@ -356,13 +381,19 @@ mod tests {
                 ("IPCREDUCE_TRANSPORT", "host"),
                 ("IPCREDUCE_DENY_PEER", "1:0"),
                 ("IPCREDUCE_TOPOLOGY", "PCIe"),
+                ("IPCREDUCE_REG_LOADS", "8"),
+                ("IPCREDUCE_REG_ONESHOT_MAX", "65536"),
+                ("IPCREDUCE_LL_DATA", "12"),
             ]))
             .unwrap();
         assert_eq!(c.timeout(), Duration::from_millis(1500));
         assert_eq!(c.algo, Some(Algorithm::TwoShot));
         assert_eq!(c.workspace_bytes, Some(2 << 20));
         assert_eq!(c.blocks, Some(16));
-        assert_eq!(c.ll_max_bytes(), 0);
+        assert_eq!(c.ll_max_bytes(2, true), 0);
+        assert_eq!(c.reg_loads, Some(8));
+        assert_eq!(c.ll_data_bytes, Some(12));
+        assert_eq!(c.reg_oneshot_max_bytes, Some(65536));
         assert_eq!(c.sharing, Some(Sharing::Ipc));
         assert_eq!(c.host_heap_bytes(), 8 << 20);
         assert_eq!(c.device, Some(3));
@@ -377,7 +408,9 @@ mod tests {
         let c = Config::default().resolve_with(env(&[])).unwrap();
         assert_eq!(c, Config::default());
         assert_eq!(c.timeout(), DEFAULT_TIMEOUT);
-        assert_eq!(c.ll_max_bytes(), DEFAULT_LL_MAX_BYTES);
+        assert_eq!(c.ll_max_bytes(2, true), 1 << 20);
+        assert_eq!(c.ll_max_bytes(8, true), 64 << 10);
+        assert_eq!(c.ll_max_bytes(2, false), 64 << 10);
         assert_eq!(c.host_heap_bytes(), DEFAULT_HOST_HEAP_BYTES);
         assert!(!c.nccl_shared_gpu());
         // Empty counts as unset; "auto" sharing is no choice.
@@ -404,6 +437,9 @@ mod tests {
             ("IPCREDUCE_BLOCKS", "0"),
             ("IPCREDUCE_BLOCKS", "many"),
             ("IPCREDUCE_LL_MAX", "1.5"),
+            ("IPCREDUCE_REG_LOADS", "12"),
+            ("IPCREDUCE_LL_DATA", "16"),
+            ("IPCREDUCE_REG_ONESHOT_MAX", "4M"),
             ("IPCREDUCE_SHARE", "nvlink"),
             ("IPCREDUCE_HOST_HEAP_MB", "99999999999999999999"),
             ("IPCREDUCE_DEVICE", "gpu0"),

@@ -133,9 +133,41 @@ pub fn staged_chunk_bytes(fabric: Fabric, bytes: usize, slot_bytes: usize) -> us
 }
 
 /// Default largest message for the cuda backend's low-latency one-shot (data and flags pushed
-/// together, no barrier): beyond it the doubled traffic costs more than the barrier saves.
-/// `IPCREDUCE_LL_MAX` overrides (0 disables).
-pub const LL_DEFAULT_MAX_BYTES: usize = 64 << 10;
+/// together, no barrier, no staging copy, registered or not): beyond it the doubled traffic
+/// costs more than the barriers it saves. Every rank pushes (world-1) x 2 x bytes, so the limit
+/// falls with the world. DEFAULTS from the design: at two ranks 1 MiB of LL lines is 2 MiB per
+/// direction, ~6 us at 370 GB/s, where the zero-copy one-shot's two system barriers and NCCL
+/// took 10-14 us (two H200s, 2026-11-30); to be confirmed by scripts/device/bw-variants.sh.
+/// Staged through host memory (`peer` false) every LL byte crosses PCIe twice as a line: the
+/// previous 64 KiB until that transport is measured. `IPCREDUCE_LL_MAX` overrides for every
+/// world and transport (0 disables).
+pub fn ll_default_max_bytes(world: usize, peer: bool) -> usize {
+    match world {
+        _ if !peer => 64 << 10,
+        0..=2 => 1 << 20,
+        3..=4 => 256 << 10,
+        _ => 64 << 10,
+    }
+}
+
+/// Largest registered (zero-copy) message `Auto` sends through one-shot; larger ones take the
+/// zero-copy two-shot. At two ranks both move the same bytes over each direction of the link,
+/// but two-shot pulls only half of them by loads (round trips) and pushes the other half by
+/// stores (posted): a stand-alone zero-copy two-shot reached 301 GB/s at 16 MB and 323-343 at
+/// 256 MB-1 GiB where the one-shot ran at ~270 (two H200s, 2026-11-30). DEFAULTS between those
+/// measurements; `IPCREDUCE_REG_ONESHOT_MAX` overrides for every world.
+pub fn reg_oneshot_max_bytes(world: usize) -> usize {
+    match world {
+        0..=2 => 4 << 20,
+        3..=4 => 256 << 10,
+        _ => 128 << 10,
+    }
+}
+
+/// Packs in flight per thread in the zero-copy kernels: 8 (the kernels compiled for two blocks
+/// per SM) or 16 (their deep variants, one block per SM; 12 at three or four ranks, see
+/// allreduce.cu). `IPCREDUCE_REG_LOADS` overrides.
+pub const REG_LOADS_DEFAULT: usize = 16;
 
 /// Default smallest message for the cuda copy-engine path (two ranks, registered, out of
 /// place): DEFAULT, off until the NVLink runs measure it against the zero-copy SM kernels (the
@@ -165,6 +197,29 @@ pub fn choose(
     }
 }
 
+/// [`choose`] for a call on registered (zero-copy) buffers of the cuda backend: `Auto` takes
+/// one-shot up to `oneshot_max` bytes (`None`: [`reg_oneshot_max_bytes`]), two-shot beyond.
+pub fn choose_zero_copy(
+    requested: Algorithm,
+    env: Option<Algorithm>,
+    world: usize,
+    bytes: usize,
+    oneshot_max: Option<usize>,
+) -> Algorithm {
+    let algo = match (requested, env) {
+        (Algorithm::Auto, Some(e)) => e,
+        (r, _) => r,
+    };
+    match algo {
+        Algorithm::Auto if world == 1 => Algorithm::OneShot,
+        Algorithm::Auto if bytes <= oneshot_max.unwrap_or(reg_oneshot_max_bytes(world)) => {
+            Algorithm::OneShot
+        }
+        Algorithm::Auto => Algorithm::TwoShot,
+        other => other,
+    }
+}
+
 /// What a call ran, as [`crate::Communicator::last_path`] reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct PathInfo {
@@ -181,6 +236,8 @@ pub struct PathInfo {
 pub enum CudaPath {
     /// Data and flags pushed together into every peer's LL area; no barrier.
     OneShotLl,
+    /// [`CudaPath::OneShotLl`] with 12 data bytes per 16-byte line instead of 8.
+    OneShotLl12,
     /// Input copied into the shared workspace, every rank's copy read.
     OneShotStaged,
     /// Input copied into the workspace, reduce-scatter by loads, all-gather by stores.
@@ -189,27 +246,37 @@ pub enum CudaPath {
     OneShotReg,
     /// Registered buffers: reduce-scatter by loads, all-gather by stores into every output.
     TwoShotReg,
+    /// [`CudaPath::OneShotReg`] with 16 packs in flight per thread (one block per SM).
+    OneShotRegDeep,
+    /// [`CudaPath::TwoShotReg`] with 16 packs in flight per thread (one block per SM).
+    TwoShotRegDeep,
     /// Registered buffers, two ranks, out of place: copy-engine pushes, a local reduce kernel.
     Ce,
 }
 
 impl CudaPath {
-    pub const ALL: [CudaPath; 6] = [
+    pub const ALL: [CudaPath; 9] = [
         CudaPath::OneShotLl,
+        CudaPath::OneShotLl12,
         CudaPath::OneShotStaged,
         CudaPath::TwoShotStaged,
         CudaPath::OneShotReg,
         CudaPath::TwoShotReg,
+        CudaPath::OneShotRegDeep,
+        CudaPath::TwoShotRegDeep,
         CudaPath::Ce,
     ];
 
     pub fn name(self) -> &'static str {
         match self {
             CudaPath::OneShotLl => "oneshot-ll",
+            CudaPath::OneShotLl12 => "oneshot-ll12",
             CudaPath::OneShotStaged => "oneshot-staged",
             CudaPath::TwoShotStaged => "twoshot-staged",
             CudaPath::OneShotReg => "oneshot-reg",
             CudaPath::TwoShotReg => "twoshot-reg",
+            CudaPath::OneShotRegDeep => "oneshot-reg16",
+            CudaPath::TwoShotRegDeep => "twoshot-reg16",
             CudaPath::Ce => "ce",
         }
     }
@@ -217,18 +284,30 @@ impl CudaPath {
     pub fn registered(self) -> bool {
         matches!(
             self,
-            CudaPath::OneShotReg | CudaPath::TwoShotReg | CudaPath::Ce
+            CudaPath::OneShotReg
+                | CudaPath::TwoShotReg
+                | CudaPath::OneShotRegDeep
+                | CudaPath::TwoShotRegDeep
+                | CudaPath::Ce
         )
+    }
+
+    /// Whether the kernel is compiled for one block per SM (more registers): ranks sharing a
+    /// GPU get fewer of its CTAs ([`GridLimits::deep_cap`]).
+    pub fn one_block_per_sm(self) -> bool {
+        matches!(self, CudaPath::OneShotRegDeep | CudaPath::TwoShotRegDeep)
     }
 
     /// Code stamped with the call's arguments: ranks on different paths fail with a mismatch.
     pub fn code(self) -> u32 {
         match self {
-            CudaPath::OneShotLl | CudaPath::OneShotStaged => 1,
+            CudaPath::OneShotLl | CudaPath::OneShotLl12 | CudaPath::OneShotStaged => 1,
             CudaPath::TwoShotStaged => 2,
             CudaPath::OneShotReg => 4,
             CudaPath::TwoShotReg => 5,
             CudaPath::Ce => 6,
+            CudaPath::OneShotRegDeep => 7,
+            CudaPath::TwoShotRegDeep => 8,
         }
     }
 }
@@ -245,6 +324,13 @@ pub struct GridLimits {
     /// Smallest message for the copy-engine path (registered, out of place); 0 = never. Zero
     /// unless the world has two ranks.
     pub ce_min: usize,
+    /// Zero-copy calls run the deep kernels (16 packs in flight; `IPCREDUCE_REG_LOADS=16`).
+    pub deep: bool,
+    /// Most CTAs of a kernel compiled for one block per SM (the deep ones): `cap` on a GPU of
+    /// its own, half the SM slots of `cap` when ranks share a GPU.
+    pub deep_cap: usize,
+    /// LL calls carry 12 data bytes per line (`IPCREDUCE_LL_DATA=12`) instead of 8.
+    pub ll12: bool,
 }
 
 /// Default CTA counts by message size. DEFAULTS, first guesses from the kernels' design (8
@@ -254,7 +340,10 @@ fn default_ctas(path: CudaPath, bytes: usize) -> usize {
     const K: usize = 1 << 10;
     const M: usize = 1 << 20;
     match path {
-        CudaPath::OneShotLl => bytes.div_ceil(8).div_ceil(512),
+        // One thread per 16-byte pair of LL lines: more CTAs as the message grows, up to the cap.
+        CudaPath::OneShotLl => bytes.div_ceil(16).div_ceil(512),
+        // One thread per 12-byte line.
+        CudaPath::OneShotLl12 => bytes.div_ceil(12).div_ceil(512),
         // The copy-engine path's local reduce kernel.
         CudaPath::Ce => 16,
         // Measured with a zero-copy two-shot of the same structure on two H200s (2026-11-30):
@@ -264,6 +353,14 @@ fn default_ctas(path: CudaPath, bytes: usize) -> usize {
             0..=262_144 => 8,
             _ if bytes <= M => 16,
             _ => 32,
+        },
+        // The probe of the deep two-shot (2026-11-30, 256 MB): 8 CTAs 287 GB/s, 16 323, 32
+        // 332, 64 335; at 1 GiB 16 CTAs 328, 64 339. More CTAs only where the bytes are.
+        CudaPath::OneShotRegDeep | CudaPath::TwoShotRegDeep => match bytes {
+            0..=262_144 => 8,
+            _ if bytes <= M => 16,
+            _ if bytes <= 32 * M => 32,
+            _ => 64,
         },
         CudaPath::OneShotStaged | CudaPath::TwoShotStaged => match bytes {
             _ if bytes <= 256 * K => 8,
@@ -275,30 +372,56 @@ fn default_ctas(path: CudaPath, bytes: usize) -> usize {
 }
 
 /// The path and CTA count of one cuda call. `algo` is resolved (one-shot or two-shot);
-/// `registered`: send and recv both lie in registered buffers. Every rank computes the same
-/// answer from the same arguments, which the kernels' barrier protocol relies on.
+/// `registered`: send and recv both lie in registered buffers; `tuned`: the tuning table's CTA
+/// count for this call (its row's algorithm is `algo`), which the size rule gives way to and
+/// `IPCREDUCE_BLOCKS` overrides. Every rank computes the same answer from the same arguments,
+/// which the kernels' barrier protocol relies on.
 pub fn cuda_path(
     algo: Algorithm,
     bytes: usize,
     registered: bool,
     in_place: bool,
     lim: &GridLimits,
+    tuned: Option<usize>,
 ) -> (CudaPath, u32) {
     let path = match (algo, registered) {
+        (Algorithm::OneShot, _) if bytes <= lim.ll_max && lim.ll12 => CudaPath::OneShotLl12,
         (Algorithm::OneShot, _) if bytes <= lim.ll_max => CudaPath::OneShotLl,
         (_, true) if lim.ce_min > 0 && bytes >= lim.ce_min && !in_place => CudaPath::Ce,
         // One-shot in place would let a peer read an element this rank already overwrote.
+        (Algorithm::OneShot, true) if !in_place && lim.deep => CudaPath::OneShotRegDeep,
         (Algorithm::OneShot, true) if !in_place => CudaPath::OneShotReg,
+        (_, true) if lim.deep => CudaPath::TwoShotRegDeep,
         (_, true) => CudaPath::TwoShotReg,
         (Algorithm::OneShot, false) => CudaPath::OneShotStaged,
         (_, false) => CudaPath::TwoShotStaged,
     };
-    let ctas = match (path, lim.fixed) {
-        (CudaPath::OneShotLl, Some(f)) => default_ctas(path, bytes).min(f),
+    let ctas = match (path, lim.fixed.or(tuned)) {
+        (CudaPath::OneShotLl | CudaPath::OneShotLl12, Some(f)) => default_ctas(path, bytes).min(f),
         (_, Some(f)) => f,
         _ => default_ctas(path, bytes),
     };
-    (path, ctas.clamp(1, lim.cap.max(1)) as u32)
+    let cap = if path.one_block_per_sm() {
+        lim.deep_cap
+    } else {
+        lim.cap
+    };
+    (path, ctas.clamp(1, cap.max(1)) as u32)
+}
+
+/// Threads per block of a call: `full` (the kernels' 512), except a one-block LL call, which
+/// gets one thread per 16-byte pair (LL12: per 12-byte line) rounded up to whole warps: fewer
+/// warps to start and to pass the block's final barrier on the smallest messages' critical
+/// path. LL pairs no block or thread with a peer's (lines are indexed by the message), so ranks
+/// need not agree.
+pub fn block_threads(path: CudaPath, bytes: usize, grid: u32, full: u32) -> u32 {
+    let per_thread = match path {
+        CudaPath::OneShotLl if grid == 1 => 16,
+        CudaPath::OneShotLl12 if grid == 1 => 12,
+        _ => return full,
+    };
+    let items = bytes.div_ceil(per_thread).max(1) as u32;
+    items.div_ceil(32).saturating_mul(32).min(full)
 }
 
 /// A half-open element range `[start, end)`.
@@ -450,52 +573,55 @@ mod tests {
             cap: 64,
             fixed: None,
             ce_min: 0,
+            deep: false,
+            deep_cap: 64,
+            ll12: false,
         };
         let one = Algorithm::OneShot;
         let two = Algorithm::TwoShot;
         assert_eq!(
-            cuda_path(one, 4096, false, false, &lim).0,
+            cuda_path(one, 4096, false, false, &lim, None).0,
             CudaPath::OneShotLl
         );
         assert_eq!(
-            cuda_path(one, 4096, true, false, &lim).0,
+            cuda_path(one, 4096, true, false, &lim, None).0,
             CudaPath::OneShotLl
         );
         assert_eq!(
-            cuda_path(one, 1 << 20, false, false, &lim).0,
+            cuda_path(one, 1 << 20, false, false, &lim, None).0,
             CudaPath::OneShotStaged
         );
         assert_eq!(
-            cuda_path(one, 1 << 20, true, false, &lim).0,
+            cuda_path(one, 1 << 20, true, false, &lim, None).0,
             CudaPath::OneShotReg
         );
         assert_eq!(
-            cuda_path(one, 1 << 20, true, true, &lim).0,
+            cuda_path(one, 1 << 20, true, true, &lim, None).0,
             CudaPath::TwoShotReg
         );
         assert_eq!(
-            cuda_path(two, 4096, false, true, &lim).0,
+            cuda_path(two, 4096, false, true, &lim, None).0,
             CudaPath::TwoShotStaged
         );
         assert_eq!(
-            cuda_path(two, 1 << 30, true, false, &lim),
+            cuda_path(two, 1 << 30, true, false, &lim, None),
             (CudaPath::TwoShotReg, 32)
         );
         // More CTAs for bigger staged messages, never above the cap.
-        let small = cuda_path(two, 64 << 10, false, false, &lim).1;
-        let big = cuda_path(two, 1 << 30, false, false, &lim).1;
+        let small = cuda_path(two, 64 << 10, false, false, &lim, None).1;
+        let big = cuda_path(two, 1 << 30, false, false, &lim, None).1;
         assert!(small < big && big <= 64, "{small} {big}");
         let capped = GridLimits { cap: 12, ..lim };
-        assert_eq!(cuda_path(two, 1 << 30, false, false, &capped).1, 12);
+        assert_eq!(cuda_path(two, 1 << 30, false, false, &capped, None).1, 12);
         let fixed = GridLimits {
             fixed: Some(40),
             ..lim
         };
-        assert_eq!(cuda_path(two, 1 << 30, true, false, &fixed).1, 40);
-        assert_eq!(cuda_path(two, 100, false, false, &fixed).1, 40);
-        // LL: one thread per 8 bytes, the override only caps it.
-        assert_eq!(cuda_path(one, 8, false, false, &fixed).1, 1);
-        assert_eq!(cuda_path(one, 64 << 10, false, false, &fixed).1, 16);
+        assert_eq!(cuda_path(two, 1 << 30, true, false, &fixed, None).1, 40);
+        assert_eq!(cuda_path(two, 100, false, false, &fixed, None).1, 40);
+        // LL: one thread per 16 bytes, the override only caps it.
+        assert_eq!(cuda_path(one, 8, false, false, &fixed, None).1, 1);
+        assert_eq!(cuda_path(one, 64 << 10, false, false, &fixed, None).1, 8);
         let codes: std::collections::HashSet<_> = [
             CudaPath::OneShotStaged,
             CudaPath::TwoShotStaged,
@@ -515,20 +641,234 @@ mod tests {
             ce_min: 32 << 20,
             ..lim
         };
-        assert_eq!(cuda_path(two, 64 << 20, true, false, &ce).0, CudaPath::Ce);
-        assert_eq!(cuda_path(one, 64 << 20, true, false, &ce).0, CudaPath::Ce);
         assert_eq!(
-            cuda_path(two, 64 << 20, true, true, &ce).0,
+            cuda_path(two, 64 << 20, true, false, &ce, None).0,
+            CudaPath::Ce
+        );
+        assert_eq!(
+            cuda_path(one, 64 << 20, true, false, &ce, None).0,
+            CudaPath::Ce
+        );
+        assert_eq!(
+            cuda_path(two, 64 << 20, true, true, &ce, None).0,
             CudaPath::TwoShotReg
         );
         assert_eq!(
-            cuda_path(two, 64 << 20, false, false, &ce).0,
+            cuda_path(two, 64 << 20, false, false, &ce, None).0,
             CudaPath::TwoShotStaged
         );
         assert_eq!(
-            cuda_path(two, 16 << 20, true, false, &ce).0,
+            cuda_path(two, 16 << 20, true, false, &ce, None).0,
             CudaPath::TwoShotReg
         );
+    }
+
+    fn limits() -> GridLimits {
+        GridLimits {
+            ll_max: ll_default_max_bytes(2, true),
+            cap: 64,
+            fixed: None,
+            ce_min: 0,
+            deep: true,
+            deep_cap: 64,
+            ll12: false,
+        }
+    }
+
+    #[test]
+    fn ll_limit_falls_with_the_world_and_fits_the_kernels_area() {
+        assert_eq!(ll_default_max_bytes(2, true), 1 << 20);
+        assert!(ll_default_max_bytes(4, true) < ll_default_max_bytes(2, true));
+        assert!(ll_default_max_bytes(8, true) < ll_default_max_bytes(4, true));
+        for w in 1..=8 {
+            for peer in [true, false] {
+                let max = ll_default_max_bytes(w, peer);
+                assert!(max <= crate::backend::cuda::kernels::LL_MAX_BYTES);
+                assert!(peer || max == 64 << 10, "host-staged keeps 64 KiB");
+            }
+        }
+        // Registered or not, in place or not: one-shot up to the limit runs LL.
+        let lim = limits();
+        let one = Algorithm::OneShot;
+        for (reg, inplace) in [(false, false), (true, false), (true, true), (false, true)] {
+            assert_eq!(
+                cuda_path(one, 1 << 20, reg, inplace, &lim, None).0,
+                CudaPath::OneShotLl
+            );
+            assert_ne!(
+                cuda_path(one, (1 << 20) + 2, reg, inplace, &lim, None).0,
+                CudaPath::OneShotLl
+            );
+        }
+        // LL CTAs: one thread per 16 bytes, so they grow with the size up to the cap.
+        let ctas = |b| cuda_path(one, b, false, false, &lim, None).1;
+        assert_eq!(ctas(8), 1);
+        assert_eq!(ctas(8 << 10), 1);
+        assert_eq!(ctas(64 << 10), 8);
+        assert_eq!(ctas(256 << 10), 32);
+        assert_eq!(ctas(1 << 20), 64);
+        let shared = GridLimits { cap: 24, ..lim };
+        assert_eq!(cuda_path(one, 1 << 20, false, false, &shared, None).1, 24);
+    }
+
+    #[test]
+    fn zero_copy_auto_switches_to_two_shot_above_its_limit() {
+        let auto = Algorithm::Auto;
+        let (one, two) = (Algorithm::OneShot, Algorithm::TwoShot);
+        // Two ranks: plain buffers stay one-shot at every size, registered ones go two-shot
+        // beyond reg_oneshot_max_bytes.
+        let max = reg_oneshot_max_bytes(2);
+        assert_eq!(choose_zero_copy(auto, None, 2, max, None), one);
+        assert_eq!(choose_zero_copy(auto, None, 2, max + 1, None), two);
+        assert_eq!(choose(auto, None, BackendKind::Cuda, Fabric::Peer, 2, 1 << 30), one);
+        // The override moves the limit; explicit choices and IPCREDUCE_ALGO win over it.
+        assert_eq!(
+            choose_zero_copy(auto, None, 2, 1 << 20, Some(64 << 10)),
+            two
+        );
+        assert_eq!(
+            choose_zero_copy(auto, None, 2, 1 << 30, Some(usize::MAX)),
+            one
+        );
+        assert_eq!(choose_zero_copy(one, None, 2, 1 << 30, None), one);
+        assert_eq!(choose_zero_copy(auto, Some(one), 2, 1 << 30, None), one);
+        assert_eq!(choose_zero_copy(two, Some(one), 2, 8, None), two);
+        assert_eq!(choose_zero_copy(auto, None, 1, 1 << 30, None), one);
+        // More ranks: two-shot from smaller sizes on.
+        assert!(reg_oneshot_max_bytes(8) <= reg_oneshot_max_bytes(4));
+        assert!(reg_oneshot_max_bytes(4) < reg_oneshot_max_bytes(2));
+        assert_eq!(choose_zero_copy(auto, None, 8, 1 << 20, None), two);
+    }
+
+    #[test]
+    fn zero_copy_kernels_follow_the_depth_knob() {
+        let lim = limits();
+        let (one, two) = (Algorithm::OneShot, Algorithm::TwoShot);
+        let big = 64 << 20;
+        assert_eq!(
+            cuda_path(one, big, true, false, &lim, None).0,
+            CudaPath::OneShotRegDeep
+        );
+        assert_eq!(
+            cuda_path(two, big, true, false, &lim, None).0,
+            CudaPath::TwoShotRegDeep
+        );
+        // In place: two-shot (one-shot would let a peer read an element already overwritten).
+        assert_eq!(
+            cuda_path(one, big, true, true, &lim, None).0,
+            CudaPath::TwoShotRegDeep
+        );
+        // Plain buffers never take a zero-copy kernel.
+        assert_eq!(
+            cuda_path(two, big, false, false, &lim, None).0,
+            CudaPath::TwoShotStaged
+        );
+        let shallow = GridLimits { deep: false, ..lim };
+        assert_eq!(
+            cuda_path(one, big, true, false, &shallow, None).0,
+            CudaPath::OneShotReg
+        );
+        assert_eq!(
+            cuda_path(two, big, true, false, &shallow, None).0,
+            CudaPath::TwoShotReg
+        );
+        for p in CudaPath::ALL {
+            assert_eq!(
+                p.one_block_per_sm(),
+                matches!(p, CudaPath::OneShotRegDeep | CudaPath::TwoShotRegDeep),
+                "{p:?}"
+            );
+            assert!(!p.one_block_per_sm() || p.registered(), "{p:?}");
+        }
+        // Deep kernels: CTAs grow with the size, and ranks sharing a GPU cap them lower.
+        let ctas = |b, l: &GridLimits| cuda_path(two, b, true, false, l, None).1;
+        assert_eq!(ctas(2 << 20, &lim), 32);
+        assert_eq!(ctas(1 << 30, &lim), 64);
+        assert!(ctas(4 << 20, &lim) <= ctas(1 << 30, &lim));
+        let shared = GridLimits {
+            cap: 96,
+            deep_cap: 48,
+            ..lim
+        };
+        assert_eq!(ctas(1 << 30, &shared), 48);
+        // The staged kernels keep the two-per-SM cap.
+        assert_eq!(cuda_path(two, 1 << 30, false, false, &shared, None).1, 64);
+    }
+
+    #[test]
+    fn tuned_ctas_apply_unless_blocks_is_set() {
+        let lim = limits();
+        let two = Algorithm::TwoShot;
+        assert_eq!(cuda_path(two, 1 << 30, true, false, &lim, Some(24)).1, 24);
+        assert_eq!(cuda_path(two, 1 << 30, false, false, &lim, Some(24)).1, 24);
+        // Never above the cap; IPCREDUCE_BLOCKS wins.
+        assert_eq!(cuda_path(two, 1 << 30, true, false, &lim, Some(500)).1, 64);
+        let fixed = GridLimits {
+            fixed: Some(40),
+            ..lim
+        };
+        assert_eq!(cuda_path(two, 1 << 30, true, false, &fixed, Some(24)).1, 40);
+        // LL: a tuned count only caps its size rule, as IPCREDUCE_BLOCKS does.
+        let one = Algorithm::OneShot;
+        assert_eq!(cuda_path(one, 1 << 20, false, false, &lim, Some(16)).1, 16);
+        assert_eq!(cuda_path(one, 4096, false, false, &lim, Some(16)).1, 1);
+    }
+
+    #[test]
+    fn small_ll_calls_launch_only_the_warps_they_need() {
+        let ll = CudaPath::OneShotLl;
+        assert_eq!(block_threads(ll, 8, 1, 512), 32);
+        assert_eq!(block_threads(ll, 512, 1, 512), 32);
+        assert_eq!(block_threads(ll, 528, 1, 512), 64);
+        assert_eq!(block_threads(ll, 8 << 10, 1, 512), 512);
+        // Every pair still has a thread: one block covers bytes/16 pairs.
+        for bytes in [1usize, 15, 16, 17, 1000, 4095, 8192] {
+            let t = block_threads(ll, bytes, 1, 512) as usize;
+            assert!(t * 16 >= bytes && t.is_multiple_of(32), "{bytes}: {t}");
+        }
+        // Several blocks, or any other path: the full block the kernels are built for.
+        assert_eq!(block_threads(ll, 64 << 10, 8, 512), 512);
+        assert_eq!(block_threads(CudaPath::TwoShotRegDeep, 8, 1, 512), 512);
+        assert_eq!(block_threads(CudaPath::OneShotStaged, 8, 1, 512), 512);
+    }
+
+    #[test]
+    fn ll12_replaces_ll_when_chosen() {
+        let lim = GridLimits {
+            ll12: true,
+            ..limits()
+        };
+        let one = Algorithm::OneShot;
+        for (reg, inplace) in [(false, false), (true, false), (true, true)] {
+            assert_eq!(
+                cuda_path(one, 1 << 20, reg, inplace, &lim, None).0,
+                CudaPath::OneShotLl12
+            );
+        }
+        assert_eq!(
+            cuda_path(one, (1 << 20) + 2, true, false, &lim, None).0,
+            CudaPath::OneShotRegDeep
+        );
+        // One thread per 12-byte line: 1 MiB needs 171 CTAs of 512, capped; 6 KiB one block.
+        assert_eq!(cuda_path(one, 1 << 20, false, false, &lim, None).1, 64);
+        assert_eq!(cuda_path(one, 6 << 10, false, false, &lim, None).1, 1);
+        assert_eq!(block_threads(CudaPath::OneShotLl12, 12 * 33, 1, 512), 64);
+        assert_eq!(block_threads(CudaPath::OneShotLl12, 12 * 32, 1, 512), 32);
+        // LL12's lines stay below its header line (the last line of the area).
+        let lines = crate::backend::cuda::kernels::LL_MAX_BYTES.div_ceil(12);
+        assert!(lines < crate::backend::cuda::kernels::LL_MAX_BYTES / 8 - 1);
+    }
+
+    #[test]
+    fn deep_and_shallow_paths_stamp_differently() {
+        let codes: std::collections::HashSet<_> = CudaPath::ALL
+            .iter()
+            .filter(|p| !matches!(p, CudaPath::OneShotLl | CudaPath::OneShotLl12))
+            .map(|p| p.code())
+            .collect();
+        assert_eq!(codes.len(), CudaPath::ALL.len() - 2);
+        let names: std::collections::HashSet<_> = CudaPath::ALL.iter().map(|p| p.name()).collect();
+        assert_eq!(names.len(), CudaPath::ALL.len());
     }
 
     proptest! {

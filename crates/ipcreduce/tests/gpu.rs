@@ -438,7 +438,7 @@ fn rank_registered() -> i32 {
             });
             let path = c.last_path().expect("a path");
             assert!(
-                path.registered || path.name == "oneshot-ll",
+                path.registered || path.name.starts_with("oneshot-ll"),
                 "{count} x {dtype} {algo}: {path:?}"
             );
             paths.insert(path.name);
@@ -966,6 +966,32 @@ fn registered_buffers_eager_and_in_graphs() {
         "registered",
         &[2, 4, 8],
         &[],
+    );
+}
+
+#[test]
+fn registered_buffers_shallow_kernels_and_short_ll() {
+    // The zero-copy kernels with 8 packs in flight (two blocks per SM) and LL only up to 64 KiB,
+    // so one-shot zero-copy runs from there on: the variants the defaults do not take.
+    play_rank_if_child();
+    run_role(
+        "registered_buffers_shallow_kernels_and_short_ll",
+        "registered",
+        &[2, 4, 8],
+        &[("IPCREDUCE_REG_LOADS", "8"), ("IPCREDUCE_LL_MAX", "65536")],
+    );
+}
+
+#[test]
+fn registered_buffers_with_ll12_lines() {
+    // The low-latency one-shot with 12 data bytes per line (IPCREDUCE_LL_DATA=12) on the
+    // registered calls' sizes, odd counts and in place included.
+    play_rank_if_child();
+    run_role(
+        "registered_buffers_with_ll12_lines",
+        "registered",
+        &[2, 4, 8],
+        &[("IPCREDUCE_LL_DATA", "12")],
     );
 }
 

@@ -352,7 +352,7 @@ fn make_row(
     let (path, ctas, zero_copy) = last_path(comm, m.algo, bytes);
     Ok(Row {
         algo: m.algo,
-        ran: comm.resolve_for(m.algo, m.dtype, bytes),
+        ran: comm.resolve_call(m.algo, m.dtype, bytes, registered),
         path,
         ctas,
         registered,

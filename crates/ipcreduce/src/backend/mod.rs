@@ -215,6 +215,16 @@ pub trait BackendOps: Send {
     fn last_path(&self) -> Option<PathInfo> {
         None
     }
+    /// Whether a call on `send` and `recv` would run zero-copy: both lie in registered buffers
+    /// (`Auto` has its own size rule for them).
+    fn zero_copy_call(&self, send: u64, recv: u64, bytes: usize) -> bool {
+        let _ = (send, recv, bytes);
+        false
+    }
+    /// The tuning table every rank agreed on, for the CTA counts it measured.
+    fn use_tuning(&mut self, table: &crate::tune::Table) {
+        let _ = table;
+    }
 }
 
 /// Backend-owned buffers and timing, for the benchmark and the correctness sweeps: not part

@@ -25,10 +25,13 @@ pub const MAX_BLOCKS: usize = 128;
 /// call stamps (u64) per (block, rank).
 pub const SIG_BYTES: usize = MAX_BLOCKS * MAX_RANKS * (4 + 2 * 8);
 /// Largest message the low-latency one-shot handles.
-pub const LL_MAX_BYTES: usize = 256 * 1024;
-/// Bytes of the LL area after the signal area: two parities of lines (16 bytes per 8 data
-/// bytes) from every rank.
-pub const LL_BYTES: usize = 2 * MAX_RANKS * (LL_MAX_BYTES / 8) * 16;
+pub const LL_MAX_BYTES: usize = 1024 * 1024;
+
+/// Bytes of the LL area after the signal area of a `world`-rank workspace: two parities of
+/// lines (16 bytes per 8 data bytes) from every rank (`LL_BYTES(world)` in allreduce.cu).
+pub fn ll_bytes(world: usize) -> usize {
+    2 * world * (LL_MAX_BYTES / 8) * 16
+}
 
 /// The compile-time world-size bound (`-DIPCR_W`) of the module that serves `world` ranks: it
 /// sets the reduction's unroll (8 / W packs per rank in flight per thread).
@@ -75,6 +78,8 @@ pub fn describe_stamp_difference(mine: u64, theirs: u64) -> String {
         "reduce-scatter-reg",
         "all-gather",
         "all-gather-reg",
+        "oneshot-reg16",
+        "twoshot-reg16",
     ];
     let dtypes = ["float", "half", "bfloat16"];
     let ops = ["sum", "max", "min"];
@@ -127,10 +132,13 @@ pub fn kernel_name(path: CudaPath, w: usize, dtype: DType, op: ReduceOp) -> Stri
     };
     let p = match path {
         CudaPath::OneShotLl => return format!("ipcr_oneshotll_{d}_{}", op.name()),
+        CudaPath::OneShotLl12 => return format!("ipcr_oneshotll12_{d}_{}", op.name()),
         CudaPath::OneShotStaged => "oneshot",
         CudaPath::TwoShotStaged => "twoshot",
         CudaPath::OneShotReg => "oneshotreg",
         CudaPath::TwoShotReg => "twoshotreg",
+        CudaPath::OneShotRegDeep => "oneshotreg16",
+        CudaPath::TwoShotRegDeep => "twoshotreg16",
         // Two ranks only: one kernel in every module.
         CudaPath::Ce => return format!("ipcr_cereduce_{d}_{}", op.name()),
     };
@@ -163,10 +171,8 @@ pub fn compile_source(
     extra: &[&str],
 ) -> Result<cudarc::nvrtc::Ptx> {
     require_nvrtc()?;
-    let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
-    options.extend(extra.iter().map(|o| o.to_string()));
     let opts = cudarc::nvrtc::CompileOptions {
-        options,
+        options: options(arch, extra),
         name: Some(name.into()),
         ..Default::default()
     };
@@ -178,17 +184,101 @@ pub fn compile_source(
     })
 }
 
+/// NVRTC's options for every kernel of the crate, then `extra`.
+fn options(arch: &str, extra: &[&str]) -> Vec<String> {
+    let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+    options.extend(extra.iter().map(|o| o.to_string()));
+    options
+}
+
+/// The options of the all-reduce module for world-size class `w`.
+fn allreduce_options(w: usize) -> [String; 2] {
+    // Keep adds and multiplies separate so every build rounds the same way.
+    ["--fmad=false".into(), format!("-DIPCR_W={w}")]
+}
+
 /// Compiles the all-reduce kernels for world-size class `w` ([`world_class`]) to PTX for `arch`
 /// (e.g. "sm_90"). Needs only NVRTC, no GPU.
 pub fn compile(arch: &str, w: usize) -> Result<cudarc::nvrtc::Ptx> {
-    // Keep adds and multiplies separate so every build rounds the same way.
-    let class = format!("-DIPCR_W={w}");
+    let extra = allreduce_options(w);
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     compile_source(
         "allreduce.cu",
         &format!("{ALLREDUCE_SOURCE}\n{SCATTER_GATHER_SOURCE}"),
         arch,
-        &["--fmad=false", &class],
+        &extra,
     )
+}
+
+/// Registers and spills of one kernel as ptxas reports them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resources {
+    pub kernel: String,
+    pub registers: u32,
+    /// Bytes of spill stores plus spill loads (0: everything fits in registers).
+    pub spill_bytes: u32,
+}
+
+/// What ptxas makes of the all-reduce kernels for world-size class `w` on the real architecture
+/// `arch` (e.g. "sm_90"): NVRTC compiles them on to machine code with `-Xptxas=-v` and its log
+/// is read. Needs only NVRTC, no GPU (at load the driver reports the same registers, see
+/// `kernel_resources` in mod.rs). Takes seconds: for tests and diagnostics.
+pub fn resources(arch: &str, w: usize) -> Result<Vec<Resources>> {
+    use cudarc::nvrtc::result;
+    require_nvrtc()?;
+    let fail = |what: &str, detail: String| Error::Cuda {
+        rank: 0,
+        op: format!("NVRTC {what} of allreduce.cu for {arch}"),
+        detail,
+    };
+    let source = std::ffi::CString::new(format!("{CONVERT_SOURCE}\n{ALLREDUCE_SOURCE}"))
+        .map_err(|e| fail("source", e.to_string()))?;
+    let prog = result::create_program(&source, Some(c"allreduce.cu"))
+        .map_err(|e| fail("program creation", e.to_string()))?;
+    let extra = allreduce_options(w);
+    let mut opts: Vec<&str> = extra.iter().map(String::as_str).collect();
+    opts.push("-Xptxas=-v");
+    let opts = options(arch, &opts);
+    // SAFETY: `prog` was just created and is destroyed once, below; `source` outlives it.
+    let compiled = unsafe { result::compile_program(prog, &opts) };
+    let log = unsafe { result::get_program_log(prog) };
+    let _ = unsafe { result::destroy_program(prog) };
+    let log: String = log
+        .map_err(|e| fail("log", e.to_string()))?
+        .iter()
+        .take_while(|c| **c != 0)
+        .map(|c| *c as u8 as char)
+        .collect();
+    compiled.map_err(|e| fail("compile", format!("{e}: {log}")))?;
+    Ok(parse_ptxas_log(&log))
+}
+
+/// The kernels of a `ptxas -v` log: "Compiling entry function 'NAME'", then its "N bytes spill
+/// stores, M bytes spill loads" and "Used R registers" lines.
+pub fn parse_ptxas_log(log: &str) -> Vec<Resources> {
+    let number_before = |line: &str, word: &str| -> Option<u32> {
+        let at = line.find(word)?;
+        line[..at].split_whitespace().last()?.parse().ok()
+    };
+    let mut out: Vec<Resources> = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let name = rest.split('\'').next().unwrap_or_default();
+            out.push(Resources {
+                kernel: name.to_string(),
+                registers: 0,
+                spill_bytes: 0,
+            });
+        } else if let Some(k) = out.last_mut() {
+            if line.contains("spill stores") {
+                k.spill_bytes = number_before(line, "bytes spill stores").unwrap_or(0)
+                    + number_before(line, "bytes spill loads").unwrap_or(0);
+            } else if let Some(r) = number_before(line, "registers") {
+                k.registers = r;
+            }
+        }
+    }
+    out
 }
 
 /// Compiles the compute kernel of `ipcreduce overlap` ([`COMPUTE_SOURCE`]) to PTX for `arch`.
@@ -234,7 +324,9 @@ mod tests {
             "#define LL_MAX_BYTES ({} * 1024)",
             LL_MAX_BYTES / 1024
         )));
-        assert!(ALLREDUCE_SOURCE.contains("#define LL_BYTES (2 * MAX_RANKS * LL_LINES * 16)"));
+        assert!(ALLREDUCE_SOURCE.contains("#define LL_LINES (LL_MAX_BYTES / 8)"));
+        assert!(ALLREDUCE_SOURCE.contains("#define LL_BYTES(world) (2 * (world) * LL_LINES * 16)"));
+        assert_eq!(ll_bytes(2), 8 << 20);
         let codes = format!("ERR_TIMEOUT = {ERR_TIMEOUT}, ERR_ABORTED = {ERR_ABORTED}, ERR_MISMATCH = {ERR_MISMATCH}");
         assert!(
             ALLREDUCE_SOURCE.contains(&codes),
@@ -302,6 +394,65 @@ mod tests {
             );
         }
         assert_eq!([1, 2, 3, 4, 5, 8].map(world_class), [2, 2, 4, 4, 8, 8]);
+    }
+
+    #[test]
+    fn ptxas_logs_are_read_per_kernel() {
+        let log = "ptxas info    : 25 bytes gmem
+ptxas info    : Compiling entry function 'ipcr_a' for 'sm_90'
+ptxas info    : Function properties for ipcr_a
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 55 registers, used 1 barriers
+ptxas info    : Compiling entry function 'ipcr_b' for 'sm_90'
+ptxas         .     40 bytes stack frame, 52 bytes spill stores, 84 bytes spill loads
+ptxas info    : Used 64 registers, used 1 barriers, 40 bytes cumulative stack size
+";
+        let r = parse_ptxas_log(log);
+        assert_eq!(r.len(), 2);
+        assert_eq!(
+            (r[0].kernel.as_str(), r[0].registers, r[0].spill_bytes),
+            ("ipcr_a", 55, 0)
+        );
+        assert_eq!(
+            (r[1].kernel.as_str(), r[1].registers, r[1].spill_bytes),
+            ("ipcr_b", 64, 136)
+        );
+    }
+
+    /// The register budgets of allreduce.cu's invariant (5), as ptxas (through NVRTC, no GPU)
+    /// compiles the zero-copy and LL kernels for sm_90: the two-blocks-per-SM kernels in 64
+    /// registers, the deep ones in 128, none spilling at two or four ranks.
+    #[test]
+    fn zero_copy_and_ll_kernels_fit_their_register_budget() {
+        if !nvrtc_for_tests() {
+            return;
+        }
+        for w in [2, 4] {
+            let all = resources("sm_90", w).unwrap_or_else(|e| panic!("{e}"));
+            for path in [
+                CudaPath::OneShotLl,
+                CudaPath::OneShotLl12,
+                CudaPath::OneShotReg,
+                CudaPath::TwoShotReg,
+                CudaPath::OneShotRegDeep,
+                CudaPath::TwoShotRegDeep,
+            ] {
+                for dtype in DType::ALL {
+                    let name = kernel_name(path, w, dtype, ReduceOp::Sum);
+                    let k = all
+                        .iter()
+                        .find(|k| k.kernel == name)
+                        .unwrap_or_else(|| panic!("{name} not in the ptxas log"));
+                    let budget = if path.one_block_per_sm() { 128 } else { 64 };
+                    eprintln!(
+                        "w{w} {name}: {} registers, {} B spilled",
+                        k.registers, k.spill_bytes
+                    );
+                    assert!(k.registers > 0 && k.registers <= budget, "{k:?}");
+                    assert_eq!(k.spill_bytes, 0, "{k:?}");
+                }
+            }
+        }
     }
 
     /// Compiles every kernel with NVRTC. Needs libnvrtc but no GPU; CI installs NVRTC and sets

@@ -36,7 +36,7 @@ use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use cudarc::driver::{safe as cs, sys};
 use driver::ck;
 use kernels::{
-    ERR_MISMATCH, ERR_TIMEOUT, LL_BYTES, LL_MAX_BYTES, MAX_BLOCKS, MAX_RANKS, SIG_BYTES,
+    ll_bytes, ERR_MISMATCH, ERR_TIMEOUT, LL_MAX_BYTES, MAX_BLOCKS, MAX_RANKS, SIG_BYTES,
 };
 use memory::{DeviceAlloc, MappedHostWords};
 use peers::device_uuid;
@@ -49,14 +49,20 @@ use transport::SharedWorkspaces;
 
 /// Default bytes of one data slot (the workspace holds two). Larger messages are chunked.
 const DEFAULT_SLOT_BYTES: usize = 16 << 20;
-/// Where the data slots start in a workspace: after the signal and LL areas.
-const DATA_OFFSET: u64 = (SIG_BYTES + LL_BYTES) as u64;
+/// Where the data slots of a `world`-rank workspace start: after the signal and LL areas.
+fn data_offset(world: usize) -> u64 {
+    (SIG_BYTES + ll_bytes(world)) as u64
+}
+/// Where the start-up mapping test writes its probe: the LL area, cleared after the test.
+const PROBE_OFFSET: u64 = SIG_BYTES as u64;
 /// Threads per block of the all-reduce kernels (their `__launch_bounds__`).
 const THREADS: u32 = 512;
 /// Most CTAs a kernel uses by default on a GPU of its own; ranks sharing a GPU share this
 /// (every CTA of every rank must be resident at once: two 512-thread CTAs fit per SM).
 const DEFAULT_CTA_CAP: usize = 64;
 const SHARED_GPU_CTAS: usize = 192;
+/// The same for kernels compiled for one block per SM (the deep zero-copy ones): H200 has 132.
+const SHARED_GPU_DEEP_CTAS: usize = 96;
 
 // Words of the host-mapped area shared with the kernels.
 const W_ABORT: usize = 0;
@@ -150,6 +156,8 @@ pub struct CudaComm {
     limits: GridLimits,
     /// What the data crosses (agreed at init): chunk sizes, CTA cap, push order.
     fabric: Fabric,
+    /// The agreed tuning table: its CTA counts for the calls whose algorithm it chose.
+    tune: crate::tune::Table,
     slot_bytes: usize,
     timeout: std::time::Duration,
     abort: Arc<AbortState>,
@@ -295,7 +303,8 @@ impl CudaComm {
         let slot_bytes = config.workspace_bytes.map_or(DEFAULT_SLOT_BYTES, |b| b / 2);
         let slot_bytes = (slot_bytes.max(64 << 10) / 256) * 256;
         // Messages up to this size take the low-latency one-shot (0 disables it).
-        let ll_max = config.ll_max_bytes();
+        // Peer memory assumed here; staged through host memory, the default is set below.
+        let ll_max = config.ll_max_bytes(world, true);
         if ll_max > LL_MAX_BYTES {
             return Err(Error::Config(format!(
                 "low-latency limit {ll_max} bytes (Config::ll_max_bytes or IPCREDUCE_LL_MAX): \
@@ -309,11 +318,29 @@ impl CudaComm {
                 .unwrap_or(crate::plan::CE_DEFAULT_MIN_BYTES),
             _ => 0,
         };
-        let mut limits = GridLimits {
+        let deep = match config.reg_loads.unwrap_or(crate::plan::REG_LOADS_DEFAULT) {
+            8 => false,
+            16 => true,
+            n => {
+                return Err(Error::Config(format!(
+                "zero-copy loads in flight {n} (Config::reg_loads or IPCREDUCE_REG_LOADS): 8 or 16"
+            )))
+            }
+        };
+        let deep_cap = match (fixed, sharing) {
+            (None, 2..) => cap.min(SHARED_GPU_DEEP_CTAS / sharing),
+            _ => cap,
+        };
+        // Validated by Config: 8 or 12.
+        let ll12 = config.ll_data_bytes == Some(12);
+        let limits = GridLimits {
             ll_max,
             cap,
             fixed,
             ce_min,
+            deep,
+            deep_cap,
+            ll12,
         };
         // Every rank must compute the same grid for every call and use the same slot size: the
         // protocol pairs block b with block b and alternates slots by chunk count.
@@ -323,6 +350,8 @@ impl CudaComm {
             slot_bytes as u64,
             ll_max as u64,
             ce_min as u64,
+            deep as u64,
+            ll12 as u64,
         ]
         .map(u64::to_le_bytes)
         .concat();
@@ -333,23 +362,22 @@ impl CudaComm {
                 peer,
                 op: "init".into(),
                 seq: 0,
-                detail: "IPCREDUCE_BLOCKS / IPCREDUCE_SLOT_BYTES / IPCREDUCE_LL_MAX / IPCREDUCE_CE_MIN (or the GPU sharing) differ between ranks"
+                detail: "IPCREDUCE_BLOCKS / IPCREDUCE_SLOT_BYTES / IPCREDUCE_LL_MAX / IPCREDUCE_CE_MIN / IPCREDUCE_REG_LOADS / IPCREDUCE_LL_DATA (or the GPU sharing) differ between ranks"
                     .into(),
             });
         }
 
         // Also checks every pair (P2P query, mapping, cross-process read) for the transport.
-        let bytes = SIG_BYTES + LL_BYTES + 2 * slot_bytes;
+        let bytes = data_offset(world) as usize + 2 * slot_bytes;
         let ws = SharedWorkspaces::open(boot, device, bytes, &uuids, config)?;
-        if ws.size < SIG_BYTES + LL_BYTES + 2 * slot_bytes {
+        // Every rank takes the same transport, so every rank adjusts the same way.
+        let mut limits = limits;
+        limits.ll_max = config.ll_max_bytes(world, ws.sharing().is_some());
+        if ws.size < bytes {
             return Err(Error::Cuda {
                 rank,
                 op: "workspace creation".into(),
-                detail: format!(
-                    "got {} bytes, need {}",
-                    ws.size,
-                    SIG_BYTES + LL_BYTES + 2 * slot_bytes
-                ),
+                detail: format!("got {} bytes, need {bytes}", ws.size),
             });
         }
         // The PCIe policy (or none) from the transport, IPCREDUCE_TOPOLOGY and the pairs.
@@ -367,7 +395,7 @@ impl CudaComm {
         let words = Arc::new(MappedHostWords::new(16, rank)?);
         // SAFETY: zeroing memory we own (signal area of our workspace, private state).
         unsafe {
-            ws.clear(rank, SIG_BYTES + LL_BYTES)?;
+            ws.clear(rank, data_offset(world) as usize)?;
             ck(sys::cuMemsetD8_v2(state.ptr, 0, state.bytes), rank, || {
                 "clearing the protocol state".into()
             })?;
@@ -418,6 +446,7 @@ impl CudaComm {
             left: false,
             limits,
             fabric,
+            tune: crate::tune::Table::builtin(),
             slot_bytes,
             timeout: config.timeout(),
             abort,
@@ -510,7 +539,7 @@ impl CudaComm {
         for r in 0..self.world {
             sig[r] = self.ws.base(r);
             ll[r] = self.ws.base(r) + SIG_BYTES as u64;
-            data[r] = self.ws.base(r) + DATA_OFFSET;
+            data[r] = self.ws.base(r) + data_offset(self.world);
         }
         let (rsend, rrecv) = zero_copy.unwrap_or(([0; MAX_RANKS], [0; MAX_RANKS]));
         let all16 = |v: &[u64; MAX_RANKS]| v[..self.world].iter().all(|p| p % 16 == 0);
@@ -693,8 +722,21 @@ impl CudaComm {
         }
         let bytes = count * dtype.size();
         let zero_copy = self.zero_copy(send, recv, bytes);
-        let (path, grid) =
-            crate::plan::cuda_path(algo, bytes, zero_copy.is_some(), send == recv, &self.limits);
+        // The tuned CTA count of the row for this size, when the call runs that row's algorithm.
+        let tuned = self
+            .tune
+            .lookup(self.world, dtype.size(), bytes)
+            .filter(|e| e.algorithm() == Some(algo))
+            .and_then(|e| e.ctas)
+            .map(|c| c as usize);
+        let (path, grid) = crate::plan::cuda_path(
+            algo,
+            bytes,
+            zero_copy.is_some(),
+            send == recv,
+            &self.limits,
+            tuned,
+        );
         let f = self.gpu.funcs[&(path, dtype, op)].cu_function();
         self.last_path = Some(PathInfo {
             name: path.name(),
@@ -709,7 +751,8 @@ impl CudaComm {
         if path == CudaPath::Ce {
             return self.launch_ce(&args, dtype, op, grid, stream);
         }
-        self.launch_kernel(f, grid, THREADS, stream, &mut args, || {
+        let threads = crate::plan::block_threads(path, bytes, grid, THREADS);
+        self.launch_kernel(f, grid, threads, stream, &mut args, || {
             format!(
                 "launching the {} kernel ({count} x {dtype} {op})",
                 path.name()
@@ -921,6 +964,14 @@ impl BackendOps for CudaComm {
 
     fn last_path(&self) -> Option<PathInfo> {
         self.last_path
+    }
+
+    fn zero_copy_call(&self, send: u64, recv: u64, bytes: usize) -> bool {
+        self.registry.lookup(send, bytes).is_some() && self.registry.lookup(recv, bytes).is_some()
+    }
+
+    fn use_tuning(&mut self, table: &crate::tune::Table) {
+        self.tune = table.clone();
     }
 }
 

@@ -2,14 +2,14 @@
 //! peers on other GPUs, and a cross-process write/read through every mapping.
 
 use super::driver::ck;
-use super::DATA_OFFSET;
+use super::PROBE_OFFSET;
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use cudarc::driver::{safe as cs, sys};
 use std::collections::HashMap;
 
 /// The cross-process test that P2P queries alone cannot give: every rank writes a pattern of
-/// its own into its workspace's data area, then reads every rank's through its mapping
+/// its own into its workspace (the LL area, cleared after the test), then reads every rank's through its mapping
 /// (`base(rank)`). Collective: every rank passes both barriers whatever it saw; returns the
 /// first failure `(peer, why)` this rank saw.
 pub(super) fn mapping_test(
@@ -26,10 +26,10 @@ pub(super) fn mapping_test(
         p
     };
     let mine = pattern(rank);
-    // SAFETY: 16 bytes inside our own data area. The copy may return before its DMA lands:
+    // SAFETY: 16 bytes inside our own workspace. The copy may return before its DMA lands:
     // synchronize before telling the peers.
     let wrote = ck(
-        unsafe { sys::cuMemcpyHtoD_v2(base(rank) + DATA_OFFSET, mine.as_ptr().cast(), 16) },
+        unsafe { sys::cuMemcpyHtoD_v2(base(rank) + PROBE_OFFSET, mine.as_ptr().cast(), 16) },
         rank,
         || "writing the cross-process probe".into(),
     )
@@ -45,9 +45,9 @@ pub(super) fn mapping_test(
             break;
         }
         let mut got = [0u8; 16];
-        // SAFETY: 16 bytes inside the peer's mapped data area.
+        // SAFETY: 16 bytes inside the peer's mapped workspace.
         let res =
-            unsafe { sys::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), base(peer) + DATA_OFFSET, 16) };
+            unsafe { sys::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), base(peer) + PROBE_OFFSET, 16) };
         if let Err(e) = ck(res, rank, || {
             format!("reading rank {peer}'s probe through {what}")
         }) {
@@ -59,7 +59,7 @@ pub(super) fn mapping_test(
             ));
         }
     }
-    // Nobody writes into a data area again before every rank has read the probes.
+    // Nobody writes into the probed area again before every rank has read the probes.
     boot.barrier()?;
     Ok(seen)
 }
