@@ -720,7 +720,10 @@ mod tests {
         let max = reg_oneshot_max_bytes(2);
         assert_eq!(choose_zero_copy(auto, None, 2, max, None), one);
         assert_eq!(choose_zero_copy(auto, None, 2, max + 1, None), two);
-        assert_eq!(choose(auto, None, BackendKind::Cuda, Fabric::Peer, 2, 1 << 30), one);
+        assert_eq!(
+            choose(auto, None, BackendKind::Cuda, Fabric::Peer, 2, 1 << 30),
+            one
+        );
         // The override moves the limit; explicit choices and IPCREDUCE_ALGO win over it.
         assert_eq!(
             choose_zero_copy(auto, None, 2, 1 << 20, Some(64 << 10)),
