@@ -30,8 +30,8 @@
 #   faults    scripts/device/mps-faults.sh with the host transport forced.
 # Knobs: PHASES="check pcie fallback two bench", WORLDS="2 4 8", CASES=2000 (CASES_4, CASES_8,
 #   CASES_PCIE), MAX_BYTES=256M (check), BENCH_MAX=128M, BUDGET=560, BLOCKS (IPCREDUCE_BLOCKS
-#   for every run), BLOCKS_SWEEP="16 64" and SLOT_SWEEP="2097152 4194304" (two: extra two-shot
-#   benches), CASES_SLOT=500, SOAK_CASES=20000 CYCLES=200 (faults).
+#   for every run), BLOCKS_SWEEP="64" and SLOT_SWEEP="262144" (two: extra one-shot and two-shot
+#   benches from 64 KiB; empty: none), CASES_SLOT=500, SOAK_CASES=20000 CYCLES=200 (faults).
 # On nvidia-h200-x2, for the two-GPU figures alone: PHASES=two.
 # summary.txt lists every step: OK, FAILED or SKIPPED. Exit status: 0 all ran and passed, 1 a
 # step failed, 2 none failed but some were skipped for the budget.
@@ -189,13 +189,15 @@ if has two; then
     echo "== [$SECONDS s] bench world 2 over GPUs 0 and 1: host transport vs NCCL over shared memory"
     CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host \
       bench bench-2gpu-host 240 8 -a auto,oneshot,twoshot,nccl-shm
-    for sl in ${SLOT_SWEEP:-}; do
+    # Sweeps from 64 KiB: smaller slots cap the chunk (a deeper pipeline for small messages),
+    # more CTAs put more loads from host memory in flight.
+    for sl in ${SLOT_SWEEP-262144}; do
       CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host IPCREDUCE_SLOT_BYTES=$sl \
-        bench "bench-2gpu-host-slot$sl" 120 1M -a oneshot,twoshot
+        bench "bench-2gpu-host-slot$sl" 120 64K -a oneshot,twoshot
     done
-    for b in ${BLOCKS_SWEEP:-}; do
+    for b in ${BLOCKS_SWEEP-64}; do
       CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host IPCREDUCE_BLOCKS=$b \
-        bench "bench-2gpu-host-blocks$b" 120 1M -a oneshot,twoshot
+        bench "bench-2gpu-host-blocks$b" 120 64K -a oneshot,twoshot
     done
   else
     result bench-2gpu-host SKIPPED "nvidia-smi lists $GPUS GPU(s)"
