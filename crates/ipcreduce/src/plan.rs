@@ -328,12 +328,10 @@ pub fn chunks(count: usize, chunk_elems: usize) -> impl Iterator<Item = Span> {
 
 /// Splits `len` elements into `parts` contiguous shards whose starts are multiples of
 /// `align` elements (so vector accesses stay aligned); the last shards may be shorter or empty.
+/// The rule is [`crate::shards::Shards::aligned`]'s.
 pub fn shard(len: usize, parts: usize, index: usize, align: usize) -> Span {
     assert!(parts > 0 && index < parts && align > 0);
-    let per = len.div_ceil(parts).div_ceil(align) * align;
-    let start = (index * per).min(len);
-    let end = ((index + 1) * per).min(len);
-    Span { start, end }
+    crate::shards::Shards::aligned(len, parts, align).span(index)
 }
 
 #[cfg(test)]

@@ -10,6 +10,36 @@ use crate::plan::PathInfo;
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use std::ffi::c_void;
 
+/// A collective operation, for stamps, errors and the backends' entry points.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SgOp {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+}
+
+impl SgOp {
+    pub const ALL: [SgOp; 3] = [SgOp::AllReduce, SgOp::ReduceScatter, SgOp::AllGather];
+
+    /// The name errors use.
+    pub fn name(self) -> &'static str {
+        match self {
+            SgOp::AllReduce => "all_reduce",
+            SgOp::ReduceScatter => "reduce_scatter",
+            SgOp::AllGather => "all_gather",
+        }
+    }
+
+    /// Its code in call stamps.
+    pub fn code(self) -> u32 {
+        match self {
+            SgOp::AllReduce => 0,
+            SgOp::ReduceScatter => 1,
+            SgOp::AllGather => 2,
+        }
+    }
+}
+
 /// Handle of a test/benchmark buffer owned by a backend.
 pub type BufId = usize;
 
@@ -108,6 +138,25 @@ pub trait BackendOps: Send {
         dtype: DType,
         op: ReduceOp,
         algo: Algorithm,
+        stream: *mut c_void,
+    ) -> Result<()>;
+
+    /// Enqueues (cuda) or runs (host) one reduce-scatter (`what`: send holds `shards.total`
+    /// elements, recv this rank's shard) or all-gather (send this rank's shard, recv
+    /// `shards.total`). Arguments were checked by the communicator.
+    ///
+    /// # Safety
+    /// As [`BackendOps::all_reduce_raw`], for those sizes; the in-place forms are NCCL's
+    /// (recv = send + shard start for reduce-scatter, send = recv + shard start for all-gather).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn scatter_gather_raw(
+        &mut self,
+        what: SgOp,
+        send: *const c_void,
+        recv: *mut c_void,
+        shards: crate::shards::Shards,
+        dtype: DType,
+        op: ReduceOp,
         stream: *mut c_void,
     ) -> Result<()>;
 

@@ -7,6 +7,9 @@ use crate::types::{DType, ReduceOp};
 
 /// Source of the all-reduce kernels.
 pub const ALLREDUCE_SOURCE: &str = include_str!("kernels/allreduce.cu");
+/// Source of the reduce-scatter and all-gather kernels, appended to [`ALLREDUCE_SOURCE`] (it
+/// uses that file's barriers and helpers).
+pub const SCATTER_GATHER_SOURCE: &str = include_str!("kernels/scatter_gather.cu");
 /// Integer names and f16/bf16 conversions, prepended to every source [`compile_source`] builds.
 pub const CONVERT_SOURCE: &str = include_str!("kernels/convert.cuh");
 /// Source of the compute-bound kernel `ipcreduce overlap` runs beside the all-reduce.
@@ -67,6 +70,11 @@ pub fn describe_stamp_difference(mine: u64, theirs: u64) -> String {
         "oneshot-reg",
         "twoshot-reg",
         "ce",
+        // The reduce-scatter and all-gather paths (scatter_gather.rs).
+        "reduce-scatter",
+        "reduce-scatter-reg",
+        "all-gather",
+        "all-gather-reg",
     ];
     let dtypes = ["float", "half", "bfloat16"];
     let ops = ["sum", "max", "min"];
@@ -177,7 +185,7 @@ pub fn compile(arch: &str, w: usize) -> Result<cudarc::nvrtc::Ptx> {
     let class = format!("-DIPCR_W={w}");
     compile_source(
         "allreduce.cu",
-        ALLREDUCE_SOURCE,
+        &format!("{ALLREDUCE_SOURCE}\n{SCATTER_GATHER_SOURCE}"),
         arch,
         &["--fmad=false", &class],
     )

@@ -8,12 +8,14 @@
 
 mod ce;
 pub mod driver;
+mod hier;
 pub mod kernels;
 pub mod memory;
 mod nccl;
 mod peers;
 mod pointers;
 mod registry;
+mod scatter_gather;
 mod streams;
 mod teardown;
 #[cfg(feature = "test-support")]
@@ -25,7 +27,7 @@ mod topology;
 mod transport;
 
 use crate::abort::AbortState;
-use crate::backend::{BackendMeta, BackendOps, RegisteredBuffer};
+use crate::backend::{BackendMeta, BackendOps, RegisteredBuffer, SgOp};
 use crate::bootstrap::Bootstrap;
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -115,6 +117,9 @@ fn require_driver(present: bool) -> Result<()> {
 
 pub struct CudaComm {
     // Declaration order is drop order: everything that needs the context goes before it.
+    /// Jobs across hosts: NCCL between nodes and the node's group this communicator runs over
+    /// (see hier.rs); None within one host.
+    inter: Option<hier::Inter>,
     rank: usize,
     world: usize,
     ordinal: usize,
@@ -163,6 +168,8 @@ struct Loaded {
     ctx: Arc<cs::CudaContext>,
     _module: Arc<cs::CudaModule>,
     funcs: HashMap<(CudaPath, DType, ReduceOp), cs::CudaFunction>,
+    /// The reduce-scatter and all-gather kernels (scatter_gather.rs).
+    sg: scatter_gather::Funcs,
     /// The copy-engine path's barrier kernel.
     ce_barrier: cs::CudaFunction,
 }
@@ -224,10 +231,12 @@ impl Loaded {
         let ce_barrier = module
             .load_function(kernels::CE_BARRIER_KERNEL)
             .map_err(|e| cuda("loading the copy-engine barrier kernel", e))?;
+        let sg = scatter_gather::load(&module, w, rank)?;
         let l = Arc::new(Loaded {
             ctx,
             _module: module,
             funcs,
+            sg,
             ce_barrier,
         });
         cache.insert((ordinal, w), l.clone());
@@ -387,6 +396,7 @@ impl CudaComm {
 
         let own = stream.cu_stream() as streams::Key;
         let mut comm = CudaComm {
+            inter: None,
             rank,
             world,
             ordinal,
@@ -552,6 +562,11 @@ impl CudaComm {
     /// kernel's access would fault and end the process's CUDA context). The driver is asked
     /// once per allocation (pointers.rs); later calls in it cost no query.
     fn check_pointer(&mut self, ptr: u64, what: &str) -> Result<()> {
+        self.check_pointer_for("all_reduce", ptr, what)
+    }
+
+    /// [`Self::check_pointer`] for operation `op` (named in the error).
+    fn check_pointer_for(&mut self, op: &'static str, ptr: u64, what: &str) -> Result<()> {
         let rank = self.rank;
         let (facts, asked) = match self.pointers.get(ptr) {
             Some(f) => (f, false),
@@ -559,7 +574,7 @@ impl CudaComm {
                 let f = pointers::query(ptr).map_err(|res| {
                     Error::invalid(
                         rank,
-                        "all_reduce",
+                        op,
                         format!(
                             "{what} buffer {ptr:#x}: cuPointerGetAttributes failed ({})",
                             driver::describe(res)
@@ -571,7 +586,7 @@ impl CudaComm {
         };
         facts
             .judge(ptr, what, self.ordinal)
-            .map_err(|why| Error::invalid(rank, "all_reduce", why))?;
+            .map_err(|why| Error::invalid(rank, op, why))?;
         // Only what passed is kept: a refused range may be freed and come back as memory of
         // this GPU, and is then asked about again.
         if asked {
@@ -592,6 +607,18 @@ impl CudaComm {
         algo: Algorithm,
         stream: sys::CUstream,
     ) -> Result<()> {
+        self.in_stream_order(stream, |c| {
+            c.launch(send, recv, count, dtype, op, algo, stream)
+        })
+    }
+
+    /// Runs `issue` (which enqueues on `stream`) in order with the communicator's work on
+    /// its other streams.
+    fn in_stream_order(
+        &mut self,
+        stream: sys::CUstream,
+        issue: impl FnOnce(&mut Self) -> Result<()>,
+    ) -> Result<()> {
         let key = stream as streams::Key;
         // The capture status decides whether the tracker may record and wait on events (not
         // during capture: the graph orders its calls). Where it would do neither either way,
@@ -599,7 +626,7 @@ impl CudaComm {
         // default) or on our own stream.
         let capturing = !self.streams.quiet(key) && streams::capturing(stream, self.rank)?;
         self.streams.before(&mut self.events, key, capturing)?;
-        self.launch(send, recv, count, dtype, op, algo, stream)?;
+        issue(self)?;
         self.streams.after(&mut self.events, key, capturing)
     }
 
@@ -661,6 +688,9 @@ impl CudaComm {
                 )
             };
         }
+        if self.inter.is_some() {
+            return self.launch_hierarchical(send, recv, count, dtype, op, stream);
+        }
         let bytes = count * dtype.size();
         let zero_copy = self.zero_copy(send, recv, bytes);
         let (path, grid) =
@@ -688,16 +718,17 @@ impl CudaComm {
     }
 
     /// Launches `f` on `stream` with `args` (copied at launch).
-    fn launch_kernel(
+    fn launch_kernel<A>(
         &self,
         f: sys::CUfunction,
         grid: u32,
         threads: u32,
         stream: sys::CUstream,
-        args: &mut KernelArgs,
+        args: &mut A,
         what: impl FnOnce() -> String,
     ) -> Result<()> {
-        let mut params = [(args as *mut KernelArgs).cast::<c_void>()];
+        // `A`: the kernel's one by-value parameter (KernelArgs, or a struct that starts with it).
+        let mut params = [(args as *mut A).cast::<c_void>()];
         // SAFETY: the kernel reads `args` (copied at launch) and only touches the buffers in it,
         // which the caller vouched for and we own.
         ck(
@@ -758,6 +789,38 @@ impl BackendOps for CudaComm {
         // CUDA's meaning: 0 is the legacy default stream.
         let stream = stream as sys::CUstream;
         self.enqueue(send as u64, recv as u64, count, dtype, op, algo, stream)
+            .map_err(|e| self.in_job(e))
+    }
+
+    unsafe fn scatter_gather_raw(
+        &mut self,
+        what: SgOp,
+        send: *const c_void,
+        recv: *mut c_void,
+        shards: crate::shards::Shards,
+        dtype: DType,
+        op: ReduceOp,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        if self.inter.is_some() {
+            return Err(Error::invalid(
+                self.inter.as_ref().map_or(self.rank, hier::Inter::rank),
+                what.name(),
+                "not available yet for jobs across nodes (the all-reduce is)",
+            ));
+        }
+        // SAFETY: forwarded contract.
+        unsafe {
+            self.enqueue_scatter_gather(
+                what,
+                send as u64,
+                recv as u64,
+                shards,
+                dtype,
+                op,
+                stream as sys::CUstream,
+            )
+        }
     }
 
     fn unavailable(&self, algo: Algorithm) -> Option<String> {
@@ -784,12 +847,12 @@ impl BackendOps for CudaComm {
     fn synchronize(&mut self) -> Result<()> {
         let waited = self.wait_all("synchronize");
         // What a kernel recorded explains a failed wait better than the wait does.
-        self.check_health()?;
-        waited
+        self.check_health().map_err(|e| self.in_job(e))?;
+        waited.map_err(|e| self.in_job(e))
     }
 
     fn async_error(&self) -> Option<Error> {
-        self.check_health().err()
+        self.check_health().err().map(|e| self.in_job(e))
     }
 
     fn device(&self) -> Option<usize> {
@@ -805,10 +868,15 @@ impl BackendOps for CudaComm {
     }
 
     fn leave(&mut self, boot: &mut Bootstrap) {
-        self.teardown(boot)
+        self.with_node_boot(boot, |c, b| c.teardown(b))
     }
 
     fn alloc_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<RegisteredBuffer> {
+        if self.inter.is_some() {
+            return self.with_node_boot(boot, |c, b| {
+                c.alloc_registered(b, bytes).map_err(|e| c.in_job(e))
+            });
+        }
         let device = self.device;
         self.add_region("alloc", bytes, |id| {
             registry::alloc(boot, device, bytes, id)
@@ -821,6 +889,12 @@ impl BackendOps for CudaComm {
         ptr: u64,
         bytes: usize,
     ) -> Result<RegisteredBuffer> {
+        if self.inter.is_some() {
+            // SAFETY: forwarded contract.
+            return self.with_node_boot(boot, |c, b| unsafe {
+                c.register(b, ptr, bytes).map_err(|e| c.in_job(e))
+            });
+        }
         let device = self.device;
         self.add_region("register", bytes, |id| {
             registry::register(boot, device, ptr, bytes, id)
@@ -828,6 +902,11 @@ impl BackendOps for CudaComm {
     }
 
     fn free_registered(&mut self, boot: &mut Bootstrap, buf: RegisteredBuffer) -> Result<()> {
+        if self.inter.is_some() {
+            return self.with_node_boot(boot, |c, b| {
+                c.free_registered(b, buf).map_err(|e| c.in_job(e))
+            });
+        }
         // Our work on every stream that may touch it is done (bounded), then every peer's.
         self.wait_all("free")?;
         boot.barrier()?;
