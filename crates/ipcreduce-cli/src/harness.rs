@@ -4,7 +4,7 @@
 
 use ipcreduce::backend::{BufId, Call};
 use ipcreduce::error::Result;
-use ipcreduce::reference::{count_wrong_par, fill_input_par, fingerprint};
+use ipcreduce::reference::{count_wrong_nodes_par, fill_input_par, fingerprint};
 use ipcreduce::Communicator;
 
 /// Poison byte for outputs and guard areas: all-ones is NaN in every dtype.
@@ -81,7 +81,13 @@ pub fn verify(comm: &mut Communicator, call: &Call, seed: u64) -> Result<Outcome
     let mut out = vec![0u8; call.offset + bytes + GUARD];
     comm.test_read(call.recv, &mut out)?;
     let data = &out[call.offset..call.offset + bytes];
-    let mut wrong = count_wrong_par(call.dtype, call.op, seed, comm.world(), data);
+    // Across nodes the hierarchical all-reduce rounds each node's partial sum (see
+    // count_wrong_nodes_par); within one node this is count_wrong_par.
+    let layout = comm.bootstrap().layout().clone();
+    let nodes: Vec<Vec<usize>> = (0..layout.node_count())
+        .map(|n| layout.node_ranks(n).to_vec())
+        .collect();
+    let mut wrong = count_wrong_nodes_par(call.dtype, call.op, seed, &nodes, data);
     // Bytes before and after the data must be untouched (poison; for in-place the input's
     // poison prefix and suffix too).
     wrong += out[..call.offset]

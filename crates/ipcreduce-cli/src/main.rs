@@ -11,6 +11,7 @@ mod model;
 mod overlap;
 mod plot;
 mod report;
+mod split;
 mod topo;
 mod tune;
 
@@ -69,6 +70,9 @@ enum Cmd {
     Topo(crate::topo::TopoArgs),
     /// Measure this machine and write the tuning table that `auto` consults.
     Tune(crate::tune::TuneArgs),
+    /// Jobs across nodes (cuda): the hierarchical all-reduce's time per step (intra-node
+    /// reduce-scatter, NCCL between nodes, intra-node all-gather) beside flat NCCL.
+    Split(crate::split::SplitArgs),
     /// Provoke failures (mismatch, timeout, killed rank, create/destroy cycles) and check that
     /// every rank reports them.
     #[command(hide = true)]
@@ -141,5 +145,6 @@ fn main() -> ExitCode {
         Cmd::Faults(args) => exit(crate::faults::run(args)),
         Cmd::Model(args) => exit(crate::model::run(args)),
         Cmd::Topo(args) => exit(crate::topo::run(args)),
+        Cmd::Split(args) => exit(crate::split::run(args)),
     }
 }

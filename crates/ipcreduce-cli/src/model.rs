@@ -30,12 +30,13 @@ pub struct Params {
     /// GPUs per node.
     #[arg(long, default_value_t = 8)]
     pub gpus: usize,
-    /// ipcreduce's intra-node all-reduce bus bandwidth, GB/s (measured: 137 at >= 32 MB, 2 x
-    /// H200, default 32 CTAs; 250-307 with 128 CTAs).
-    #[arg(long, default_value_t = 137.0)]
+    /// ipcreduce's intra-node all-reduce bus bandwidth, GB/s (measured: 271-277 at 128 MiB -
+    /// 1 GiB, bf16, registered, 2 x H200 over NVLink, commit 37b172f; BENCHMARKS.md).
+    #[arg(long, default_value_t = 277.0)]
     pub intra_busbw: f64,
-    /// ipcreduce's small-message all-reduce time, us (measured: 2.96-3.56 in CUDA graphs).
-    #[arg(long, default_value_t = 3.0)]
+    /// ipcreduce's small-message all-reduce time, us (measured: 3.3-4.1 in CUDA graphs, 8 B -
+    /// 64 KiB, same run).
+    #[arg(long, default_value_t = 3.3)]
     pub intra_lat_us: f64,
     /// Network bandwidth per GPU, GB/s (400 Gb/s = 50 GB/s, one NIC per GPU).
     #[arg(long, default_value_t = 50.0)]
@@ -59,8 +60,8 @@ impl Default for Params {
     fn default() -> Self {
         Params {
             gpus: 8,
-            intra_busbw: 137.0,
-            intra_lat_us: 3.0,
+            intra_busbw: 277.0,
+            intra_lat_us: 3.3,
             net_gbs: 50.0,
             nvlink_hop_us: 0.9,
             ring_hop_us: 2.7,
@@ -226,13 +227,13 @@ mod tests {
         // flat: 6 + hops(2, 8) + 2 * 15/16 * 1e9 / (400 GB/s); hops: ring 28 * 0.9 +
         // 2 * 2.7 = 30.6, tree 2 * (7 * 0.9 + 5) = 22.6.
         assert!(close(got.flat, 6.0 + 22.6 + 4687.5), "{got:?}");
-        // intra phase: 1.5 + 7/8 * 1e9 / 137 GB/s
-        let intra_bw = 0.875e9 / 137e3;
-        let intra = 1.5 + intra_bw;
+        // intra phase: 1.65 + 7/8 * 1e9 / 277 GB/s
+        let intra_bw = 0.875e9 / 277e3;
+        let intra = 1.65 + intra_bw;
         // net: 6 + 5.4 + 2 * 1/2 * 1e9 / 8 / 50 GB/s = 11.4 + 2500
         let net = 11.4 + 2500.0;
         assert!(close(got.hier, 2.0 * intra + net), "{got:?}");
-        let overlapped = 3.0 + 11.4 + (2.0 * intra_bw).max(2500.0);
+        let overlapped = 3.3 + 11.4 + (2.0 * intra_bw).max(2500.0);
         assert!(close(got.hier_overlapped, overlapped), "{got:?}");
         assert!(close(got.intra_share, 2.0 * intra / (2.0 * intra + net)));
     }
@@ -241,10 +242,10 @@ mod tests {
     fn hierarchy_saves_hops_on_small_messages_and_needs_fast_intra_phases_on_large() {
         let p = Params::default();
         // Small, 64 nodes: flat pays the tree's NVLink chain (12.6 us) that the hierarchy
-        // replaces with ipcreduce's 3 us.
+        // replaces with ipcreduce's 3.3 us.
         let small = p.predict(64, 65536.0);
         assert!(small.hier < small.flat - 5.0, "{small:?}");
-        // Large: at 137 GB/s the intra-node phases dominate and flat wins.
+        // Large: at the measured 277 GB/s the intra-node phases dominate and flat wins.
         let big = p.predict(8, 1e9);
         assert!(big.intra_share > 0.5 && big.hier > big.flat, "{big:?}");
         // Intra phases above (G-1) * B_net = 350 GB/s, overlapped, beat flat on bandwidth.
@@ -267,7 +268,7 @@ mod tests {
         let p = Params::default();
         let got = p.predict(1, 1e6);
         // No network bytes and no hops: NCCL's fixed cost remains.
-        let intra = 1.5 + 0.875e6 / 137e3;
+        let intra = 1.65 + 0.875e6 / 277e3;
         assert!(close(got.hier, 2.0 * intra + 6.0), "{got:?}");
     }
 

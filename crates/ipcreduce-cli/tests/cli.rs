@@ -4,14 +4,17 @@
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-fn ipcreduce(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ipcreduce"))
-        .args(args)
+fn command(args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ipcreduce"));
+    c.args(args)
         // A rank's variables from an outer launcher would make the command skip its own launch.
         .env_remove("IPCREDUCE_RANK")
-        .env_remove("RANK")
-        .output()
-        .expect("run ipcreduce")
+        .env_remove("RANK");
+    c
+}
+
+fn ipcreduce(args: &[&str]) -> Output {
+    command(args).output().expect("run ipcreduce")
 }
 
 fn text(out: &Output) -> String {
@@ -94,6 +97,41 @@ fn bench_prints_a_checked_table_and_json() {
         assert!(gross >= row["time_us"].as_f64().unwrap(), "{row}");
     }
     std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn bench_takes_nccl_shm_and_refuses_it_beside_nccl() {
+    let dir = std::env::temp_dir().join(format!("ipcreduce-cli-shm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("bench.json");
+    let out = command(&["bench", "--backend", "host", "--ranks", "2", "-e", "64"])
+        .args(["-n", "2", "-w", "1", "-a", "auto,nccl-shm"])
+        .args(["--json", json.to_str().unwrap()])
+        .env_remove("NCCL_P2P_DISABLE")
+        .output()
+        .expect("run ipcreduce");
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    // The host backend has no NCCL: the column is left out, saying why; the ranks set
+    // NCCL_P2P_DISABLE for it before their first NCCL init, and the JSON says so.
+    assert!(all.contains("nccl: unavailable"), "{all}");
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(doc["meta"]["nccl_p2p_disable"], "1", "{doc}");
+    assert!(doc["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|r| r["nccl"].is_null()));
+    std::fs::remove_dir_all(&dir).ok();
+
+    let both: Vec<&str> = "bench --backend host --ranks 2 -a nccl,nccl-shm"
+        .split(' ')
+        .collect();
+    let out = ipcreduce(&both);
+    let all = text(&out);
+    assert!(!out.status.success(), "{all}");
+    assert!(all.contains("cannot run in one process"), "{all}");
 }
 
 #[test]

@@ -41,6 +41,10 @@ impl Communicator {
         boot.layout().check_backend(kind)?;
         let mut backend: Box<dyn BackendOps> = match kind {
             BackendKind::Host => Box::new(backend::host::HostComm::new(&mut boot, &config)?),
+            // Across hosts: peer memory inside each node, NCCL between nodes.
+            BackendKind::Cuda if boot.layout().node_count() > 1 => Box::new(
+                backend::cuda::CudaComm::new_across_nodes(&mut boot, &config)?,
+            ),
             BackendKind::Cuda => Box::new(backend::cuda::CudaComm::new(&mut boot, &config)?),
         };
         // The tuning hook: every rank uses rank 0's measured table.
@@ -105,6 +109,12 @@ impl Communicator {
         self.backend.meta()
     }
 
+    /// What the data crosses (cuda: peer memory, under the PCIe policy or not, or host
+    /// staging), as every rank agreed at init; it shapes `Auto`'s rules.
+    pub fn fabric(&self) -> crate::plan::Fabric {
+        self.backend.fabric()
+    }
+
     /// The bootstrap, for exchanging small control messages between ranks.
     pub fn bootstrap(&mut self) -> &mut Bootstrap {
         &mut self.boot
@@ -116,6 +126,7 @@ impl Communicator {
             requested,
             self.algo_env,
             self.backend(),
+            self.backend.fabric(),
             self.world(),
             bytes,
         )
@@ -138,7 +149,10 @@ impl Communicator {
         bytes: usize,
         zero_copy: bool,
     ) -> Algorithm {
-        if requested == Algorithm::Auto && self.algo_env.is_none() {
+        // Tables are keyed by the GPUs and their P2P, not by the transport: one measured on
+        // peer memory says nothing about staging through host memory (forced, or a fallback).
+        let tunable = self.backend.fabric() != crate::plan::Fabric::HostStaged;
+        if requested == Algorithm::Auto && self.algo_env.is_none() && tunable {
             let tuned = self
                 .tune
                 .lookup(self.world(), dtype.size(), bytes)
@@ -357,6 +371,25 @@ impl Communicator {
         c.algo = self.resolve(c.algo, c.count * c.dtype.size());
         self.test_buffers().run(&c)
     }
+    /// Across nodes (cuda): mean microseconds of the hierarchical all-reduce's three steps
+    /// (intra-node reduce-scatter, NCCL between nodes, intra-node all-gather) of `call`; None
+    /// within one node or on the host backend.
+    pub fn test_time_phases(
+        &mut self,
+        call: &Call,
+        warmup: usize,
+        iters: usize,
+    ) -> Result<Option<[f64; 3]>> {
+        match self
+            .backend
+            .as_any_mut()
+            .downcast_mut::<backend::cuda::CudaComm>()
+        {
+            Some(cuda) => cuda.time_phases(call, warmup, iters),
+            None => Ok(None),
+        }
+    }
+
     /// Mean microseconds per call; see [`backend::TestBuffers::time`].
     pub fn test_time(
         &mut self,
@@ -478,5 +511,178 @@ fn agree_on_backend(boot: &mut Bootstrap, choice: BackendChoice) -> Result<Backe
             }
             Ok(BackendKind::Cuda)
         }
+    }
+}
+
+// --- reduce-scatter and all-gather (NCCL's semantics) ---------------------------------------
+
+impl Communicator {
+    /// Reduce-scatter: `send` holds `world * recvcount` elements on every rank; rank r's `recv`
+    /// gets `recvcount` elements, the reduction (rank order, f32 accumulation, one rounding, as
+    /// the all-reduce) of elements `[r * recvcount, (r + 1) * recvcount)` of every rank's send.
+    /// In place when `recv == send + rank * recvcount` elements. On cuda a registered `send`
+    /// is read where it lies (zero-copy); calls can be captured in CUDA graphs.
+    ///
+    /// # Safety
+    /// As [`Self::all_reduce_raw`], for those sizes.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn reduce_scatter_raw(
+        &mut self,
+        send: *const c_void,
+        recv: *mut c_void,
+        recvcount: usize,
+        dtype: DType,
+        op: ReduceOp,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        let what = backend::SgOp::ReduceScatter;
+        let shards = crate::shards::Shards::even(recvcount, self.world());
+        self.check_sg_args(what, send, recv, shards, dtype)?;
+        if recvcount == 0 {
+            return Ok(());
+        }
+        // SAFETY: checked above; the caller vouches for the memory.
+        unsafe {
+            self.backend
+                .scatter_gather_raw(what, send, recv, shards, dtype, op, stream)
+        }
+    }
+
+    /// All-gather: `send` holds `sendcount` elements; every rank's `recv` gets
+    /// `world * sendcount`, rank r's send at `[r * sendcount, (r + 1) * sendcount)`, bit for
+    /// bit. In place when `send == recv + rank * sendcount` elements. On cuda a registered
+    /// `send` (or, in place, a registered `recv`) is read where it lies.
+    ///
+    /// # Safety
+    /// As [`Self::all_reduce_raw`], for those sizes.
+    pub unsafe fn all_gather_raw(
+        &mut self,
+        send: *const c_void,
+        recv: *mut c_void,
+        sendcount: usize,
+        dtype: DType,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        let what = backend::SgOp::AllGather;
+        let shards = crate::shards::Shards::even(sendcount, self.world());
+        self.check_sg_args(what, send, recv, shards, dtype)?;
+        if sendcount == 0 {
+            return Ok(());
+        }
+        // SAFETY: checked above; the caller vouches for the memory.
+        unsafe {
+            self.backend
+                .scatter_gather_raw(what, send, recv, shards, dtype, ReduceOp::Sum, stream)
+        }
+    }
+
+    /// Reduce-scatter of host slices (host backend): `recv.len() * world == send.len()`.
+    pub fn reduce_scatter_host<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.require_host("reduce_scatter_host")?;
+        self.require_len("reduce_scatter", send.len(), recv.len() * self.world())?;
+        let (s, r) = (as_bytes(send), as_bytes_mut(recv));
+        // SAFETY: live slices of the checked lengths; &/&mut guarantee no overlap.
+        unsafe {
+            self.reduce_scatter_raw(
+                s.as_ptr().cast(),
+                r.as_mut_ptr().cast(),
+                recv.len(),
+                T::DTYPE,
+                op,
+                std::ptr::null_mut(),
+            )
+        }
+    }
+
+    /// All-gather of host slices (host backend): `send.len() * world == recv.len()`.
+    pub fn all_gather_host<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.require_host("all_gather_host")?;
+        self.require_len("all_gather", recv.len(), send.len() * self.world())?;
+        let (s, r) = (as_bytes(send), as_bytes_mut(recv));
+        // SAFETY: live slices of the checked lengths; &/&mut guarantee no overlap.
+        unsafe {
+            self.all_gather_raw(
+                s.as_ptr().cast(),
+                r.as_mut_ptr().cast(),
+                send.len(),
+                T::DTYPE,
+                std::ptr::null_mut(),
+            )
+        }
+    }
+
+    fn require_len(&self, op: &'static str, got: usize, want: usize) -> Result<()> {
+        if got == want {
+            return Ok(());
+        }
+        Err(Error::invalid(
+            self.rank(),
+            op,
+            format!(
+                "the larger buffer has {got} elements, world ({}) times the smaller one's is {want}",
+                self.world()
+            ),
+        ))
+    }
+
+    /// Null, overflow, alignment and overlap checks of a reduce-scatter or all-gather; the only
+    /// overlap allowed is NCCL's in-place form.
+    fn check_sg_args(
+        &self,
+        what: backend::SgOp,
+        send: *const c_void,
+        recv: *mut c_void,
+        shards: crate::shards::Shards,
+        dtype: DType,
+    ) -> Result<()> {
+        let (rank, op) = (self.rank(), what.name());
+        if shards.per == 0 {
+            return Ok(());
+        }
+        if send.is_null() || recv.is_null() {
+            return Err(Error::invalid(rank, op, "null buffer pointer"));
+        }
+        let whole = shards
+            .total
+            .checked_mul(dtype.size())
+            .filter(|b| *b <= isize::MAX as usize)
+            .ok_or_else(|| {
+                Error::invalid(
+                    rank,
+                    op,
+                    format!(
+                        "{} x {} elements of {dtype} overflow the address space",
+                        shards.parts, shards.per
+                    ),
+                )
+            })?;
+        let own_start = shards.span(rank).start * dtype.size();
+        let own = shards.span(rank).len() * dtype.size();
+        let (s, r) = (send as usize, recv as usize);
+        if s % dtype.size() != 0 || r % dtype.size() != 0 {
+            return Err(Error::invalid(
+                rank,
+                op,
+                format!("buffers must be aligned to the {dtype} element size"),
+            ));
+        }
+        let (send_bytes, recv_bytes, in_place) = match what {
+            backend::SgOp::ReduceScatter => (whole, own, r == s + own_start),
+            _ => (own, whole, s == r + own_start),
+        };
+        if !in_place && s < r + recv_bytes && r < s + send_bytes {
+            return Err(Error::invalid(
+                rank,
+                op,
+                "send and recv overlap other than in NCCL's in-place form (reduce-scatter: \
+                 recv = send + rank * count; all-gather: send = recv + rank * count)",
+            ));
+        }
+        Ok(())
     }
 }

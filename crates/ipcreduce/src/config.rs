@@ -52,6 +52,25 @@ impl Transport {
     }
 }
 
+/// What the cuda backend assumes about the links between GPUs, when forced
+/// (`IPCREDUCE_TOPOLOGY`); unset, it is classified from the P2P attributes of every pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Topology {
+    /// PCIe between GPUs: peer-memory pushes in passes and fewer CTAs (the PCIe policy).
+    Pcie,
+    /// NVLink (or one GPU): no PCIe policy, whatever the classification says.
+    Nvlink,
+}
+
+impl Topology {
+    pub fn name(self) -> &'static str {
+        match self {
+            Topology::Pcie => "pcie",
+            Topology::Nvlink => "nvlink",
+        }
+    }
+}
+
 /// Everything that shapes a communicator. `None` means "not set here": the environment
 /// variable named on the field decides, else the default. Every rank of a job must end up
 /// with the same values for the knobs marked *(same on every rank)*; init checks it.
@@ -71,8 +90,8 @@ pub struct Config {
     /// `IPCREDUCE_BLOCKS`; 32, fewer when ranks share a GPU.
     pub blocks: Option<usize>,
     /// cuda: largest message for the low-latency one-shot, 0 = off *(same on every rank)*.
-    /// `IPCREDUCE_LL_MAX`; by world size and transport ([`crate::plan::ll_default_max_bytes`]:
-    /// 1 MiB at two ranks over peer memory), at most 1 MiB.
+    /// `IPCREDUCE_LL_MAX`; by world size and fabric ([`crate::plan::ll_default_max_bytes`]:
+    /// 1 MiB at two ranks over NVLink), at most 1 MiB.
     pub ll_max_bytes: Option<usize>,
     /// cuda: data bytes per 16-byte line of the low-latency one-shot, 8 (`oneshot-ll`) or 12
     /// (`oneshot-ll12`) *(same on every rank)*. `IPCREDUCE_LL_DATA`; 8.
@@ -97,6 +116,10 @@ pub struct Config {
     /// cuda, tests of `auto`'s fallback: rank R reports that its P2P query for rank P failed.
     /// `IPCREDUCE_DENY_PEER=R:P`.
     pub deny_peer: Option<(usize, usize)>,
+    /// cuda, peer transport: the links between GPUs *(same on every rank)*.
+    /// `IPCREDUCE_TOPOLOGY` (pcie, nvlink, auto); auto classifies every pair of GPUs (PCIe
+    /// when P2P works without native atomics) and takes the PCIe policy if any pair is PCIe.
+    pub topology: Option<Topology>,
     /// host: bytes of the zero-copy heap in each arena *(same on every rank)*.
     /// `IPCREDUCE_HOST_HEAP_MB`; 64 MiB.
     pub host_heap_bytes: Option<usize>,
@@ -140,6 +163,7 @@ impl Config {
             sharing: self.sharing.or(from_env.sharing),
             transport: self.transport.or(from_env.transport),
             deny_peer: self.deny_peer.or(from_env.deny_peer),
+            topology: self.topology.or(from_env.topology),
             host_heap_bytes: self.host_heap_bytes.or(from_env.host_heap_bytes),
             device: self.device.or(from_env.device),
             with_nccl: self.with_nccl,
@@ -170,32 +194,24 @@ impl Config {
                     .map_err(|e| Error::Config(format!("IPCREDUCE_ALGO={v}: {e}")))
             })
             .transpose()?;
-        let sharing = match var("IPCREDUCE_SHARE") {
-            None => None,
-            Some(v) => match v.trim().to_ascii_lowercase().as_str() {
-                "auto" => None,
-                "vmm" => Some(Sharing::Vmm),
-                "ipc" => Some(Sharing::Ipc),
-                _ => {
-                    return Err(Error::Config(format!(
-                        "IPCREDUCE_SHARE={v}: expected vmm, ipc or auto"
-                    )))
-                }
-            },
-        };
-        let transport = match var("IPCREDUCE_TRANSPORT") {
-            None => None,
-            Some(v) => match v.trim().to_ascii_lowercase().as_str() {
-                "auto" => None,
-                "peer" => Some(Transport::Peer),
-                "host" => Some(Transport::Host),
-                _ => {
-                    return Err(Error::Config(format!(
-                        "IPCREDUCE_TRANSPORT={v}: expected peer, host or auto"
-                    )))
-                }
-            },
-        };
+        // Enumerated variables: one of the words, "auto" (the default's word) meaning unset.
+        use Topology::{Nvlink, Pcie};
+        use Transport::{Host, Peer};
+        let sharing = choice(
+            &var,
+            "IPCREDUCE_SHARE",
+            &[("vmm", Sharing::Vmm), ("ipc", Sharing::Ipc)],
+        )?;
+        let transport = choice(
+            &var,
+            "IPCREDUCE_TRANSPORT",
+            &[("peer", Peer), ("host", Host)],
+        )?;
+        let topology = choice(
+            &var,
+            "IPCREDUCE_TOPOLOGY",
+            &[("pcie", Pcie), ("nvlink", Nvlink)],
+        )?;
         let deny_peer = var("IPCREDUCE_DENY_PEER")
             .map(|v| {
                 let bad = || Error::Config(format!("IPCREDUCE_DENY_PEER={v}: expected RANK:PEER"));
@@ -223,6 +239,7 @@ impl Config {
             sharing,
             transport,
             deny_peer,
+            topology,
             host_heap_bytes: times("IPCREDUCE_HOST_HEAP_MB", 1 << 20)?,
             device: int("IPCREDUCE_DEVICE")?,
             with_nccl: false,
@@ -256,11 +273,10 @@ impl Config {
         self.timeout.unwrap_or(DEFAULT_TIMEOUT)
     }
 
-    /// cuda: largest message for the low-latency one-shot at `world` ranks, over peer memory
-    /// (`peer`) or staged through host memory.
-    pub fn ll_max_bytes(&self, world: usize, peer: bool) -> usize {
+    /// cuda: largest message for the low-latency one-shot at `world` ranks on `fabric`.
+    pub fn ll_max_bytes(&self, world: usize, fabric: crate::plan::Fabric) -> usize {
         self.ll_max_bytes
-            .unwrap_or_else(|| crate::plan::ll_default_max_bytes(world, peer))
+            .unwrap_or_else(|| crate::plan::ll_default_max_bytes(world, fabric))
     }
 
     /// host: zero-copy heap bytes per arena.
@@ -301,6 +317,28 @@ fn parse_int<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
         .map_err(|_| Error::Config(format!("{name}={v}: expected a non-negative integer")))
 }
 
+/// Variable `name` (from `var`): one of `table`'s words, in any case; "auto" and unset are
+/// None; anything else is an error listing the words.
+fn choice<T: Copy>(
+    var: &dyn Fn(&str) -> Option<String>,
+    name: &str,
+    table: &[(&str, T)],
+) -> Result<Option<T>> {
+    let Some(v) = var(name) else { return Ok(None) };
+    let word = v.trim().to_ascii_lowercase();
+    if word == "auto" {
+        return Ok(None);
+    }
+    if let Some((_, value)) = table.iter().find(|(w, _)| *w == word) {
+        return Ok(Some(*value));
+    }
+    let words: Vec<&str> = table.iter().map(|(w, _)| *w).collect();
+    Err(Error::Config(format!(
+        "{name}={v}: expected {} or auto",
+        words.join(", ")
+    )))
+}
+
 fn parse_bool(name: &str, v: &str) -> Result<bool> {
     match v.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Ok(true),
@@ -326,6 +364,8 @@ mod tests {
         }
     }
 
+    use crate::plan::Fabric;
+
     #[test]
     fn every_variable_is_read() {
         let c = Config::default()
@@ -344,13 +384,14 @@ mod tests {
                 ("IPCREDUCE_REG_LOADS", "8"),
                 ("IPCREDUCE_REG_ONESHOT_MAX", "65536"),
                 ("IPCREDUCE_LL_DATA", "12"),
+                ("IPCREDUCE_TOPOLOGY", "PCIe"),
             ]))
             .unwrap();
         assert_eq!(c.timeout(), Duration::from_millis(1500));
         assert_eq!(c.algo, Some(Algorithm::TwoShot));
         assert_eq!(c.workspace_bytes, Some(2 << 20));
         assert_eq!(c.blocks, Some(16));
-        assert_eq!(c.ll_max_bytes(2, true), 0);
+        assert_eq!(c.ll_max_bytes(2, Fabric::Peer), 0);
         assert_eq!(c.reg_loads, Some(8));
         assert_eq!(c.ll_data_bytes, Some(12));
         assert_eq!(c.reg_oneshot_max_bytes, Some(65536));
@@ -360,6 +401,7 @@ mod tests {
         assert!(c.nccl_shared_gpu());
         assert_eq!(c.transport, Some(Transport::Host));
         assert_eq!(c.deny_peer, Some((1, 0)));
+        assert_eq!(c.topology, Some(Topology::Pcie));
     }
 
     #[test]
@@ -367,9 +409,9 @@ mod tests {
         let c = Config::default().resolve_with(env(&[])).unwrap();
         assert_eq!(c, Config::default());
         assert_eq!(c.timeout(), DEFAULT_TIMEOUT);
-        assert_eq!(c.ll_max_bytes(2, true), 1 << 20);
-        assert_eq!(c.ll_max_bytes(8, true), 64 << 10);
-        assert_eq!(c.ll_max_bytes(2, false), 64 << 10);
+        assert_eq!(c.ll_max_bytes(2, Fabric::Peer), 1 << 20);
+        assert_eq!(c.ll_max_bytes(8, Fabric::Peer), 64 << 10);
+        assert_eq!(c.ll_max_bytes(2, Fabric::HostStaged), 64 << 10);
         assert_eq!(c.host_heap_bytes(), DEFAULT_HOST_HEAP_BYTES);
         assert!(!c.nccl_shared_gpu());
         // Empty counts as unset; "auto" sharing is no choice.
@@ -378,6 +420,7 @@ mod tests {
                 ("IPCREDUCE_TIMEOUT_MS", ""),
                 ("IPCREDUCE_SHARE", "auto"),
                 ("IPCREDUCE_TRANSPORT", "auto"),
+                ("IPCREDUCE_TOPOLOGY", "auto"),
             ]))
             .unwrap();
         assert_eq!(c, Config::default());
@@ -408,10 +451,19 @@ mod tests {
             ("IPCREDUCE_DENY_PEER", "1:1"),
             ("IPCREDUCE_DENY_PEER", "a:0"),
             ("IPCREDUCE_DENY_PEER", "1:0:2"),
+            ("IPCREDUCE_TOPOLOGY", "pci"),
+            ("IPCREDUCE_TOPOLOGY", "host"),
+            ("IPCREDUCE_TOPOLOGY", "1"),
         ] {
             let msg = config_error(&[(k, v)]);
             assert!(msg.contains(k), "{k}={v}: {msg}");
         }
+        // Enumerated variables list their words.
+        assert_eq!(
+            config_error(&[("IPCREDUCE_TOPOLOGY", "pci")]),
+            "IPCREDUCE_TOPOLOGY=pci: expected pcie, nvlink or auto"
+        );
+        assert!(config_error(&[("IPCREDUCE_SHARE", "x")]).ends_with("expected vmm, ipc or auto"));
     }
 
     #[test]

@@ -8,7 +8,8 @@
 //! | [`Communicator`] | the public API: init, all-reduce (raw pointers, host slices) |
 //! | [`Config`] | every knob, and the `IPCREDUCE_*` environment variables |
 //! | [`bootstrap`] | control plane: Unix-socket rendezvous, all-gather, fd passing, liveness |
-//! | [`plan`] | pure decisions: algorithm choice, chunks, shards |
+//! | [`plan`] | pure decisions: algorithm choice, chunks |
+//! | [`shards`] | shard boundaries of reduce-scatter, all-gather and the hierarchical all-reduce |
 //! | [`backend::host`] | shared-memory data plane, reduction loops in Rust |
 //! | [`backend::cuda`] | CUDA IPC data plane: workspaces, NVRTC kernels, NCCL |
 //! | [`reference`] | deterministic test data and the float64 reference |
@@ -24,13 +25,14 @@ pub mod element;
 pub mod error;
 pub mod plan;
 pub mod reference;
+pub mod shards;
 pub mod tune;
 pub mod types;
 
 pub use backend::RegisteredBuffer;
 pub use communicator::{AbortHandle, Communicator};
-pub use config::{Config, Options, Sharing, Transport};
-pub use plan::PathInfo;
+pub use config::{Config, Options, Sharing, Topology, Transport};
+pub use plan::{Fabric, PathInfo};
 
 /// Cores online on this machine. Not `available_parallelism`: `launch` binds each rank to one
 /// core, and a rank must still know how many its peers can use.

@@ -4,7 +4,68 @@
 //! All thresholds live here. They are first guesses until tuned on real hardware; the
 //! benchmark's JSON is the evidence for changing them.
 
+use crate::config::Topology;
 use crate::types::{Algorithm, BackendKind};
+
+/// What the cuda backend's data crosses, agreed by every rank at init ([`fabric`]). It shapes
+/// `Auto`'s algorithm, the staged chunk size, the CTA cap and the kernels' push order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fabric {
+    /// Peer memory over NVLink, ranks sharing one GPU, or the host backend.
+    #[default]
+    Peer,
+    /// Peer memory over PCIe P2P: the PCIe policy (pushes in passes, at most
+    /// [`PCIE_CTA_CAP`] CTAs), where all-to-all pushes would collapse at the root complex.
+    PciePeer,
+    /// Every workspace in host memory (the host-staged transport): all traffic crosses each
+    /// GPU's PCIe link to host memory and back.
+    HostStaged,
+}
+
+impl Fabric {
+    /// The path `auto` takes between two GPUs, in words (`ipcreduce topo`, device descriptions).
+    pub fn describe(self) -> String {
+        match self {
+            Fabric::Peer => "peer memory".into(),
+            Fabric::PciePeer => {
+                format!("peer memory, PCIe policy (pushes in passes, at most {PCIE_CTA_CAP} CTAs)")
+            }
+            Fabric::HostStaged => "host-staged (through host memory)".into(),
+        }
+    }
+
+    /// The kernels' `Args::mode` bits (kernels/allreduce.cu, MODE_*).
+    pub fn kernel_mode(self) -> u32 {
+        match self {
+            Fabric::PciePeer => MODE_PUSH_PASSES,
+            _ => 0,
+        }
+    }
+}
+
+/// kernels/allreduce.cu's MODE_PUSH_PASSES: in pass p rank r pushes only to rank (r+1+p) mod W.
+pub const MODE_PUSH_PASSES: u32 = 1;
+
+/// Most CTAs per kernel under the PCIe policy. PCIe Gen4/Gen5 x16 carries 25-55 GB/s per
+/// direction: 16 CTAs of 512 threads with 4 16-byte loads in flight each (512 KiB) cover its
+/// bandwidth-delay product at several microseconds of latency; more CTAs only add requests
+/// that queue at the switch or root complex.
+pub const PCIE_CTA_CAP: usize = 16;
+
+/// The fabric every rank takes: host staging when the transport is host memory; else the
+/// forced topology (`IPCREDUCE_TOPOLOGY`), else PCIe when any rank saw a pair of distinct GPUs
+/// linked by PCIe (`any_pcie_pair`, see backend/cuda/topology.rs). The policy only concerns
+/// pushes into peer GPUs, which the host-staged transport never makes.
+pub fn fabric(host_staged: bool, forced: Option<Topology>, any_pcie_pair: bool) -> Fabric {
+    match (host_staged, forced) {
+        (true, _) => Fabric::HostStaged,
+        (false, Some(Topology::Pcie)) => Fabric::PciePeer,
+        (false, Some(Topology::Nvlink)) => Fabric::Peer,
+        (false, None) if any_pcie_pair => Fabric::PciePeer,
+        (false, None) => Fabric::Peer,
+    }
+}
 
 /// Size limits under which `Auto` picks one-shot, per backend and world size.
 /// One-shot moves (world-1) x bytes per rank but needs one barrier; two-shot moves
@@ -13,18 +74,61 @@ use crate::types::{Algorithm, BackendKind};
 /// peer's whole input; two-shot reads half and writes half back), so one-shot, with fewer
 /// barriers and no gather, wins at every size: measured on two H200s over NVLink
 /// (2026-11-30, staged buffers: 18.7 against 26.4 us at 2 MB, 321 against 233 GB/s at 512 MB).
-pub fn oneshot_max_bytes(backend: BackendKind, world: usize) -> usize {
-    match backend {
-        BackendKind::Cuda => match world {
+///
+/// Host-staged (every workspace in host memory; B ~ 50-55 GB/s per direction of a Gen5 x16
+/// link, and writes to and reads from host memory use opposite directions, so a pipelined
+/// kernel takes max(written, read) / B). Per rank and message of N bytes:
+/// - one-shot writes N (its input, for the peers) and reads (W-1) N (every peer's input);
+/// - two-shot writes (W-1)/W N (the peers' shards) + (W-1)/W N (its reduced shard into each
+///   peer's slot) and reads (W-1)/W N (its shard from the peers) + (W-1)/W N (the gather),
+///   i.e. 2(W-1)/W N each way (pulling the gather instead of pushing it would write less,
+///   N in all, but read the same: no better bound).
+///
+/// | W | one-shot bound | two-shot bound |
+/// |---|---|---|
+/// | 2 | N / B | N / B |
+/// | 4 | 3 N / B | 1.5 N / B |
+/// | 8 | 7 N / B | 1.75 N / B |
+///
+/// So one-shot at every size at two ranks (same bound, one barrier per chunk instead of two),
+/// and two-shot from where its extra barrier (a flag round trip through host memory, ~2-3 us)
+/// costs less than the bytes saved: 1.5 N / B > 3 us at about 100 KB for W = 4, 5.25 N / B >
+/// 3 us at about 30 KB for W = 8. Ranks sharing one GPU (MPS) share one link: the ratios hold.
+pub fn oneshot_max_bytes(backend: BackendKind, fabric: Fabric, world: usize) -> usize {
+    match (backend, fabric) {
+        (BackendKind::Cuda, Fabric::HostStaged) => match world {
+            0..=2 => usize::MAX,
+            3..=4 => 64 << 10,
+            _ => 32 << 10,
+        },
+        (BackendKind::Cuda, _) => match world {
             0..=2 => usize::MAX,
             3..=4 => 256 << 10,
             _ => 128 << 10,
         },
-        BackendKind::Host => match world {
+        (BackendKind::Host, _) => match world {
             0..=2 => 64 << 10,
             3..=4 => 32 << 10,
             _ => 16 << 10,
         },
+    }
+}
+
+/// Bytes per chunk of a staged call (one-shot and two-shot without registered buffers): at
+/// most the slot size and, like it, a multiple of 256 bytes. Peer memory: the whole slot (copy-in is local HBM
+/// traffic, nothing to overlap; as measured on NVLink). Host-staged: the kernels overlap the
+/// copy-in of chunk k+1 (PCIe writes) with the reads of chunk k (PCIe reads), so a message of
+/// C chunks takes about (1 + 1/C) of max(written, read) / B instead of written/B + read/B:
+/// about 8 chunks per message, no chunk below 512 KiB (each costs every CTA a flag round trip
+/// through host memory) nor above 4 MiB (a deeper pipeline costs nothing once the message is
+/// large).
+pub fn staged_chunk_bytes(fabric: Fabric, bytes: usize, slot_bytes: usize) -> usize {
+    match fabric {
+        Fabric::HostStaged => (bytes / 8)
+            .next_multiple_of(64 << 10)
+            .clamp(512 << 10, 4 << 20)
+            .min(slot_bytes),
+        _ => slot_bytes,
     }
 }
 
@@ -34,12 +138,12 @@ pub fn oneshot_max_bytes(backend: BackendKind, world: usize) -> usize {
 /// falls with the world. DEFAULTS from the design: at two ranks 1 MiB of LL lines is 2 MiB per
 /// direction, ~6 us at 370 GB/s, where the zero-copy one-shot's two system barriers and NCCL
 /// took 10-14 us (two H200s, 2026-11-30); to be confirmed by scripts/device/bw-variants.sh.
-/// Staged through host memory (`peer` false) every LL byte crosses PCIe twice as a line: the
-/// previous 64 KiB until that transport is measured. `IPCREDUCE_LL_MAX` overrides for every
-/// world and transport (0 disables).
-pub fn ll_default_max_bytes(world: usize, peer: bool) -> usize {
+/// Over PCIe (peer memory under the PCIe policy, or staged through host memory) every LL byte
+/// crosses the link twice as a line: the previous 64 KiB until those fabrics are measured.
+/// `IPCREDUCE_LL_MAX` overrides for every world and fabric (0 disables).
+pub fn ll_default_max_bytes(world: usize, fabric: Fabric) -> usize {
     match world {
-        _ if !peer => 64 << 10,
+        _ if fabric != Fabric::Peer => 64 << 10,
         0..=2 => 1 << 20,
         3..=4 => 256 << 10,
         _ => 64 << 10,
@@ -77,6 +181,7 @@ pub fn choose(
     requested: Algorithm,
     env: Option<Algorithm>,
     backend: BackendKind,
+    fabric: Fabric,
     world: usize,
     bytes: usize,
 ) -> Algorithm {
@@ -86,7 +191,7 @@ pub fn choose(
     };
     match algo {
         Algorithm::Auto if world == 1 => Algorithm::OneShot,
-        Algorithm::Auto if bytes <= oneshot_max_bytes(backend, world) => Algorithm::OneShot,
+        Algorithm::Auto if bytes <= oneshot_max_bytes(backend, fabric, world) => Algorithm::OneShot,
         Algorithm::Auto => Algorithm::TwoShot,
         other => other,
     }
@@ -346,12 +451,10 @@ pub fn chunks(count: usize, chunk_elems: usize) -> impl Iterator<Item = Span> {
 
 /// Splits `len` elements into `parts` contiguous shards whose starts are multiples of
 /// `align` elements (so vector accesses stay aligned); the last shards may be shorter or empty.
+/// The rule is [`crate::shards::Shards::aligned`]'s.
 pub fn shard(len: usize, parts: usize, index: usize, align: usize) -> Span {
     assert!(parts > 0 && index < parts && align > 0);
-    let per = len.div_ceil(parts).div_ceil(align) * align;
-    let start = (index * per).min(len);
-    let end = ((index + 1) * per).min(len);
-    Span { start, end }
+    crate::shards::Shards::aligned(len, parts, align).span(index)
 }
 
 #[cfg(test)]
@@ -362,28 +465,105 @@ mod tests {
     #[test]
     fn explicit_choice_beats_env_beats_auto() {
         let b = BackendKind::Cuda;
+        let f = Fabric::Peer;
         assert_eq!(
-            choose(Algorithm::TwoShot, Some(Algorithm::OneShot), b, 2, 8),
+            choose(Algorithm::TwoShot, Some(Algorithm::OneShot), b, f, 2, 8),
             Algorithm::TwoShot
         );
         assert_eq!(
-            choose(Algorithm::Auto, Some(Algorithm::TwoShot), b, 2, 8),
+            choose(Algorithm::Auto, Some(Algorithm::TwoShot), b, f, 2, 8),
             Algorithm::TwoShot
         );
-        assert_eq!(choose(Algorithm::Auto, None, b, 2, 8), Algorithm::OneShot);
+        assert_eq!(
+            choose(Algorithm::Auto, None, b, f, 2, 8),
+            Algorithm::OneShot
+        );
         // Two ranks: one-shot at every size; more ranks: two-shot for large messages.
         assert_eq!(
-            choose(Algorithm::Auto, None, b, 2, 1 << 30),
+            choose(Algorithm::Auto, None, b, f, 2, 1 << 30),
             Algorithm::OneShot
         );
         assert_eq!(
-            choose(Algorithm::Auto, None, b, 4, 1 << 30),
+            choose(Algorithm::Auto, None, b, f, 4, 1 << 30),
             Algorithm::TwoShot
         );
         assert_eq!(
-            choose(Algorithm::Auto, None, b, 1, 1 << 30),
+            choose(Algorithm::Auto, None, b, f, 1, 1 << 30),
             Algorithm::OneShot
         );
+    }
+
+    #[test]
+    fn host_staged_auto_follows_the_pcie_byte_counts() {
+        let (b, h) = (BackendKind::Cuda, Fabric::HostStaged);
+        let auto = |world, bytes| choose(Algorithm::Auto, None, b, h, world, bytes);
+        // Two ranks: one-shot and two-shot move the same bytes each way; one-shot at any size.
+        assert_eq!(auto(2, 1 << 30), Algorithm::OneShot);
+        // Four and eight: two-shot reads 1.5 N and 1.75 N where one-shot reads 3 N and 7 N.
+        assert_eq!(auto(4, 32 << 10), Algorithm::OneShot);
+        assert_eq!(auto(4, 128 << 10), Algorithm::TwoShot);
+        assert_eq!(auto(8, 16 << 10), Algorithm::OneShot);
+        assert_eq!(auto(8, 64 << 10), Algorithm::TwoShot);
+        // Host staging switches earlier than peer memory at every world size above two.
+        for w in [3, 4, 5, 8] {
+            assert!(oneshot_max_bytes(b, h, w) < oneshot_max_bytes(b, Fabric::Peer, w));
+        }
+        // The PCIe policy changes pushes and CTAs, not the algorithm.
+        for w in [2, 4, 8] {
+            assert_eq!(
+                oneshot_max_bytes(b, Fabric::PciePeer, w),
+                oneshot_max_bytes(b, Fabric::Peer, w)
+            );
+        }
+        // An explicit choice still wins.
+        assert_eq!(
+            choose(Algorithm::TwoShot, None, b, h, 2, 8),
+            Algorithm::TwoShot
+        );
+    }
+
+    #[test]
+    fn host_staged_chunks_pipeline_and_peer_chunks_fill_the_slot() {
+        const M: usize = 1 << 20;
+        let slot = 16 * M;
+        let host = |bytes| staged_chunk_bytes(Fabric::HostStaged, bytes, slot);
+        // About eight chunks per message, between 512 KiB and 4 MiB.
+        assert_eq!(host(8 * M), M);
+        assert_eq!(host(32 * M), 4 * M);
+        assert_eq!(host(1 << 30), 4 * M);
+        assert_eq!(host(64 << 10), 512 << 10);
+        assert_eq!(host(3 * M + 5), 512 << 10);
+        assert_eq!(host(6 * M), 768 << 10);
+        // Never above the slot, always a multiple of 256 bytes.
+        assert_eq!(staged_chunk_bytes(Fabric::HostStaged, 1 << 30, M), M);
+        for bytes in [1, 1000, 5 * M + 3, 77 * M] {
+            for slot in [64 << 10, 300 * 256, M, slot] {
+                let c = staged_chunk_bytes(Fabric::HostStaged, bytes, slot);
+                assert!(
+                    c <= slot && c.is_multiple_of(256) && c > 0,
+                    "{bytes} {slot} {c}"
+                );
+            }
+        }
+        for f in [Fabric::Peer, Fabric::PciePeer] {
+            assert_eq!(staged_chunk_bytes(f, 8 * M, slot), slot);
+        }
+    }
+
+    #[test]
+    fn the_fabric_follows_transport_then_forced_topology_then_pairs() {
+        use Topology::{Nvlink, Pcie};
+        assert_eq!(fabric(true, Some(Pcie), true), Fabric::HostStaged);
+        assert_eq!(fabric(true, None, false), Fabric::HostStaged);
+        assert_eq!(fabric(false, Some(Pcie), false), Fabric::PciePeer);
+        assert_eq!(fabric(false, Some(Nvlink), true), Fabric::Peer);
+        assert_eq!(fabric(false, None, true), Fabric::PciePeer);
+        assert_eq!(fabric(false, None, false), Fabric::Peer);
+        assert_eq!(Fabric::PciePeer.kernel_mode(), MODE_PUSH_PASSES);
+        assert_eq!(Fabric::HostStaged.kernel_mode(), 0);
+        assert_eq!(Fabric::Peer.kernel_mode(), 0);
+        assert!(Fabric::PciePeer.describe().contains("passes"));
+        assert!(Fabric::HostStaged.describe().starts_with("host-staged"));
     }
 
     #[test]
@@ -485,7 +665,7 @@ mod tests {
 
     fn limits() -> GridLimits {
         GridLimits {
-            ll_max: ll_default_max_bytes(2, true),
+            ll_max: ll_default_max_bytes(2, Fabric::Peer),
             cap: 64,
             fixed: None,
             ce_min: 0,
@@ -497,14 +677,17 @@ mod tests {
 
     #[test]
     fn ll_limit_falls_with_the_world_and_fits_the_kernels_area() {
-        assert_eq!(ll_default_max_bytes(2, true), 1 << 20);
-        assert!(ll_default_max_bytes(4, true) < ll_default_max_bytes(2, true));
-        assert!(ll_default_max_bytes(8, true) < ll_default_max_bytes(4, true));
+        assert_eq!(ll_default_max_bytes(2, Fabric::Peer), 1 << 20);
+        assert!(ll_default_max_bytes(4, Fabric::Peer) < ll_default_max_bytes(2, Fabric::Peer));
+        assert!(ll_default_max_bytes(8, Fabric::Peer) < ll_default_max_bytes(4, Fabric::Peer));
         for w in 1..=8 {
-            for peer in [true, false] {
-                let max = ll_default_max_bytes(w, peer);
+            for fabric in [Fabric::Peer, Fabric::PciePeer, Fabric::HostStaged] {
+                let max = ll_default_max_bytes(w, fabric);
                 assert!(max <= crate::backend::cuda::kernels::LL_MAX_BYTES);
-                assert!(peer || max == 64 << 10, "host-staged keeps 64 KiB");
+                assert!(
+                    fabric == Fabric::Peer || max == 64 << 10,
+                    "PCIe keeps 64 KiB"
+                );
             }
         }
         // Registered or not, in place or not: one-shot up to the limit runs LL.
@@ -540,7 +723,10 @@ mod tests {
         let max = reg_oneshot_max_bytes(2);
         assert_eq!(choose_zero_copy(auto, None, 2, max, None), one);
         assert_eq!(choose_zero_copy(auto, None, 2, max + 1, None), two);
-        assert_eq!(choose(auto, None, BackendKind::Cuda, 2, 1 << 30), one);
+        assert_eq!(
+            choose(auto, None, BackendKind::Cuda, Fabric::Peer, 2, 1 << 30),
+            one
+        );
         // The override moves the limit; explicit choices and IPCREDUCE_ALGO win over it.
         assert_eq!(
             choose_zero_copy(auto, None, 2, 1 << 20, Some(64 << 10)),

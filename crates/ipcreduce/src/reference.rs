@@ -77,6 +77,21 @@ pub fn acceptable(
     exact: f64,
     mag: f64,
 ) -> bool {
+    acceptable_within(dtype, op, world, got, exact, mag, 0.0)
+}
+
+/// [`acceptable`], with `extra` more absolute error allowed for sums (roundings of partial
+/// sums, see [`count_wrong_nodes_par`]).
+#[inline]
+pub fn acceptable_within(
+    dtype: DType,
+    op: ReduceOp,
+    world: usize,
+    got: f64,
+    exact: f64,
+    mag: f64,
+    extra: f64,
+) -> bool {
     if !got.is_finite() {
         return false;
     }
@@ -85,7 +100,7 @@ pub fn acceptable(
         ReduceOp::Sum => {
             let accum = world as f64 * f64::powi(2.0, -23) * mag;
             let rounding = 2.0 * unit_roundoff(dtype) * (exact.abs() + accum);
-            (got - exact).abs() <= accum + rounding + 1e-30
+            (got - exact).abs() <= accum + rounding + extra + 1e-30
         }
     }
 }
@@ -104,24 +119,59 @@ pub fn count_wrong(dtype: DType, op: ReduceOp, seed: u64, world: usize, out: &[u
 
 /// [`count_wrong`] spread over the machine's cores (large buffers take seconds on one).
 pub fn count_wrong_par(dtype: DType, op: ReduceOp, seed: u64, world: usize, out: &[u8]) -> usize {
-    let count = out.len() / dtype.size();
+    par_count(out.len() / dtype.size(), |i| {
+        let (exact, mag) = reference(dtype, op, seed, world, i);
+        !acceptable(dtype, op, world, load_f64(dtype, out, i), exact, mag)
+    })
+}
+
+/// [`count_wrong_par`] for a job of several nodes (`nodes`: the ranks of each): the
+/// hierarchical all-reduce rounds each node's partial sum to `dtype`, then reduces the partial
+/// sums between nodes (NCCL), which rounds again for f16 and bf16. Each of those at most
+/// `2 * nodes` roundings is bounded by the unit roundoff times the sum of the partials'
+/// magnitudes, which is added to [`acceptable`]'s bound. f32 accumulates in f32 throughout
+/// (already covered); max and min stay exact. One node: [`count_wrong_par`].
+pub fn count_wrong_nodes_par(
+    dtype: DType,
+    op: ReduceOp,
+    seed: u64,
+    nodes: &[Vec<usize>],
+    out: &[u8],
+) -> usize {
+    let world: usize = nodes.iter().map(Vec::len).sum();
+    if nodes.len() <= 1 || dtype == DType::F32 || op != ReduceOp::Sum {
+        return count_wrong_par(dtype, op, seed, world, out);
+    }
+    let slack = 2.0 * nodes.len() as f64 * unit_roundoff(dtype);
+    par_count(out.len() / dtype.size(), |i| {
+        let (exact, mag) = reference(dtype, op, seed, world, i);
+        let partials: f64 = nodes
+            .iter()
+            .map(|n| {
+                n.iter()
+                    .map(|&r| input_value(dtype, seed, r, i))
+                    .sum::<f64>()
+                    .abs()
+            })
+            .sum();
+        let got = load_f64(dtype, out, i);
+        !acceptable_within(dtype, op, world, got, exact, mag, slack * partials)
+    })
+}
+
+/// How many of `0..count` satisfy `wrong`, spread over the machine's cores.
+fn par_count(count: usize, wrong: impl Fn(usize) -> bool + Sync) -> usize {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     if count < 1 << 16 || threads == 1 {
-        return count_wrong(dtype, op, seed, world, out);
+        return (0..count).filter(|&i| wrong(i)).count();
     }
     let per = count.div_ceil(threads);
+    let wrong = &wrong;
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|t| {
                 let (lo, hi) = ((t * per).min(count), ((t + 1) * per).min(count));
-                s.spawn(move || {
-                    (lo..hi)
-                        .filter(|&i| {
-                            let (exact, mag) = reference(dtype, op, seed, world, i);
-                            !acceptable(dtype, op, world, load_f64(dtype, out, i), exact, mag)
-                        })
-                        .count()
-                })
+                s.spawn(move || (lo..hi).filter(|&i| wrong(i)).count())
             })
             .collect();
         handles
@@ -166,6 +216,43 @@ pub fn fingerprint(bytes: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the hierarchical all-reduce computes for 2 nodes of 2 ranks: each node's sum in
+    /// f32 rounded to the dtype, then the two rounded once more.
+    #[test]
+    fn node_partials_rounded_twice_pass_only_the_nodes_bound() {
+        let nodes = vec![vec![0, 1], vec![2, 3]];
+        let count = 20_000;
+        for dtype in [DType::Bf16, DType::F16] {
+            let mut out = vec![0u8; count * dtype.size()];
+            for i in 0..count {
+                let node = |n: &Vec<usize>| {
+                    let s: f32 = n.iter().map(|&r| input_value(dtype, 3, r, i) as f32).sum();
+                    round_to(dtype, s as f64)
+                };
+                let sum = (node(&nodes[0]) as f32 + node(&nodes[1]) as f32) as f64;
+                store_f64(dtype, &mut out, i, round_to(dtype, sum));
+            }
+            assert_eq!(
+                count_wrong_nodes_par(dtype, ReduceOp::Sum, 3, &nodes, &out),
+                0
+            );
+            // The one-group bound is too tight for it (cancellation): the nodes' bound is needed.
+            assert!(
+                count_wrong_par(dtype, ReduceOp::Sum, 3, 4, &out) > 0,
+                "{dtype}"
+            );
+            // A result off by far more than the roundings still fails.
+            for i in 0..count {
+                let v = load_f64(dtype, &out, i);
+                store_f64(dtype, &mut out, i, v + 0.25);
+            }
+            assert_eq!(
+                count_wrong_nodes_par(dtype, ReduceOp::Sum, 3, &nodes, &out),
+                count
+            );
+        }
+    }
 
     #[test]
     fn exact_sum_is_accepted_and_a_wrong_one_is_not() {

@@ -41,6 +41,7 @@ fn play_rank_if_child() {
         "kill" => rank_kill(),
         "expect_fail" => rank_expect_fail(),
         "layout" => rank_layout(),
+        "group" => rank_group(),
         other => panic!("unknown role {other}"),
     };
     let _ = std::io::stdout().flush();
@@ -141,6 +142,54 @@ fn rank_layout() -> i32 {
         Err(e) => say(format!("HOST_REFUSED {e}")),
     }
     say("DONE");
+    0
+}
+
+/// A job over TCP whose ranks then meet per node ([`Bootstrap::node_group`], a Unix socket per
+/// node): reports the group, exchanges within it (descriptors included, which the job's TCP
+/// connections refuse), then waits for the parent to kill a rank and reports the abort both
+/// bootstraps share.
+fn rank_group() -> i32 {
+    let b = join();
+    let mut g = b.node_group().expect("the node's group");
+    let members = g
+        .all_gather(&b.rank().to_le_bytes())
+        .expect("gather within the node")
+        .iter()
+        .map(|v| usize::from_le_bytes(v[..8].try_into().unwrap()))
+        .collect::<Vec<_>>();
+    say(format!(
+        "GROUP {} {} {:?} {}",
+        g.rank(),
+        g.world(),
+        members,
+        g.layout().node_count()
+    ));
+    use std::os::fd::AsFd;
+    let fds = g
+        .all_gather_fds(memfd().as_fd())
+        .expect("descriptors within the node");
+    say(format!("FDS {}", fds.len()));
+    g.barrier().expect("barrier within the node");
+    say("READY");
+    // The victim is killed by the parent; everyone else waits for the shared abort.
+    let until = Instant::now() + Duration::from_secs(10);
+    while !g.abort_state().is_aborted() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // The job's reason: the group's, if it came first, names the node and its job ranks.
+    let reason = b
+        .abort_state()
+        .reason()
+        .unwrap_or_else(|| "not aborted".into());
+    say(format!("ABORTED {} {reason}", unix_micros()));
+    // Both bootstraps see it: the group's next collective fails at once.
+    match g.barrier() {
+        Ok(()) => say("GROUP_BARRIER_PASSED"),
+        Err(e) => say(format!("GROUP_BARRIER_FAILED {e}")),
+    }
+    drop(g);
+    drop(b);
     0
 }
 
@@ -745,4 +794,49 @@ fn tcp_node_0_never_comes_and_node_1_gives_up_in_time() {
         [2, 3],
         "127.0.0.1",
     );
+}
+
+#[test]
+fn tcp_node_groups_meet_per_node_and_share_the_jobs_abort() {
+    play_rank_if_child();
+    let test = "tcp_node_groups_meet_per_node_and_share_the_jobs_abort";
+    // 2 "hosts" of 2 ranks over TCP; each host's pair then meets over its own Unix socket.
+    let net = Net::tcp(2);
+    let job = Job::new("bt", "tcp-group");
+    let mut ranks: Vec<Rank> = (0..4)
+        .map(|r| spawn(net, test, "group", &job, r, 4, &[]))
+        .collect();
+    for r in &mut ranks {
+        let g = r.expect("GROUP", T);
+        let node = r.rank / 2;
+        let want = format!("{} 2 [{}, {}] 1", r.rank % 2, 2 * node, 2 * node + 1);
+        assert_eq!(g, want, "rank {}", r.rank);
+        assert_eq!(r.expect("FDS", T), "2", "rank {}", r.rank);
+        r.expect("READY", T);
+    }
+    // A rank of node 1 dies: node 0's ranks (which share no group with it) and its node
+    // peer must all see the abort within 2 s, through either bootstrap.
+    let victim = 3;
+    let killed_at = unix_micros();
+    ranks[victim].kill();
+    ranks[victim].wait(T);
+    for r in ranks.iter_mut().filter(|r| r.rank != victim) {
+        let msg = r.expect("ABORTED", Duration::from_secs(5));
+        let (at, reason) = msg.split_once(' ').unwrap();
+        let latency = Duration::from_micros((at.parse::<u128>().unwrap() - killed_at) as u64);
+        assert!(
+            latency < Duration::from_secs(2),
+            "rank {} noticed after {latency:?}: {reason}",
+            r.rank
+        );
+        assert!(
+            reason.contains("rank 3 died") || reason.contains("node 1 (job ranks [2, 3]"),
+            "rank {}: {reason}",
+            r.rank
+        );
+        let after = r.expect("GROUP_BARRIER_", T);
+        eprintln!("rank {}: {reason}; then {after}", r.rank);
+        assert!(after.starts_with("FAILED"), "rank {}: {after}", r.rank);
+        r.wait_ok(T);
+    }
 }

@@ -11,6 +11,8 @@
 //!   place and out of place, the copy-engine path; cuMemAlloc memory refused by register;
 //! - the caller's buffers: another GPU's memory, page-locked and pageable host memory refused
 //!   by every rank (the communicator stays usable), memory seen before reduced right;
+//! - reduce-scatter and all-gather: plain and registered buffers, in place and out of place,
+//!   eager and in CUDA graph replays, against the all-reduce (bitwise) and every rank's input;
 //! - the low-latency wrap: more than 200,000 LL one-shot calls, every result checked, built so
 //!   that a sequence number kept in 16 bits accepts a line left 65,536 calls earlier.
 
@@ -46,6 +48,7 @@ fn play_rank_if_child() {
         "device" => rank_device(),
         "registered" => rank_registered(),
         "pointers" => rank_pointers(),
+        "scatter_gather" => rank_scatter_gather(),
         other => panic!("unknown role {other}"),
     };
     let _ = std::io::stdout().flush();
@@ -1026,4 +1029,178 @@ fn ll_wrap_sizes_are_built_to_catch_a_16_bit_sequence() {
     assert_eq!(ll_count(65_536), ll_count(0));
     let distinct: std::collections::HashSet<_> = (1..65_536).map(ll_count).collect();
     assert!(distinct.len() > 1000, "sizes vary: {}", distinct.len());
+}
+
+/// Reduce-scatter and all-gather on plain and registered buffers, out of place and in place
+/// (NCCL's forms), eager and replayed from a CUDA graph: reduce-scatter must equal the
+/// all-reduce's shard bit for bit (same rank order, f32 accumulation), all-gather every rank's
+/// input bit for bit, and every path must have been taken.
+fn rank_scatter_gather() -> i32 {
+    let mut c = join();
+    let (rank, world) = (c.rank(), c.world());
+    let s = Stream::new();
+    // Up to several staged chunks (4 MiB workspace: 2 MiB slots, 2 MiB / world per shard).
+    let counts = [1usize, 7, 1000, 65_537, (1 << 20) + 3];
+    let max = world * counts.iter().max().unwrap() * 4;
+    let plain = [
+        DeviceAlloc::new(max, rank).unwrap(),
+        DeviceAlloc::new(max, rank).unwrap(),
+    ];
+    let reg = [c.alloc(max).unwrap(), c.alloc(max).unwrap()];
+    let full = DeviceAlloc::new(max, rank).unwrap();
+    let mut paths = std::collections::BTreeSet::new();
+    let mut checked = 0;
+    for (k, &count) in counts.iter().enumerate() {
+        for dtype in DType::ALL {
+            let op = if k % 2 == 0 {
+                ReduceOp::Sum
+            } else {
+                ReduceOp::Max
+            };
+            let size = dtype.size();
+            let (shard, whole) = (count * size, world * count * size);
+            let seed = (k as u64) << 8 | dtype.code() as u64;
+            let mut input = vec![0u8; whole];
+            reference::fill_input(dtype, seed, rank, &mut input);
+            // What reduce-scatter must give: our shard of the all-reduce.
+            upload(&plain[0], &input, s.0);
+            reduce(
+                &mut c,
+                plain[0].ptr,
+                full.ptr,
+                world * count,
+                dtype,
+                op,
+                Algorithm::TwoShot,
+                s.ptr(),
+            );
+            let mut want = vec![0u8; whole];
+            download(full.ptr, &mut want, s.0);
+            let want = &want[rank * shard..(rank + 1) * shard];
+            let mine = &input[..shard];
+            for registered in [false, true] {
+                let (a, b) = if registered {
+                    (reg[0].ptr(), reg[1].ptr())
+                } else {
+                    (plain[0].ptr, plain[1].ptr)
+                };
+                for in_place in [false, true] {
+                    for graph in [false, true] {
+                        let what = format!(
+                            "{count} x {dtype} {op} registered={registered} in_place={in_place} graph={graph}"
+                        );
+                        // Reduce-scatter: send a (whole), recv b or a's shard.
+                        let recv = if in_place {
+                            a + (rank * shard) as u64
+                        } else {
+                            b
+                        };
+                        let rs = |c: &mut Communicator| {
+                            // SAFETY: device buffers of `max` bytes on this rank's GPU.
+                            unsafe {
+                                c.reduce_scatter_raw(
+                                    a as *const c_void,
+                                    recv as *mut c_void,
+                                    count,
+                                    dtype,
+                                    op,
+                                    s.ptr(),
+                                )
+                            }
+                            .unwrap_or_else(|e| panic!("reduce_scatter {what}: {e}"));
+                        };
+                        ck(
+                            // SAFETY: in bounds of `a`; synchronized below.
+                            unsafe {
+                                sys::cuMemcpyHtoDAsync_v2(a, input.as_ptr().cast(), whole, s.0)
+                            },
+                            "upload",
+                        );
+                        let g = graph.then(|| Graph::capture(&s, || rs(&mut c)));
+                        match &g {
+                            Some(g) => g.launch(&s),
+                            None => rs(&mut c),
+                        }
+                        paths.insert(c.last_path().expect("a path").name);
+                        let mut got = vec![0u8; shard];
+                        download(recv, &mut got, s.0);
+                        assert_eq!(got, want, "rank {rank}: reduce_scatter {what}");
+                        drop(g);
+                        // All-gather: send b (or a's shard, in place), recv a.
+                        let send = if in_place {
+                            a + (rank * shard) as u64
+                        } else {
+                            b
+                        };
+                        // SAFETY: in bounds; synchronized by the download below.
+                        unsafe {
+                            ck(sys::cuMemsetD8Async(a, 0xFF, whole, s.0), "poison");
+                            ck(
+                                sys::cuMemcpyHtoDAsync_v2(send, mine.as_ptr().cast(), shard, s.0),
+                                "upload",
+                            );
+                        }
+                        let ag = |c: &mut Communicator| {
+                            // SAFETY: device buffers of `max` bytes on this rank's GPU.
+                            unsafe {
+                                c.all_gather_raw(
+                                    send as *const c_void,
+                                    a as *mut c_void,
+                                    count,
+                                    dtype,
+                                    s.ptr(),
+                                )
+                            }
+                            .unwrap_or_else(|e| panic!("all_gather {what}: {e}"));
+                        };
+                        let g = graph.then(|| Graph::capture(&s, || ag(&mut c)));
+                        match &g {
+                            Some(g) => g.launch(&s),
+                            None => ag(&mut c),
+                        }
+                        paths.insert(c.last_path().expect("a path").name);
+                        let mut got = vec![0u8; whole];
+                        download(a, &mut got, s.0);
+                        for r in 0..world {
+                            let mut theirs = vec![0u8; whole];
+                            reference::fill_input(dtype, seed, r, &mut theirs);
+                            assert!(
+                                got[r * shard..(r + 1) * shard] == theirs[..shard],
+                                "rank {rank}: all_gather {what}: rank {r}'s part"
+                            );
+                        }
+                        drop(g);
+                        checked += 2;
+                    }
+                }
+            }
+        }
+    }
+    if let Some(e) = c.async_error() {
+        panic!("after the reduce-scatter and all-gather calls: {e}");
+    }
+    for p in [
+        "reduce-scatter-staged",
+        "reduce-scatter-reg",
+        "all-gather-staged",
+        "all-gather-reg",
+    ] {
+        assert!(paths.contains(p), "{p} never ran: {paths:?}");
+    }
+    let [r0, r1] = reg;
+    c.free(r0).unwrap();
+    c.free(r1).unwrap();
+    say(format!("DONE {checked}"));
+    0
+}
+
+#[test]
+fn reduce_scatter_and_all_gather_plain_registered_and_in_graphs() {
+    play_rank_if_child();
+    run_role(
+        "reduce_scatter_and_all_gather_plain_registered_and_in_graphs",
+        "scatter_gather",
+        &[2, 4],
+        &[],
+    );
 }

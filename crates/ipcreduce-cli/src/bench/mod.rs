@@ -9,6 +9,7 @@
 //! On cuda the refresh alone is timed the same way and subtracted, so `time_us` is the
 //! all-reduce's share; on host, where calls are synchronous, each call is timed by itself. Times are the slowest rank's; any wrong element makes the exit status non-zero.
 
+pub mod algos;
 pub(crate) mod cuda;
 mod host;
 pub mod pattern;
@@ -23,7 +24,8 @@ use ipcreduce::Communicator;
 pub struct BenchArgs {
     #[command(flatten)]
     pub ranks: RankArgs,
-    /// Algorithms, comma separated: auto, oneshot, twoshot, nccl, or all.
+    /// Algorithms, comma separated: auto, oneshot, twoshot, nccl, nccl-shm (NCCL with
+    /// NCCL_P2P_DISABLE=1: its shared-memory transport; not together with nccl), or all.
     #[arg(short = 'a', long = "algo", default_value = "all")]
     pub algos: String,
     /// Smallest message in bytes (K, M, G suffixes).
@@ -76,6 +78,8 @@ pub struct Row {
     pub registered: bool,
     /// Whether the library ran the call without a staging copy, when it says.
     pub zero_copy: Option<bool>,
+    /// NCCL rows: which NCCL ("default", or "shm": P2P off, its shared-memory transport).
+    pub nccl: Option<algos::NcclFlavor>,
     pub dtype: DType,
     pub op: ReduceOp,
     pub mode: &'static str,
@@ -105,6 +109,8 @@ struct Meta {
     graph_calls: usize,
     seed: u64,
     timing: &'static str,
+    /// NCCL_P2P_DISABLE as NCCL saw it in this run (None: unset).
+    nccl_p2p_disable: Option<String>,
 }
 
 /// What one measurement asks for.
@@ -216,15 +222,16 @@ pub(crate) fn available(comm: &mut Communicator, algos: &[Algorithm]) -> Result<
 
 /// Runs the sweep; Ok(false) when any result was wrong.
 fn bench(args: &BenchArgs) -> Result<bool> {
-    let all_algos = [
-        Algorithm::Auto,
-        Algorithm::OneShot,
-        Algorithm::TwoShot,
-        Algorithm::Nccl,
-    ];
     let bad = |e: String| ipcreduce::Error::Config(e);
-    let algos = parse_list(&args.algos, &all_algos).map_err(bad)?;
+    let p2p_env = std::env::var("NCCL_P2P_DISABLE").ok();
+    let selection = algos::select(&args.algos, p2p_env.as_deref()).map_err(bad)?;
     let dtypes = parse_list(&args.dtypes, &DType::ALL).map_err(bad)?;
+    if selection.set_p2p_disable {
+        // Before NCCL's first init in this process (in `join`), which reads it once; no other
+        // thread runs yet.
+        std::env::set_var("NCCL_P2P_DISABLE", "1");
+    }
+    let algos = selection.algos.clone();
     let mut comm = join(&args.ranks, algos.contains(&Algorithm::Nccl))?;
     let (rank, world) = (comm.rank(), comm.world());
     if world > pattern::MAX_WORLD {
@@ -280,7 +287,11 @@ fn bench(args: &BenchArgs) -> Result<bool> {
                             graph,
                         };
                         let got = runner.measure(&mut comm, &m)?;
-                        let row = make_row(&mut comm, &m, mode, registered, &got)?;
+                        let mut row = make_row(&mut comm, &m, mode, registered, &got)?;
+                        if algo == Algorithm::Nccl {
+                            row.nccl = Some(selection.nccl);
+                            row.path = selection.nccl.path().into();
+                        }
                         if rank == 0 {
                             print_row(&row);
                         }
@@ -346,6 +357,7 @@ fn make_row(
         ctas,
         registered,
         zero_copy,
+        nccl: None,
         dtype: m.dtype,
         op: m.op,
         mode,
@@ -452,6 +464,7 @@ fn write_json(
         seed: args.seed,
         timing: "time_us: per call, (all-reduce + input refresh) minus the refresh alone (cuda), \
                  the calls alone (host); every call's output checked",
+        nccl_p2p_disable: std::env::var("NCCL_P2P_DISABLE").ok(),
     };
     let doc = serde_json::json!({ "meta": meta, "rows": rows });
     let text =

@@ -5,14 +5,17 @@
 //! The ranks build a cuda communicator with the transport left to `auto` (unless
 //! `IPCREDUCE_TRANSPORT` forces one): its start-up checks (P2P query, mapping, a cross-process
 //! write/read through every mapping on every rank) decide peer memory or host staging for the
-//! whole job, and rank 0's log names the pair that made it fall back.
+//! whole job; the pair that made it fall back is named in the table (its mapping column) and in
+//! rank 0's log. On peer memory, the path says whether the PCIe policy applies (pairs
+//! classified PCIe, or `IPCREDUCE_TOPOLOGY=pcie`).
 
 mod gpu;
 mod link;
 
 use crate::cli::{join, relaunch_unless_rank, RankArgs};
 use gpu::{Gpu, P2p};
-use ipcreduce::{BackendChoice, Communicator};
+use ipcreduce::backend::Fallback;
+use ipcreduce::{BackendChoice, Communicator, Fabric};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write;
 
@@ -43,22 +46,48 @@ pub struct Pair {
 pub struct Report {
     /// "peer" or "host-staged": the transport every rank took.
     pub transport: String,
+    /// "peer", "pcie-peer" (the PCIe policy) or "host-staged": what `auto` runs on.
+    #[serde(default)]
+    pub fabric: String,
+    /// The pair and check that made `auto` stage through host memory, in words.
+    #[serde(default)]
+    pub fallback: Option<String>,
     pub gpus: Vec<Gpu>,
     pub pairs: Vec<Pair>,
 }
 
-/// The mapping test's outcome and `auto`'s path for one pair, from what the communicator
-/// chose for the job (`host_staged`) and what CUDA and NVML say about the pair.
-pub fn mapping_and_path(host_staged: bool, p2p: Option<&P2p>, link: &str) -> (String, String) {
+/// The fallback in words, as the log line says it.
+fn fallback_words(f: &Fallback) -> String {
+    let who = if f.rank == f.peer {
+        format!("rank {} could not set up peer memory", f.rank)
+    } else {
+        format!("rank {} cannot use rank {}", f.rank, f.peer)
+    };
+    format!("{who} ({}: {})", f.check, f.detail)
+}
+
+/// The mapping test's outcome and `auto`'s path for the pair (`rank`, `peer`), from what the
+/// communicator chose for the job (`fabric`, and the pair that failed, if any) and what CUDA
+/// and NVML say about the pair.
+pub fn mapping_and_path(
+    fabric: Fabric,
+    fallback: Option<&Fallback>,
+    (rank, peer): (usize, usize),
+    p2p: Option<&P2p>,
+    link: &str,
+) -> (String, String) {
     let same_gpu = p2p.is_none();
     let no_p2p = p2p.is_some_and(|p| p.access != Some(true));
-    if host_staged {
-        let mapping = if no_p2p {
-            "not run: no P2P; host-staged passed"
-        } else {
-            "peer failed for some pair (rank 0's log names it); host-staged passed"
+    if fabric == Fabric::HostStaged {
+        let mapping = match fallback {
+            Some(f) if (f.rank, f.peer) == (rank, peer) || (f.rank, f.peer) == (peer, rank) => {
+                format!("FAILED: {}; host-staged passed", fallback_words(f))
+            }
+            Some(f) => format!("not needed: {}; host-staged passed", fallback_words(f)),
+            None if no_p2p => "not run: no P2P; host-staged passed".into(),
+            None => "not run: host transport forced; host-staged passed".into(),
         };
-        return (mapping.into(), "host-staged (through host memory)".into());
+        return (mapping, fabric.describe());
     }
     let via = if same_gpu {
         "same GPU"
@@ -69,11 +98,23 @@ pub fn mapping_and_path(host_staged: bool, p2p: Option<&P2p>, link: &str) -> (St
     } else {
         "P2P, link unknown"
     };
-    ("passed".into(), format!("peer memory ({via})"))
+    let path = match fabric {
+        Fabric::PciePeer => format!(
+            "peer memory ({via}), PCIe policy: pushes in passes, at most {} CTAs",
+            ipcreduce::plan::PCIE_CTA_CAP
+        ),
+        _ => format!("peer memory ({via})"),
+    };
+    ("passed".into(), path)
 }
 
 /// This rank's pairs with every other rank.
-fn my_pairs(gpus: &[Gpu], me: usize, host_staged: bool) -> Result<Vec<Pair>, String> {
+fn my_pairs(
+    gpus: &[Gpu],
+    me: usize,
+    fabric: Fabric,
+    fallback: Option<&Fallback>,
+) -> Result<Vec<Pair>, String> {
     let links = link::Links::open();
     let mine = &gpus[me];
     let my_dev = gpu::device(mine.ordinal)?;
@@ -94,7 +135,8 @@ fn my_pairs(gpus: &[Gpu], me: usize, host_staged: bool) -> Result<Vec<Pair>, Str
             };
             (Some(p2p), links.between(mine, peer))
         };
-        let (mapping, path) = mapping_and_path(host_staged, p2p.as_ref(), &link);
+        let (mapping, path) =
+            mapping_and_path(fabric, fallback, (me, peer.rank), p2p.as_ref(), &link);
         out.push(Pair {
             rank: me,
             peer: peer.rank,
@@ -118,7 +160,10 @@ fn yes_no(v: Option<bool>) -> &'static str {
 /// The report as a Markdown table.
 pub fn table(r: &Report) -> String {
     let mut t = String::new();
-    let _ = writeln!(t, "# transport: {}", r.transport);
+    let _ = writeln!(t, "# transport: {}, auto's path: {}", r.transport, r.fabric);
+    if let Some(f) = &r.fallback {
+        let _ = writeln!(t, "# host-staged because {f}");
+    }
     for g in &r.gpus {
         let _ = writeln!(
             t,
@@ -154,18 +199,16 @@ fn rank_main(comm: &mut Communicator) -> Result<Option<Report>, String> {
     let ordinal = comm
         .cuda_device()
         .ok_or_else(|| format!("rank {me}: topo needs the cuda backend"))?;
-    // The device descriptions say ", host-staged" when the communicator stages through host
-    // memory (the same on every rank).
-    let host_staged = comm
-        .meta()
-        .devices
-        .iter()
-        .any(|d| d.contains("host-staged"));
+    // What every rank agreed on at init: the transport and policy, and why.
+    let fabric = comm.fabric();
+    let host_staged = fabric == Fabric::HostStaged;
+    let fallback = comm.meta().fallback;
     let mine = gpu::describe(me, ordinal).map_err(|e| format!("rank {me}: {e}"))?;
     let boot = comm.bootstrap();
     let gpus: Vec<Gpu> = decode_all(&boot.all_gather(&json(&mine)).map_err(|e| e.to_string())?)?;
     // Every rank gathers, even when its own queries failed, so nobody waits for it in vain.
-    let pairs = my_pairs(&gpus, me, host_staged).map_err(|e| format!("rank {me}: {e}"));
+    let pairs =
+        my_pairs(&gpus, me, fabric, fallback.as_ref()).map_err(|e| format!("rank {me}: {e}"));
     let sent = json(&pairs);
     let all: Vec<Result<Vec<Pair>, String>> =
         decode_all(&boot.all_gather(&sent).map_err(|e| e.to_string())?)?;
@@ -175,6 +218,11 @@ fn rank_main(comm: &mut Communicator) -> Result<Option<Report>, String> {
     let all: Vec<Vec<Pair>> = all.into_iter().collect::<Result<_, _>>()?;
     Ok(Some(Report {
         transport: if host_staged { "host-staged" } else { "peer" }.into(),
+        fabric: serde_json::to_value(fabric)
+            .ok()
+            .and_then(|v| v.as_str().map(String::from))
+            .unwrap_or_default(),
+        fallback: fallback.as_ref().map(fallback_words),
         gpus,
         pairs: all.into_iter().flatten().collect(),
     }))
@@ -242,19 +290,54 @@ mod tests {
 
     #[test]
     fn paths_follow_the_transport_and_the_link() {
-        let (m, p) = mapping_and_path(false, Some(&p2p(true)), "NVLink x18 via NVSwitch");
+        let (peer, host) = (Fabric::Peer, Fabric::HostStaged);
+        let one = (0, 1);
+        let (m, p) = mapping_and_path(peer, None, one, Some(&p2p(true)), "NVLink x18 via NVSwitch");
         assert_eq!((m.as_str(), p.as_str()), ("passed", "peer memory (NVLink)"));
-        let (_, p) = mapping_and_path(false, Some(&p2p(true)), "PCIe, same switch");
+        let (_, p) = mapping_and_path(peer, None, one, Some(&p2p(true)), "PCIe, same switch");
         assert_eq!(p, "peer memory (PCIe P2P)");
-        let (_, p) = mapping_and_path(false, None, "same GPU");
+        let (_, p) = mapping_and_path(peer, None, one, None, "same GPU");
         assert_eq!(p, "peer memory (same GPU)");
-        let (m, p) = mapping_and_path(true, Some(&p2p(false)), "PCIe, across sockets");
+        let (m, p) = mapping_and_path(host, None, one, Some(&p2p(false)), "PCIe, across sockets");
         assert!(
             m.starts_with("not run: no P2P") && p.starts_with("host-staged"),
             "{m}"
         );
-        let (m, _) = mapping_and_path(true, Some(&p2p(true)), "unknown (NVML: missing)");
-        assert!(m.contains("rank 0's log"), "{m}");
+        let (m, _) = mapping_and_path(host, None, one, Some(&p2p(true)), "unknown (NVML: missing)");
+        assert!(m.contains("forced"), "{m}");
+    }
+
+    #[test]
+    fn the_failed_pair_is_named_and_the_policy_shown() {
+        let f = Fallback {
+            rank: 1,
+            peer: 0,
+            check: "P2P query".into(),
+            detail: "denied by IPCREDUCE_DENY_PEER (a test)".into(),
+        };
+        let host = Fabric::HostStaged;
+        for pair in [(1, 0), (0, 1)] {
+            let (m, p) = mapping_and_path(host, Some(&f), pair, Some(&p2p(true)), "NVLink x18");
+            assert!(
+                m.starts_with("FAILED: rank 1 cannot use rank 0 (P2P query: denied"),
+                "{m}"
+            );
+            assert!(p.starts_with("host-staged"), "{p}");
+        }
+        let (m, _) = mapping_and_path(host, Some(&f), (2, 3), Some(&p2p(true)), "NVLink x18");
+        assert!(m.starts_with("not needed: rank 1 cannot use rank 0"), "{m}");
+        let (m, p) = mapping_and_path(
+            Fabric::PciePeer,
+            None,
+            (0, 1),
+            Some(&p2p(true)),
+            "PCIe, same switch",
+        );
+        assert_eq!(m, "passed");
+        assert!(
+            p.starts_with("peer memory (PCIe P2P), PCIe policy: pushes in passes"),
+            "{p}"
+        );
     }
 
     #[test]
@@ -277,6 +360,8 @@ mod tests {
         };
         let r = Report {
             transport: "peer".into(),
+            fabric: "peer".into(),
+            fallback: None,
             gpus,
             pairs: vec![pair(0, 1), pair(1, 0)],
         };

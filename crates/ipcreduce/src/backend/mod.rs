@@ -10,6 +10,36 @@ use crate::plan::PathInfo;
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use std::ffi::c_void;
 
+/// A collective operation, for stamps, errors and the backends' entry points.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SgOp {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+}
+
+impl SgOp {
+    pub const ALL: [SgOp; 3] = [SgOp::AllReduce, SgOp::ReduceScatter, SgOp::AllGather];
+
+    /// The name errors use.
+    pub fn name(self) -> &'static str {
+        match self {
+            SgOp::AllReduce => "all_reduce",
+            SgOp::ReduceScatter => "reduce_scatter",
+            SgOp::AllGather => "all_gather",
+        }
+    }
+
+    /// Its code in call stamps.
+    pub fn code(self) -> u32 {
+        match self {
+            SgOp::AllReduce => 0,
+            SgOp::ReduceScatter => 1,
+            SgOp::AllGather => 2,
+        }
+    }
+}
+
 /// Handle of a test/benchmark buffer owned by a backend.
 pub type BufId = usize;
 
@@ -69,6 +99,20 @@ pub struct BackendMeta {
     pub devices: Vec<String>,
     pub driver: Option<String>,
     pub nccl_version: Option<String>,
+    /// cuda: why `auto` staged through host memory (the failed pair and check), if it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<Fallback>,
+}
+
+/// The pair whose start-up check made `auto` take the host-staged transport.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Fallback {
+    /// The rank that saw the failure, and the rank it could not use (itself: its own setup).
+    pub rank: usize,
+    pub peer: usize,
+    /// The check ("P2P query", "workspace mapping", "cross-process read") and what it said.
+    pub check: String,
+    pub detail: String,
 }
 
 /// What a backend offers the communicator.
@@ -97,6 +141,25 @@ pub trait BackendOps: Send {
         stream: *mut c_void,
     ) -> Result<()>;
 
+    /// Enqueues (cuda) or runs (host) one reduce-scatter (`what`: send holds `shards.total`
+    /// elements, recv this rank's shard) or all-gather (send this rank's shard, recv
+    /// `shards.total`). Arguments were checked by the communicator.
+    ///
+    /// # Safety
+    /// As [`BackendOps::all_reduce_raw`], for those sizes; the in-place forms are NCCL's
+    /// (recv = send + shard start for reduce-scatter, send = recv + shard start for all-gather).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn scatter_gather_raw(
+        &mut self,
+        what: SgOp,
+        send: *const c_void,
+        recv: *mut c_void,
+        shards: crate::shards::Shards,
+        dtype: DType,
+        op: ReduceOp,
+        stream: *mut c_void,
+    ) -> Result<()>;
+
     /// Why `algo` cannot run here, if it cannot (e.g. NCCL refused two ranks on one GPU).
     fn unavailable(&self, algo: Algorithm) -> Option<String>;
 
@@ -108,6 +171,11 @@ pub trait BackendOps: Send {
     /// The error that made the communicator unusable, or one a kernel recorded, if any,
     /// without waiting (as `ncclCommGetAsyncError`).
     fn async_error(&self) -> Option<Error>;
+
+    /// What the data crosses (see [`crate::plan::Fabric`]).
+    fn fabric(&self) -> crate::plan::Fabric {
+        crate::plan::Fabric::Peer
+    }
 
     /// cuda: the GPU ordinal this communicator runs on.
     fn device(&self) -> Option<usize> {

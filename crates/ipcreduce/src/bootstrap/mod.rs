@@ -14,6 +14,7 @@
 //! | `env.rs` | [`RankInfo`]: who am I, from the environment |
 //! | `master.rs` | [`Master`]: rank 0's TCP address, when the job spans hosts |
 //! | `nodes.rs` | [`Layout`]: ranks grouped by host |
+//! | `group.rs` | the ranks of one node as a group of their own (jobs across hosts) |
 //! | `rendezvous.rs` | listen/connect, credentials, hello, welcome |
 //! | `tcp.rs` | TCP listen/connect and keepalive |
 //! | `wire.rs` | frames over either stream, bounded waits |
@@ -26,6 +27,7 @@
 
 mod env;
 mod fdpass;
+mod group;
 mod liveness;
 mod master;
 mod nodes;
@@ -112,7 +114,16 @@ impl Bootstrap {
     /// allow rank 0 a short grace beyond it, so that rank 0's verdict naming the missing
     /// ranks reaches them before their own timer fires).
     pub fn connect(info: RankInfo, timeout: Duration) -> Result<Bootstrap> {
-        let abort = AbortState::new();
+        Self::connect_sharing(info, timeout, AbortState::new())
+    }
+
+    /// [`Bootstrap::connect`] with an abort state shared with another group (a node's group
+    /// shares its job's, see [`Bootstrap::node_group`]).
+    fn connect_sharing(
+        info: RankInfo,
+        timeout: Duration,
+        abort: Arc<AbortState>,
+    ) -> Result<Bootstrap> {
         let spawn_err = |rank, e: std::io::Error| Error::Bootstrap {
             rank,
             peer: None,

@@ -163,21 +163,17 @@ impl Layout {
         )))
     }
 
-    /// Refuses a backend that cannot serve this job's nodes: both backends work within one
-    /// host today.
+    /// Refuses a backend that cannot serve this job's nodes: the host backend works within
+    /// one host; the cuda backend spans hosts with its hierarchical all-reduce (peer memory
+    /// inside each node, NCCL between nodes).
     pub fn check_backend(&self, kind: BackendKind) -> Result<()> {
         match kind {
             BackendKind::Host => self.require_single_node(
                 "the host backend (shared memory)",
-                "it stays single-host by design: run one job per host, or use NCCL across hosts",
+                "it stays single-host by design: run one job per host, or use the cuda backend \
+                 (peer memory inside each node, NCCL between nodes)",
             ),
-            BackendKind::Cuda => self.require_single_node(
-                "the cuda backend",
-                "jobs across hosts need the hierarchical all-reduce (reduce-scatter inside \
-                 each node through peer memory, NCCL all-reduce of each shard among the ranks \
-                 with the same local rank, all-gather inside each node), which ipcreduce does \
-                 not have yet; use NCCL across hosts",
-            ),
+            BackendKind::Cuda => Ok(()),
         }
     }
 }
@@ -253,11 +249,8 @@ mod tests {
             e.contains("host backend") && e.contains("single-host"),
             "{e}"
         );
-        let e = l.check_backend(BackendKind::Cuda).unwrap_err().to_string();
-        assert!(
-            e.contains("cuda backend") && e.contains("hierarchical"),
-            "{e}"
-        );
+        // The cuda backend spans nodes (hierarchical all-reduce).
+        assert!(l.check_backend(BackendKind::Cuda).is_ok());
         let one = Layout::from_host_ids(0, &ids(&["a", "a"])).unwrap();
         assert!(one.check_backend(BackendKind::Host).is_ok());
         assert!(one.check_backend(BackendKind::Cuda).is_ok());

@@ -7,6 +7,9 @@ use crate::types::{DType, ReduceOp};
 
 /// Source of the all-reduce kernels.
 pub const ALLREDUCE_SOURCE: &str = include_str!("kernels/allreduce.cu");
+/// Source of the reduce-scatter and all-gather kernels, appended to [`ALLREDUCE_SOURCE`] (it
+/// uses that file's barriers and helpers).
+pub const SCATTER_GATHER_SOURCE: &str = include_str!("kernels/scatter_gather.cu");
 /// Integer names and f16/bf16 conversions, prepended to every source [`compile_source`] builds.
 pub const CONVERT_SOURCE: &str = include_str!("kernels/convert.cuh");
 /// Source of the compute-bound kernel `ipcreduce overlap` runs beside the all-reduce.
@@ -70,6 +73,11 @@ pub fn describe_stamp_difference(mine: u64, theirs: u64) -> String {
         "oneshot-reg",
         "twoshot-reg",
         "ce",
+        // The reduce-scatter and all-gather paths (scatter_gather.rs).
+        "reduce-scatter",
+        "reduce-scatter-reg",
+        "all-gather",
+        "all-gather-reg",
         "oneshot-reg16",
         "twoshot-reg16",
     ];
@@ -189,12 +197,18 @@ fn allreduce_options(w: usize) -> [String; 2] {
     ["--fmad=false".into(), format!("-DIPCR_W={w}")]
 }
 
+/// The all-reduce module's source: the all-reduce kernels, then the reduce-scatter and
+/// all-gather ones built on them.
+fn all_sources() -> String {
+    format!("{ALLREDUCE_SOURCE}\n{SCATTER_GATHER_SOURCE}")
+}
+
 /// Compiles the all-reduce kernels for world-size class `w` ([`world_class`]) to PTX for `arch`
 /// (e.g. "sm_90"). Needs only NVRTC, no GPU.
 pub fn compile(arch: &str, w: usize) -> Result<cudarc::nvrtc::Ptx> {
     let extra = allreduce_options(w);
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    compile_source("allreduce.cu", ALLREDUCE_SOURCE, arch, &extra)
+    compile_source("allreduce.cu", &all_sources(), arch, &extra)
 }
 
 /// Registers and spills of one kernel as ptxas reports them.
@@ -218,7 +232,7 @@ pub fn resources(arch: &str, w: usize) -> Result<Vec<Resources>> {
         op: format!("NVRTC {what} of allreduce.cu for {arch}"),
         detail,
     };
-    let source = std::ffi::CString::new(format!("{CONVERT_SOURCE}\n{ALLREDUCE_SOURCE}"))
+    let source = std::ffi::CString::new(format!("{CONVERT_SOURCE}\n{}", all_sources()))
         .map_err(|e| fail("source", e.to_string()))?;
     let prog = result::create_program(&source, Some(c"allreduce.cu"))
         .map_err(|e| fail("program creation", e.to_string()))?;

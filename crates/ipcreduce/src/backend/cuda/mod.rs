@@ -8,12 +8,14 @@
 
 mod ce;
 pub mod driver;
+mod hier;
 pub mod kernels;
 pub mod memory;
 mod nccl;
 mod peers;
 mod pointers;
 mod registry;
+mod scatter_gather;
 mod streams;
 mod teardown;
 #[cfg(feature = "test-support")]
@@ -21,14 +23,15 @@ mod testbufs;
 mod workspace;
 // Workspaces over peer memory or staged through host memory (IPCREDUCE_TRANSPORT).
 mod host_staged;
+mod topology;
 mod transport;
 
 use crate::abort::AbortState;
-use crate::backend::{BackendMeta, BackendOps, RegisteredBuffer};
+use crate::backend::{BackendMeta, BackendOps, RegisteredBuffer, SgOp};
 use crate::bootstrap::Bootstrap;
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::plan::{CudaPath, GridLimits, PathInfo};
+use crate::plan::{CudaPath, Fabric, GridLimits, PathInfo};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use cudarc::driver::{safe as cs, sys};
 use driver::ck;
@@ -91,6 +94,8 @@ struct KernelArgs {
     aligned: i32,
     lane: i32,
     check: i32,
+    mode: i32,
+    chunk_bytes: u64,
 }
 
 /// Whether this process can use the cuda backend (driver, a GPU, NVRTC).
@@ -118,6 +123,9 @@ fn require_driver(present: bool) -> Result<()> {
 
 pub struct CudaComm {
     // Declaration order is drop order: everything that needs the context goes before it.
+    /// Jobs across hosts: NCCL between nodes and the node's group this communicator runs over
+    /// (see hier.rs); None within one host.
+    inter: Option<hier::Inter>,
     rank: usize,
     world: usize,
     ordinal: usize,
@@ -148,6 +156,8 @@ pub struct CudaComm {
     limits: GridLimits,
     /// The agreed tuning table: its CTA counts for the calls whose algorithm it chose.
     tune: crate::tune::Table,
+    /// What the data crosses (agreed at init): chunk sizes, CTA cap, push order.
+    fabric: Fabric,
     slot_bytes: usize,
     timeout: std::time::Duration,
     abort: Arc<AbortState>,
@@ -166,6 +176,8 @@ struct Loaded {
     ctx: Arc<cs::CudaContext>,
     _module: Arc<cs::CudaModule>,
     funcs: HashMap<(CudaPath, DType, ReduceOp), cs::CudaFunction>,
+    /// The reduce-scatter and all-gather kernels (scatter_gather.rs).
+    sg: scatter_gather::Funcs,
     /// The copy-engine path's barrier kernel.
     ce_barrier: cs::CudaFunction,
 }
@@ -227,10 +239,12 @@ impl Loaded {
         let ce_barrier = module
             .load_function(kernels::CE_BARRIER_KERNEL)
             .map_err(|e| cuda("loading the copy-engine barrier kernel", e))?;
+        let sg = scatter_gather::load(&module, w, rank)?;
         let l = Arc::new(Loaded {
             ctx,
             _module: module,
             funcs,
+            sg,
             ce_barrier,
         });
         cache.insert((ordinal, w), l.clone());
@@ -289,8 +303,8 @@ impl CudaComm {
         let slot_bytes = config.workspace_bytes.map_or(DEFAULT_SLOT_BYTES, |b| b / 2);
         let slot_bytes = (slot_bytes.max(64 << 10) / 256) * 256;
         // Messages up to this size take the low-latency one-shot (0 disables it).
-        // Peer memory assumed here; staged through host memory, the default is set below.
-        let ll_max = config.ll_max_bytes(world, true);
+        // NVLink peer memory assumed here; on another fabric the default is set below.
+        let ll_max = config.ll_max_bytes(world, Fabric::Peer);
         if ll_max > LL_MAX_BYTES {
             return Err(Error::Config(format!(
                 "low-latency limit {ll_max} bytes (Config::ll_max_bytes or IPCREDUCE_LL_MAX): \
@@ -319,7 +333,7 @@ impl CudaComm {
         };
         // Validated by Config: 8 or 12.
         let ll12 = config.ll_data_bytes == Some(12);
-        let limits = GridLimits {
+        let mut limits = GridLimits {
             ll_max,
             cap,
             fixed,
@@ -356,15 +370,26 @@ impl CudaComm {
         // Also checks every pair (P2P query, mapping, cross-process read) for the transport.
         let bytes = data_offset(world) as usize + 2 * slot_bytes;
         let ws = SharedWorkspaces::open(boot, device, bytes, &uuids, config)?;
-        // Every rank takes the same transport, so every rank adjusts the same way.
-        let mut limits = limits;
-        limits.ll_max = config.ll_max_bytes(world, ws.sharing().is_some());
         if ws.size < bytes {
             return Err(Error::Cuda {
                 rank,
                 op: "workspace creation".into(),
                 detail: format!("got {} bytes, need {bytes}", ws.size),
             });
+        }
+        // The PCIe policy (or none) from the transport, IPCREDUCE_TOPOLOGY and the pairs.
+        let fabric = topology::agree(
+            boot,
+            device,
+            &uuids,
+            ws.sharing().is_none(),
+            config.topology,
+        )?;
+        // Every rank takes the same fabric, so every rank adjusts the same way.
+        limits.ll_max = config.ll_max_bytes(world, fabric);
+        if fabric == Fabric::PciePeer && fixed.is_none() {
+            limits.cap = limits.cap.min(crate::plan::PCIE_CTA_CAP);
+            limits.deep_cap = limits.deep_cap.min(limits.cap);
         }
         let state = DeviceAlloc::new(MAX_BLOCKS * 2 * 4 + 64, rank)?;
         let words = Arc::new(MappedHostWords::new(16, rank)?);
@@ -385,7 +410,11 @@ impl CudaComm {
         }));
 
         let devices: Vec<String> = {
-            let via = ws.note(); // the transport, so results say how they were made
+            // The transport and policy, so results say how they were made.
+            let via = match fabric {
+                Fabric::PciePeer => ", PCIe policy",
+                _ => ws.note(),
+            };
             let names = boot.all_gather(format!("{name} (GPU {ordinal}{via})").as_bytes())?;
             names
                 .iter()
@@ -395,6 +424,7 @@ impl CudaComm {
 
         let own = stream.cu_stream() as streams::Key;
         let mut comm = CudaComm {
+            inter: None,
             rank,
             world,
             ordinal,
@@ -416,6 +446,7 @@ impl CudaComm {
             left: false,
             limits,
             tune: crate::tune::Table::builtin(),
+            fabric,
             slot_bytes,
             timeout: config.timeout(),
             abort,
@@ -534,6 +565,8 @@ impl CudaComm {
             aligned: all16(&rsend) as i32 | (all16(&rrecv) as i32) << 1,
             lane: 0,
             check: 0,
+            mode: self.fabric.kernel_mode() as i32,
+            chunk_bytes: self.slot_bytes as u64,
         }
     }
 
@@ -558,6 +591,11 @@ impl CudaComm {
     /// kernel's access would fault and end the process's CUDA context). The driver is asked
     /// once per allocation (pointers.rs); later calls in it cost no query.
     fn check_pointer(&mut self, ptr: u64, what: &str) -> Result<()> {
+        self.check_pointer_for("all_reduce", ptr, what)
+    }
+
+    /// [`Self::check_pointer`] for operation `op` (named in the error).
+    fn check_pointer_for(&mut self, op: &'static str, ptr: u64, what: &str) -> Result<()> {
         let rank = self.rank;
         let (facts, asked) = match self.pointers.get(ptr) {
             Some(f) => (f, false),
@@ -565,7 +603,7 @@ impl CudaComm {
                 let f = pointers::query(ptr).map_err(|res| {
                     Error::invalid(
                         rank,
-                        "all_reduce",
+                        op,
                         format!(
                             "{what} buffer {ptr:#x}: cuPointerGetAttributes failed ({})",
                             driver::describe(res)
@@ -577,7 +615,7 @@ impl CudaComm {
         };
         facts
             .judge(ptr, what, self.ordinal)
-            .map_err(|why| Error::invalid(rank, "all_reduce", why))?;
+            .map_err(|why| Error::invalid(rank, op, why))?;
         // Only what passed is kept: a refused range may be freed and come back as memory of
         // this GPU, and is then asked about again.
         if asked {
@@ -598,6 +636,18 @@ impl CudaComm {
         algo: Algorithm,
         stream: sys::CUstream,
     ) -> Result<()> {
+        self.in_stream_order(stream, |c| {
+            c.launch(send, recv, count, dtype, op, algo, stream)
+        })
+    }
+
+    /// Runs `issue` (which enqueues on `stream`) in order with the communicator's work on
+    /// its other streams.
+    fn in_stream_order(
+        &mut self,
+        stream: sys::CUstream,
+        issue: impl FnOnce(&mut Self) -> Result<()>,
+    ) -> Result<()> {
         let key = stream as streams::Key;
         // The capture status decides whether the tracker may record and wait on events (not
         // during capture: the graph orders its calls). Where it would do neither either way,
@@ -605,7 +655,7 @@ impl CudaComm {
         // default) or on our own stream.
         let capturing = !self.streams.quiet(key) && streams::capturing(stream, self.rank)?;
         self.streams.before(&mut self.events, key, capturing)?;
-        self.launch(send, recv, count, dtype, op, algo, stream)?;
+        issue(self)?;
         self.streams.after(&mut self.events, key, capturing)
     }
 
@@ -667,12 +717,16 @@ impl CudaComm {
                 )
             };
         }
+        if self.inter.is_some() {
+            return self.launch_hierarchical(send, recv, count, dtype, op, stream);
+        }
         let bytes = count * dtype.size();
         let zero_copy = self.zero_copy(send, recv, bytes);
-        // The tuned CTA count of the row for this size, when the call runs that row's algorithm.
-        let tuned = self
-            .tune
-            .lookup(self.world, dtype.size(), bytes)
+        // The tuned CTA count of the row for this size, when the call runs that row's algorithm
+        // (on peer memory: tables are not measured staged through host memory).
+        let tuned = Some(&self.tune)
+            .filter(|_| self.fabric != crate::plan::Fabric::HostStaged)
+            .and_then(|t| t.lookup(self.world, dtype.size(), bytes))
             .filter(|e| e.algorithm() == Some(algo))
             .and_then(|e| e.ctas)
             .map(|c| c as usize);
@@ -693,6 +747,8 @@ impl CudaComm {
         let stamp = kernels::stamp(count, dtype, op, path.code());
         let zero_copy = zero_copy.filter(|_| path.registered());
         let mut args = self.kernel_args(send, recv, count, stamp, zero_copy);
+        args.chunk_bytes =
+            crate::plan::staged_chunk_bytes(self.fabric, bytes, self.slot_bytes) as u64;
         if path == CudaPath::Ce {
             return self.launch_ce(&args, dtype, op, grid, stream);
         }
@@ -706,16 +762,17 @@ impl CudaComm {
     }
 
     /// Launches `f` on `stream` with `args` (copied at launch).
-    fn launch_kernel(
+    fn launch_kernel<A>(
         &self,
         f: sys::CUfunction,
         grid: u32,
         threads: u32,
         stream: sys::CUstream,
-        args: &mut KernelArgs,
+        args: &mut A,
         what: impl FnOnce() -> String,
     ) -> Result<()> {
-        let mut params = [(args as *mut KernelArgs).cast::<c_void>()];
+        // `A`: the kernel's one by-value parameter (KernelArgs, or a struct that starts with it).
+        let mut params = [(args as *mut A).cast::<c_void>()];
         // SAFETY: the kernel reads `args` (copied at launch) and only touches the buffers in it,
         // which the caller vouched for and we own.
         ck(
@@ -776,6 +833,38 @@ impl BackendOps for CudaComm {
         // CUDA's meaning: 0 is the legacy default stream.
         let stream = stream as sys::CUstream;
         self.enqueue(send as u64, recv as u64, count, dtype, op, algo, stream)
+            .map_err(|e| self.in_job(e))
+    }
+
+    unsafe fn scatter_gather_raw(
+        &mut self,
+        what: SgOp,
+        send: *const c_void,
+        recv: *mut c_void,
+        shards: crate::shards::Shards,
+        dtype: DType,
+        op: ReduceOp,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        if self.inter.is_some() {
+            return Err(Error::invalid(
+                self.inter.as_ref().map_or(self.rank, hier::Inter::rank),
+                what.name(),
+                "not available yet for jobs across nodes (the all-reduce is)",
+            ));
+        }
+        // SAFETY: forwarded contract.
+        unsafe {
+            self.enqueue_scatter_gather(
+                what,
+                send as u64,
+                recv as u64,
+                shards,
+                dtype,
+                op,
+                stream as sys::CUstream,
+            )
+        }
     }
 
     fn unavailable(&self, algo: Algorithm) -> Option<String> {
@@ -790,22 +879,32 @@ impl BackendOps for CudaComm {
             devices: self.devices.clone(),
             driver: driver::driver_version(),
             nccl_version: nccl::version(),
+            fallback: self.ws.fallback.as_ref().map(|f| crate::backend::Fallback {
+                rank: f.rank,
+                peer: f.peer,
+                check: f.check.to_string(),
+                detail: f.detail.clone(),
+            }),
         }
     }
 
     fn synchronize(&mut self) -> Result<()> {
         let waited = self.wait_all("synchronize");
         // What a kernel recorded explains a failed wait better than the wait does.
-        self.check_health()?;
-        waited
+        self.check_health().map_err(|e| self.in_job(e))?;
+        waited.map_err(|e| self.in_job(e))
     }
 
     fn async_error(&self) -> Option<Error> {
-        self.check_health().err()
+        self.check_health().err().map(|e| self.in_job(e))
     }
 
     fn device(&self) -> Option<usize> {
         Some(self.ordinal)
+    }
+
+    fn fabric(&self) -> Fabric {
+        self.fabric
     }
 
     fn own_stream(&self) -> Option<*mut c_void> {
@@ -813,10 +912,15 @@ impl BackendOps for CudaComm {
     }
 
     fn leave(&mut self, boot: &mut Bootstrap) {
-        self.teardown(boot)
+        self.with_node_boot(boot, |c, b| c.teardown(b))
     }
 
     fn alloc_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<RegisteredBuffer> {
+        if self.inter.is_some() {
+            return self.with_node_boot(boot, |c, b| {
+                c.alloc_registered(b, bytes).map_err(|e| c.in_job(e))
+            });
+        }
         let device = self.device;
         self.add_region("alloc", bytes, |id| {
             registry::alloc(boot, device, bytes, id)
@@ -829,6 +933,12 @@ impl BackendOps for CudaComm {
         ptr: u64,
         bytes: usize,
     ) -> Result<RegisteredBuffer> {
+        if self.inter.is_some() {
+            // SAFETY: forwarded contract.
+            return self.with_node_boot(boot, |c, b| unsafe {
+                c.register(b, ptr, bytes).map_err(|e| c.in_job(e))
+            });
+        }
         let device = self.device;
         self.add_region("register", bytes, |id| {
             registry::register(boot, device, ptr, bytes, id)
@@ -836,6 +946,11 @@ impl BackendOps for CudaComm {
     }
 
     fn free_registered(&mut self, boot: &mut Bootstrap, buf: RegisteredBuffer) -> Result<()> {
+        if self.inter.is_some() {
+            return self.with_node_boot(boot, |c, b| {
+                c.free_registered(b, buf).map_err(|e| c.in_job(e))
+            });
+        }
         // Our work on every stream that may touch it is done (bounded), then every peer's.
         self.wait_all("free")?;
         boot.barrier()?;

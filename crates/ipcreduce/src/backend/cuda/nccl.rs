@@ -144,14 +144,73 @@ impl Nccl {
             internal: root.map(|b| b as std::ffi::c_char),
         };
 
-        let name = CString::new("ipcreduce").expect("no NUL");
+        Self::open(boot, id, boot.world(), rank, shared_gpu, "ipcreduce")
+    }
+
+    /// Collective over the whole job: an NCCL communicator among `members` (ranks of the job,
+    /// in the order NCCL numbers them), for every rank that is one; its unique id made by
+    /// `members[0]` and sent through the job's bootstrap. Every rank of the job calls it (with
+    /// its own group), so that the one exchange serves every group at once.
+    pub fn init_among(boot: &mut Bootstrap, members: &[usize], name: &str) -> Result<Nccl> {
+        let rank = boot.rank();
+        let err = |op: &str, detail: String| Error::Cuda {
+            rank,
+            op: op.into(),
+            detail,
+        };
+        let me = members
+            .iter()
+            .position(|&r| r == rank)
+            .ok_or_else(|| err("NCCL init", format!("rank {rank} is not among {members:?}")))?;
+        let mut mine = vec![present() as u8];
+        if me == 0 && present() {
+            let id = nr::get_uniqueid().map_err(|e| err("ncclGetUniqueId", describe(e.0)))?;
+            mine.extend(id.internal.map(|c| c as u8));
+        }
+        let all = boot.all_gather(&mine)?;
+        if let Some(&peer) = members.iter().find(|&&p| all[p].first() != Some(&1)) {
+            let who = if peer == rank { "here" } else { "on that rank" };
+            return Err(err(
+                "NCCL init",
+                format!("libnccl.so not found {who} (rank {peer}, of the NCCL group {members:?})"),
+            ));
+        }
+        let root: [u8; 128] = all[members[0]][1..].try_into().map_err(|_| {
+            err(
+                "NCCL id exchange",
+                format!("rank {} sent no NCCL id", members[0]),
+            )
+        })?;
+        let id = ns::ncclUniqueId {
+            internal: root.map(|b| b as std::ffi::c_char),
+        };
+        Self::open(boot, id, members.len(), me, false, name)
+    }
+
+    /// `ncclCommInitRankConfig` as rank `me` of `nranks` with `id`, then waits (bounded) for
+    /// the communicator to be ready.
+    fn open(
+        boot: &Bootstrap,
+        id: ns::ncclUniqueId,
+        nranks: usize,
+        me: usize,
+        shared_gpu: bool,
+        name: &str,
+    ) -> Result<Nccl> {
+        let rank = boot.rank();
+        let err = |op: &str, detail: String| Error::Cuda {
+            rank,
+            op: op.into(),
+            detail,
+        };
+        let name = CString::new(name).map_err(|_| err("NCCL init", "NUL in the name".into()))?;
         let socket = CString::new("Socket").expect("no NUL");
         let mut cfg = config(&name, shared_gpu.then_some(socket.as_c_str()));
         let mut comm = std::ptr::null_mut();
-        // SAFETY: collective init; every rank calls it with the same id; `cfg` and the
+        // SAFETY: collective init; every member calls it with the same id; `cfg` and the
         // strings it points to outlive the call (NCCL copies them).
         let res = unsafe {
-            ns::ncclCommInitRankConfig(&mut comm, boot.world() as i32, id, rank as i32, &mut cfg)
+            ns::ncclCommInitRankConfig(&mut comm, nranks as i32, id, me as i32, &mut cfg)
         };
         if !matches!(
             res,

@@ -75,13 +75,8 @@ pub(super) fn device_uuid(device: sys::CUdevice, rank: usize) -> Result<Vec<u8>>
     Ok(uuid.bytes.iter().map(|b| *b as u8).collect())
 }
 
-/// For every peer on another GPU: that GPU must be visible here and reachable by P2P.
-pub(super) fn check_peer_access(
-    rank: usize,
-    device: sys::CUdevice,
-    uuids: &[Vec<u8>],
-) -> Result<()> {
-    let mine = &uuids[rank];
+/// The GPUs this process sees, by UUID: (ordinal, device handle).
+pub(super) fn visible_devices(rank: usize) -> Result<HashMap<Vec<u8>, (i32, sys::CUdevice)>> {
     let count = cs::CudaContext::device_count().unwrap_or(0);
     let mut visible = HashMap::new();
     for ord in 0..count {
@@ -91,6 +86,17 @@ pub(super) fn check_peer_access(
             visible.insert(device_uuid(dev, rank)?, (ord, dev));
         }
     }
+    Ok(visible)
+}
+
+/// For every peer on another GPU: that GPU must be visible here and reachable by P2P.
+pub(super) fn check_peer_access(
+    rank: usize,
+    device: sys::CUdevice,
+    uuids: &[Vec<u8>],
+) -> Result<()> {
+    let mine = &uuids[rank];
+    let visible = visible_devices(rank)?;
     for (peer, uuid) in uuids.iter().enumerate() {
         if peer == rank || uuid == mine {
             continue;

@@ -80,9 +80,12 @@ impl Drop for CudaComm {
         if !self.left {
             self.quiesce();
         }
-        if let Ok(nccl) = &mut self.nccl {
-            if self.abort.is_aborted() || self.leak != Leak::Nothing {
+        if self.abort.is_aborted() || self.leak != Leak::Nothing {
+            if let Ok(nccl) = &mut self.nccl {
                 nccl.abort_on_drop();
+            }
+            if let Some(inter) = &mut self.inter {
+                inter.abort_on_drop();
             }
         }
         // SAFETY: each field is dropped at most once, here, and not used afterwards.

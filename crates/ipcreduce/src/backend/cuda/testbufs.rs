@@ -173,7 +173,7 @@ impl TestBuffers for CudaComm {
 }
 
 impl CudaComm {
-    fn buf(&self, id: BufId) -> Result<(u64, usize)> {
+    pub(super) fn buf(&self, id: BufId) -> Result<(u64, usize)> {
         self.bufs
             .get(id)
             .and_then(|b| b.as_ref())
@@ -183,6 +183,11 @@ impl CudaComm {
 
     /// A registered (zero-copy) test buffer: collective, like [`BackendOps::alloc_registered`].
     pub fn alloc_test_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<BufId> {
+        self.with_node_boot(boot, |c, b| c.alloc_test_registered_here(b, bytes))
+    }
+
+    /// [`Self::alloc_test_registered`] over the node's bootstrap.
+    fn alloc_test_registered_here(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<BufId> {
         // Every second one is created here and registered, so that the checks exercise both
         // `register` (caller's cuMem memory) and `alloc`. Same order on every rank.
         let (buf, own) = if self.bufs.len() % 2 == 1 {

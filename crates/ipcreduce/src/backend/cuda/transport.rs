@@ -153,6 +153,8 @@ pub fn require_all(check: &'static str, reports: &[Vec<u8>], me: usize) -> Resul
 pub struct SharedWorkspaces {
     inner: Inner,
     pub size: usize,
+    /// The pair that made `auto` stage through host memory (the same on every rank).
+    pub fallback: Option<PairFailure>,
 }
 
 enum Inner {
@@ -237,6 +239,7 @@ impl SharedWorkspaces {
                             return Ok(SharedWorkspaces {
                                 size: ws.size,
                                 inner: Inner::Peer(ws),
+                                fallback: None,
                             });
                         }
                     }
@@ -259,6 +262,10 @@ impl SharedWorkspaces {
         Ok(SharedWorkspaces {
             size: host.size,
             inner: Inner::Host(host),
+            fallback: match step {
+                Step::Host(f) => f,
+                Step::Peer => None,
+            },
         })
     }
 }

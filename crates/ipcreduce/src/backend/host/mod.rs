@@ -22,6 +22,7 @@ mod failure;
 mod heap;
 mod oneshot;
 mod reduce;
+mod scatter_gather;
 mod stamp;
 mod sync;
 #[cfg(test)]
@@ -31,7 +32,7 @@ mod twoshot;
 pub use heap::{HostBuffer, SymmetricBuffer};
 
 use crate::abort::AbortState;
-use crate::backend::{BackendMeta, BackendOps};
+use crate::backend::{BackendMeta, BackendOps, SgOp};
 #[cfg(feature = "test-support")]
 use crate::backend::{BufId, Call};
 use crate::bootstrap::Bootstrap;
@@ -291,14 +292,36 @@ impl HostComm {
         op: ReduceOp,
         algo: Algorithm,
     ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.all_reduce_as(SgOp::AllReduce, send, recv, count, dtype, op, algo) }
+    }
+
+    /// [`Self::all_reduce`] on behalf of `what` (an all-reduce, or the one a reduce-scatter
+    /// or all-gather runs): stamped and named in errors as `what`, so that ranks in different
+    /// operations fail with a mismatch.
+    ///
+    /// # Safety
+    /// As [`BackendOps::all_reduce_raw`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn all_reduce_as(
+        &mut self,
+        what: SgOp,
+        send: *const u8,
+        recv: *mut u8,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        algo: Algorithm,
+    ) -> Result<()> {
+        let name = what.name();
         if !matches!(algo, Algorithm::OneShot | Algorithm::TwoShot) {
             return Err(Error::invalid(
                 self.rank,
-                "all_reduce",
+                name,
                 format!("the host backend runs oneshot or twoshot, not {algo}"),
             ));
         }
-        self.check_alive("all_reduce", self.seq + 1)?;
+        self.check_alive(name, self.seq + 1)?;
         if count == 0 {
             return Ok(());
         }
@@ -318,7 +341,7 @@ impl HostComm {
             count,
             dtype,
             op,
-            stamp: Stamp::new(seq, count, dtype, op, algo),
+            stamp: Stamp::new(seq, count, dtype, op, algo).of(what),
             heap_off: self.heap_offset(send, bytes),
         };
         // SAFETY: forwarded contract.
@@ -329,7 +352,7 @@ impl HostComm {
             }
         };
         let zero_copy = r.as_ref().is_ok_and(|zc| *zc);
-        r.map_err(|f| self.fail(f, "all_reduce", seq))?;
+        r.map_err(|f| self.fail(f, name, seq))?;
         // Always say we are done (one store to a line nobody else writes); a zero-copy rank
         // must then wait for everyone, since its caller may overwrite the input on return.
         let e = self.epoch;
@@ -337,7 +360,7 @@ impl HostComm {
         if zero_copy {
             for q in self.peers() {
                 let r = self.wait_signal(q, &self.ctrl(q).done.sig, e);
-                r.map_err(|f| self.fail(f, "all_reduce", seq))?;
+                r.map_err(|f| self.fail(f, name, seq))?;
             }
         }
         Ok(())
@@ -379,6 +402,20 @@ impl BackendOps for HostComm {
         unsafe { self.all_reduce(send.cast(), recv.cast(), count, dtype, op, algo) }
     }
 
+    unsafe fn scatter_gather_raw(
+        &mut self,
+        what: SgOp,
+        send: *const c_void,
+        recv: *mut c_void,
+        shards: crate::shards::Shards,
+        dtype: DType,
+        op: ReduceOp,
+        _stream: *mut c_void,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.scatter_gather(what, send.cast(), recv.cast(), shards, dtype, op) }
+    }
+
     fn unavailable(&self, algo: Algorithm) -> Option<String> {
         match algo {
             Algorithm::Nccl => Some("NCCL is cuda-only".into()),
@@ -392,6 +429,7 @@ impl BackendOps for HostComm {
             devices: vec![format!("host: {cores} cores")],
             driver: None,
             nccl_version: None,
+            fallback: None,
         }
     }
 

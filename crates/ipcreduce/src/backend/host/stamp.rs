@@ -3,6 +3,7 @@
 //! or out of bounds.
 
 use super::arena::ReadyLine;
+use crate::backend::SgOp;
 use crate::types::{Algorithm, DType, ReduceOp};
 use std::sync::atomic::Ordering;
 
@@ -11,7 +12,7 @@ use std::sync::atomic::Ordering;
 pub(super) struct Stamp {
     seq: u64,
     count: u64,
-    /// dtype | op << 8 | algo << 16.
+    /// dtype | op << 8 | algo << 16 | operation << 24.
     codes: u32,
 }
 
@@ -22,6 +23,12 @@ impl Stamp {
             count: count as u64,
             codes: dtype.code() | op.code() << 8 | algo.code() << 16,
         }
+    }
+
+    /// The stamp of the all-reduce that runs `what` (reduce-scatter and all-gather run one).
+    pub fn of(mut self, what: SgOp) -> Stamp {
+        self.codes |= what.code() << 24;
+        self
     }
 
     /// Reads a peer's stamp (after acquiring its epoch, which orders these loads).
@@ -49,7 +56,7 @@ impl Stamp {
         if self.count != peer.count {
             parts.push(format!("count {} vs {}", self.count, peer.count));
         }
-        for (field, what) in [(0, "dtype"), (1, "op"), (2, "algorithm")] {
+        for (field, what) in [(3, "operation"), (0, "dtype"), (1, "op"), (2, "algorithm")] {
             let (a, b) = (code_name(self.codes, field), code_name(peer.codes, field));
             if a != b {
                 parts.push(format!("{what} {a} vs {b}"));
@@ -59,7 +66,7 @@ impl Stamp {
     }
 }
 
-/// Name of byte `field` of a codes word (0 dtype, 1 op, 2 algorithm).
+/// Name of byte `field` of a codes word (0 dtype, 1 op, 2 algorithm, 3 operation).
 fn code_name(codes: u32, field: u32) -> String {
     let v = (codes >> (8 * field)) & 0xFF;
     let algos = [
@@ -74,6 +81,7 @@ fn code_name(codes: u32, field: u32) -> String {
             .iter()
             .find(|o| o.code() == v)
             .map(|o| o.name()),
+        3 => SgOp::ALL.iter().find(|o| o.code() == v).map(|o| o.name()),
         _ => algos.iter().find(|a| a.code() == v).map(|a| a.name()),
     };
     name.map_or_else(|| format!("code {v}"), str::to_string)
@@ -93,5 +101,7 @@ mod tests {
              algorithm oneshot vs twoshot"
         );
         assert_eq!(a.diff(&a), "");
+        let rs = a.of(SgOp::ReduceScatter);
+        assert_eq!(a.diff(&rs), "operation all_reduce vs reduce_scatter");
     }
 }

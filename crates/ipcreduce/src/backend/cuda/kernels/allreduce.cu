@@ -50,16 +50,25 @@
 // (3) Staged slots with a variable grid. Within one call the grid is fixed and the bytes of a slot
 //     a block touches are fixed too: pieces and shards are cut from the call's chunk frame
 //     (min(count, chunk elements)), not from the chunk's actual length, so the short last chunk
-//     touches a subset of the same bytes. Before block b writes slot parity P for chunk k it has
-//     passed a barrier of chunk k-1 with block b of every peer, entered by that block only after
-//     its reads of chunk k-2 (the previous use of P in this call) were done.
+//     touches a subset of the same bytes. Block b of every rank cuts the same pieces, so block b
+//     only ever reads what block b of a peer wrote. Chunk k lives in slot parity (L0 + k) & 1.
+//     Pipelined order of one block, one-shot: copy-in 0; for each chunk k: barrier k, copy-in
+//     k+1, reduce k. Two-shot: copy-in 0; for each k: barrier A_k, reduce our shard of k (reads
+//     the peers' slots, stores the result back into them), barrier B_k, copy-in k+1, gather k
+//     (reads our own slot only). Before block b writes slot parity P for chunk k+1 it has passed
+//     the barrier of chunk k (one-shot) or B_k and so A_k (two-shot) with block b of every peer,
+//     which that block entered only after it finished every access of chunk k-1, the previous
+//     use of P: its reads (one-shot), its reduce and gather (two-shot). Chunk k's reads follow
+//     the barrier every peer entered after writing chunk k.
 //     Across calls the parity continues from a rank-wide chunk counter (not a per-block one), so
-//     the first chunk of call Y uses the other parity than the last chunk of call X, which peers
-//     may still be reading (one-shot has no end barrier). The previous use of Y's first parity was
-//     finished by every block of every peer before our X completed (X's barriers), and Y's second
-//     chunk passes a barrier of Y first, which the peer enters only after its X completed. Two-shot
-//     staged stores reduced shards into every rank's slot between its two barriers and reads only
-//     its own slot after the second, so nothing of it crosses a call boundary at all.
+//     the first chunk of call Y, copied in before Y's first barrier, uses the other parity than
+//     the last chunk of call X, which peers may still be reading (one-shot and two-shot have no
+//     end barrier). The previous use of Y's first parity was finished by every block of every
+//     peer before our X passed its last barrier, and Y's second chunk is copied in after a
+//     barrier of Y, which a peer enters only after its X completed. Our own contribution is read
+//     from our input or our own slot's own region, which no peer touches; the reduced shard r
+//     lands in region r of peer q's slot, in place of what q copied in for r, and q reads it
+//     only in its gather after B_k.
 // (4) Rank order. Peers are summed in rank order 0..world-1 with f32 accumulation and one final
 //     rounding, so all ranks, and every path, produce bitwise the same result.
 // (5) Loads in flight. The reduction loads U packs (16 bytes each) from each of W ranks before
@@ -111,7 +120,17 @@ struct Args {
     int aligned;                 // zero-copy: bit 0 all rsend 16-byte aligned, bit 1 all rrecv
     int lane;                    // copy-engine barrier: the counter and flag slot it syncs on
     int check;                   // copy-engine barrier: compare the call's stamps (first one)
+    int mode;                    // staged and LL kernels: MODE_* bits (the same on every rank)
+    u64 chunk_bytes;             // staged kernels: bytes per chunk (<= slot_bytes, multiple
+                                 // of 256; the same on every rank for a call)
 };
+
+// Args::mode bits.
+// MODE_PUSH_PASSES (PCIe policy, peer transport): every push into peers' memory is made in
+// passes; in pass p this rank writes only to rank (rank + 1 + p) mod world, so each GPU's link
+// carries one stream of pushes per direction at a time instead of world - 1 streams that meet
+// at the root complex.
+#define MODE_PUSH_PASSES 1
 
 enum { ERR_NONE = 0, ERR_TIMEOUT = 1, ERR_ABORTED = 2, ERR_MISMATCH = 3 };
 
@@ -349,11 +368,6 @@ __device__ __forceinline__ void copy_range(char *dst, const char *src, u64 begin
 
 // Where a reduction reads rank r's elements (index 0 = the range's origin) and where it writes
 // the result. Functors over the rank keep the pointers in the kernel's parameter space.
-struct SlotSrc {
-    const Args &a;
-    u64 off;
-    __device__ const char *operator()(int r) const { return a.data[r] + off; }
-};
 struct SendSrc {
     const Args &a;
     __device__ const char *operator()(int r) const { return a.rsend[r]; }
@@ -368,22 +382,6 @@ struct OwnDst {
     }
     template <int W> __device__ void store16(u64 p, int, const uint4 &w) const {
         *(uint4 *)(out + p * 16) = w;
-    }
-};
-// Every rank's staged slot (two-shot staged: the reduced shard pushed by stores).
-struct AllSlotsDst {
-    const Args &a;
-    u64 off;
-    __device__ bool is_aligned() const { return true; }
-    template <typename D, int W> __device__ void store(u64 p, u64 end, int world, const uint4 &w) const {
-#pragma unroll
-        for (int r = 0; r < W; r++)
-            if (r < world) store_pack<D>(a.data[r] + off, p, end, false, w);
-    }
-    template <int W> __device__ void store16(u64 p, int world, const uint4 &w) const {
-#pragma unroll
-        for (int r = 0; r < W; r++)
-            if (r < world) *(uint4 *)(a.data[r] + off + p * 16) = w;
     }
 };
 // Every rank's registered output (two-shot zero-copy: all-gather by stores).
@@ -476,30 +474,98 @@ __device__ __forceinline__ void publish_when_all_done(u32 *st, u32 value) {
 
 // ---------------------------------------------------------------------------------------------
 // Staged kernels (unregistered user buffers): copy into our slot, barrier, reduce from every
-// rank's slot. Chunked by the slot size; slot parity from the rank-wide chunk counter.
+// rank's slot. Chunked by the call's chunk size (a.chunk_bytes); slot parity from the rank-wide
+// chunk counter; software-pipelined (see invariant 3): the copy-in of chunk k+1 is issued after
+// the barrier that publishes chunk k and before chunk k's reads, so the writes into our slot and
+// the reads from the peers' slots are in flight together. On the host-staged transport those
+// are the two directions of the GPU's PCIe link, which would otherwise take turns.
+//
+// Our own contribution is read from the input (`direct`, when 16-byte aligned) rather than from
+// our slot's copy, which exists for the peers: one slot read less per element, a PCIe read on
+// the host-staged transport. Two-shot then never copies in its own shard nor gathers it.
+
+__device__ __forceinline__ u64 slot_offset(const Args &a, u32 L) { return (u64)(L & 1u) * a.slot_bytes; }
+
+// Peer r's chunk from its slot at `off`, ours from `own` (our input's chunk, or our slot).
+struct StagedSrc {
+    const Args &a;
+    u64 off;
+    const char *own;
+    __device__ const char *operator()(int r) const { return r == a.rank ? own : a.data[r] + off; }
+};
+
+// Two-shot staged, the reduced shard: into `out` (our output's chunk, or our slot) and, unless
+// the PCIe policy pushes it afterwards in passes (`push` false), into every peer's slot, in
+// place of the input the peer copied there for us (only this thread reads and writes these
+// elements there). `out` and the slots are 16-byte aligned.
+struct ShardDst {
+    const Args &a;
+    u64 off;
+    char *out;
+    bool push;
+    __device__ bool is_aligned() const { return true; }
+    template <typename D, int W> __device__ void store(u64 p, u64 end, int world, const uint4 &w) const {
+        store_pack<D>(out, p, end, false, w);
+        if (!push) return;
+#pragma unroll
+        for (int r = 0; r < W; r++)
+            if (r < world && r != a.rank) store_pack<D>(a.data[r] + off, p, end, false, w);
+    }
+    template <int W> __device__ void store16(u64 p, int world, const uint4 &w) const {
+        *(uint4 *)(out + p * 16) = w;
+        if (!push) return;
+#pragma unroll
+        for (int r = 0; r < W; r++)
+            if (r < world && r != a.rank) *(uint4 *)(a.data[r] + off + p * 16) = w;
+    }
+};
+
+// One-shot: block b's piece of chunk `k` of our input into our slot of chunk counter L.
+template <typename D>
+__device__ __forceinline__ void one_shot_copy_in(const Args &a, u32 L, u64 c0, u64 chunk, u64 frame) {
+    u64 b, e;
+    shard_piece<D>(frame, min(chunk, a.count - c0), 1, 0, b, e);
+    copy_range<D, COPY_UNROLL>(a.data[a.rank] + slot_offset(a, L), a.send + c0 * D::SIZE, b, e);
+}
 
 template <typename D, typename Op, int W> __device__ void one_shot(const Args &a) {
     u32 *ctr = a.counters + 2 * blockIdx.x;
     u32 *st = a.counters + STATE_STAGED;
     u32 F = ctr[0];
     const u32 L0 = *(volatile u32 *)&st[0];
-    const u64 chunk = a.slot_bytes / D::SIZE;
+    const u64 chunk = a.chunk_bytes / D::SIZE;
     const u64 frame = min(chunk, a.count);
-    u32 L = L0;
-    for (u64 c0 = 0; c0 < a.count; c0 += chunk) {
-        const u64 n = min(chunk, a.count - c0);
-        const u64 slot_off = (u64)(L & 1u) * a.slot_bytes;
-        L++;
+    const u32 chunks = (u32)((a.count + chunk - 1) / chunk);
+    const bool direct = aligned16(a.send);
+    one_shot_copy_in<D>(a, L0, 0, chunk, frame);
+    for (u32 k = 0; k < chunks; k++) {
+        const u64 c0 = (u64)k * chunk;
+        const u64 off = slot_offset(a, L0 + k);
+        if (!barrier(a, F, k == 0)) break;
+        if (k + 1 < chunks) one_shot_copy_in<D>(a, L0 + k + 1, c0 + chunk, chunk, frame);
         u64 b, e;
-        shard_piece<D>(frame, n, 1, 0, b, e);
-        copy_range<D, COPY_UNROLL>(a.data[a.rank] + slot_off, a.send + c0 * D::SIZE, b, e);
-        if (!barrier(a, F, c0 == 0)) break;
+        shard_piece<D>(frame, min(chunk, a.count - c0), 1, 0, b, e);
+        const char *own = direct ? a.send + c0 * D::SIZE : a.data[a.rank] + off;
         char *out = a.recv + c0 * D::SIZE;
-        reduce_range<D, Op, W, STAGED_LOADS_IN_FLIGHT>(SlotSrc{a, slot_off}, OwnDst{out, aligned16(out)},
+        reduce_range<D, Op, W, STAGED_LOADS_IN_FLIGHT>(StagedSrc{a, off, own}, OwnDst{out, aligned16(out)},
                                                         a.world, b, e, true);
     }
     if (threadIdx.x == 0) ctr[0] = F;
-    publish_when_all_done(st, L0 + (u32)((a.count + chunk - 1) / chunk));
+    publish_when_all_done(st, L0 + chunks);
+}
+
+// Two-shot: block b's piece of every shard of chunk `k` (but our own when `direct`) into our
+// slot of chunk counter L, so block b of each peer can reduce its shard's piece b after one
+// barrier with us.
+template <typename D>
+__device__ __forceinline__ void two_shot_copy_in(const Args &a, u32 L, u64 c0, u64 chunk, u64 frame, bool direct) {
+    const u64 n = min(chunk, a.count - c0);
+    for (int s = 0; s < a.world; s++) {
+        if (direct && s == a.rank) continue;
+        u64 b, e;
+        shard_piece<D>(frame, n, a.world, s, b, e);
+        copy_range<D, COPY_UNROLL>(a.data[a.rank] + slot_offset(a, L), a.send + c0 * D::SIZE, b, e);
+    }
 }
 
 template <typename D, typename Op, int W> __device__ void two_shot(const Args &a) {
@@ -507,37 +573,38 @@ template <typename D, typename Op, int W> __device__ void two_shot(const Args &a
     u32 *st = a.counters + STATE_STAGED;
     u32 F = ctr[0];
     const u32 L0 = *(volatile u32 *)&st[0];
-    const u64 chunk = a.slot_bytes / D::SIZE;
+    const u64 chunk = a.chunk_bytes / D::SIZE;
     const u64 frame = min(chunk, a.count);
-    u32 L = L0;
-    for (u64 c0 = 0; c0 < a.count; c0 += chunk) {
+    const u32 chunks = (u32)((a.count + chunk - 1) / chunk);
+    const bool direct = aligned16(a.send) && aligned16(a.recv);
+    const bool passes = (a.mode & MODE_PUSH_PASSES) != 0;
+    two_shot_copy_in<D>(a, L0, 0, chunk, frame, direct);
+    for (u32 k = 0; k < chunks; k++) {
+        const u64 c0 = (u64)k * chunk;
         const u64 n = min(chunk, a.count - c0);
-        const u64 slot_off = (u64)(L & 1u) * a.slot_bytes;
-        char *mine = a.data[a.rank] + slot_off;
-        L++;
-        // Copy in piece b of every shard, so block b of each peer can reduce its shard's piece b
-        // after one barrier with us.
-        for (int s = 0; s < a.world; s++) {
-            u64 b, e;
-            shard_piece<D>(frame, n, a.world, s, b, e);
-            copy_range<D, COPY_UNROLL>(mine, a.send + c0 * D::SIZE, b, e);
-        }
-        if (!barrier(a, F, c0 == 0)) break;
+        const u64 off = slot_offset(a, L0 + k);
+        char *mine = a.data[a.rank] + off;
+        if (!barrier(a, F, k == 0)) break;
         u64 b, e;
         shard_piece<D>(frame, n, a.world, a.rank, b, e);
-        // Reduce our shard's piece and store it into every rank's slot (ours included), in place
-        // of the inputs: only this thread reads and writes these elements there.
-        reduce_range<D, Op, W, STAGED_LOADS_IN_FLIGHT>(SlotSrc{a, slot_off}, AllSlotsDst{a, slot_off},
-                                                        a.world, b, e, true);
+        // Reduce our shard's piece into our output (direct) or our slot, and into the peers'.
+        char *out = direct ? a.recv + c0 * D::SIZE : mine;
+        reduce_range<D, Op, W, STAGED_LOADS_IN_FLIGHT>(StagedSrc{a, off, direct ? a.send + c0 * D::SIZE : mine},
+                                                        ShardDst{a, off, out, !passes}, a.world, b, e, true);
+        if (passes) // the same thread reads back what it stored above (same pack mapping)
+            for (int p = 0; p + 1 < a.world; p++)
+                copy_range<D, COPY_UNROLL>(a.data[(a.rank + 1 + p) % a.world] + off, out, b, e);
         if (!barrier(a, F)) break;
-        // Every shard's reduced piece b is now in our slot: copy it out (local memory only).
+        if (k + 1 < chunks) two_shot_copy_in<D>(a, L0 + k + 1, c0 + chunk, chunk, frame, direct);
+        // Every peer's reduced shard piece b of chunk k is now in our slot: gather it.
         for (int s = 0; s < a.world; s++) {
+            if (direct && s == a.rank) continue;
             shard_piece<D>(frame, n, a.world, s, b, e);
             copy_range<D, COPY_UNROLL>(a.recv + c0 * D::SIZE, mine, b, e);
         }
     }
     if (threadIdx.x == 0) ctr[0] = F;
-    publish_when_all_done(st, L0 + (u32)((a.count + chunk - 1) / chunk));
+    publish_when_all_done(st, L0 + chunks);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -702,20 +769,26 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args
     const u64 pairs = (total + 15) / 16;
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 stride = (u64)gridDim.x * blockDim.x;
-    // Push: both units of each pair to every peer, peers in rotated order so links load evenly.
-    for (u64 j = first; j < pairs; j += stride) {
-        const uint4 v = load_pair(a.send, j, total);
-        const bool two = 2 * j + 1 < units;
+    // Push: both units of each pair to every peer, peers in rotated order so links load evenly;
+    // under the PCIe policy in passes (the whole input to one peer, then to the next).
+    const bool passes = (a.mode & MODE_PUSH_PASSES) != 0;
+    for (int k0 = 1; k0 < a.world; k0++) {
+        const int k1 = passes ? k0 + 1 : a.world;
+        for (u64 j = first; j < pairs; j += stride) {
+            const uint4 v = load_pair(a.send, j, total);
+            const bool two = 2 * j + 1 < units;
 #pragma unroll
-        for (int k = 1; k < W; k++) {
-            if (k < a.world) {
-                int r = a.rank + k;
-                if (r >= a.world) r -= a.world;
-                uint4 *line = ll_line(a, r, parity, a.rank, 2 * j);
-                ll_put(line, v.x, seq, v.y, tag);
-                if (two) ll_put(line + 1, v.z, seq, v.w, tag);
+            for (int k = 1; k < W; k++) {
+                if (k >= k0 && k < k1) {
+                    int r = a.rank + k;
+                    if (r >= a.world) r -= a.world;
+                    uint4 *line = ll_line(a, r, parity, a.rank, 2 * j);
+                    ll_put(line, v.x, seq, v.y, tag);
+                    if (two) ll_put(line + 1, v.z, seq, v.w, tag);
+                }
             }
         }
+        if (!passes) break;
     }
     // Reduce in rank order from our own memory. The same thread handles pair j in both loops, so
     // in place (send == recv) is safe. Two ranks: both lines of the peer are peeked before either
@@ -881,17 +954,22 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll12(const Ar
             }
         }
     }
-    // Push: every line to every peer, peers in rotated order.
-    for (u64 i = first; i < lines; i += stride) {
-        const uint3 v = load_tri(a.send, i, total);
+    // Push: every line to every peer, peers in rotated order; under the PCIe policy in passes.
+    const bool passes = (a.mode & MODE_PUSH_PASSES) != 0;
+    for (int k0 = 1; k0 < a.world; k0++) {
+        const int k1 = passes ? k0 + 1 : a.world;
+        for (u64 i = first; i < lines; i += stride) {
+            const uint3 v = load_tri(a.send, i, total);
 #pragma unroll
-        for (int k = 1; k < W; k++) {
-            if (k < a.world) {
-                int r = a.rank + k;
-                if (r >= a.world) r -= a.world;
-                ll_put(ll_line(a, r, parity, a.rank, i), v.x, v.y, v.z, seq);
+            for (int k = 1; k < W; k++) {
+                if (k >= k0 && k < k1) {
+                    int r = a.rank + k;
+                    if (r >= a.world) r -= a.world;
+                    ll_put(ll_line(a, r, parity, a.rank, i), v.x, v.y, v.z, seq);
+                }
             }
         }
+        if (!passes) break;
     }
     // Reduce in rank order from our own memory (the same thread pushed line i: in place is safe),
     // every peer's line peeked before any wait; every peer's header checked before the first store.

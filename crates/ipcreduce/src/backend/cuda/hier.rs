@@ -1,0 +1,391 @@
+//! Jobs across hosts: the hierarchical all-reduce.
+//!
+//! Each node's ranks form a group of their own ([`Bootstrap::node_group`], over a Unix socket,
+//! sharing the job's abort state); the peer-memory communicator ([`CudaComm`]) is built over
+//! that group, and one NCCL communicator per local rank spans the nodes (local rank i of every
+//! node; its unique id made by node 0's rank i and sent through the job's bootstrap). An
+//! all-reduce of `count` elements is then, on the caller's stream:
+//!
+//! 1. reduce-scatter inside the node (peer memory): rank i of the node gets the node's sum of
+//!    shard i (16-byte aligned shards, see [`Shards::aligned16`]), in place in its recv;
+//! 2. NCCL all-reduce of shard i, in place, among the ranks with local rank i (between nodes);
+//! 3. all-gather inside the node (peer memory), from each rank's shard in its recv.
+//!
+//! Every rank ends with the same bits: steps 2 and 3 only copy what one NCCL reduction made.
+//! f16 and bf16 are rounded twice (the node's sum, then NCCL's reduction of the node sums),
+//! f32 accumulates in f32 throughout. Each step is stamped like a call of its own (a rank
+//! calling with other arguments fails with a mismatch inside its node), and the NCCL
+//! communicator is aborted with the job.
+
+use super::nccl::Nccl;
+use super::CudaComm;
+use crate::backend::SgOp;
+use crate::bootstrap::Bootstrap;
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::plan::PathInfo;
+use crate::shards::Shards;
+use crate::types::{DType, ReduceOp};
+use cudarc::driver::sys;
+
+/// Names the NCCL step in errors (and tells them apart from the node's steps').
+const BETWEEN_NODES: &str = "between nodes";
+
+/// What a communicator across nodes has beside the node's peer-memory communicator.
+pub(super) struct Inter {
+    /// NCCL among the ranks with this rank's local rank, one per node.
+    nccl: Nccl,
+    /// The node's group (taken out while a collective of the node runs over it).
+    pub(super) group: Option<Bootstrap>,
+    /// This rank in the job, its node, the node's ranks (by local rank) and the job's ranks
+    /// in `nccl` (by node).
+    rank: usize,
+    node: usize,
+    node_ranks: Vec<usize>,
+    members: Vec<usize>,
+}
+
+impl CudaComm {
+    /// Collective over the job: the node's group, the communicator over it, then NCCL between
+    /// the nodes. `boot` is the job's bootstrap.
+    pub fn new_across_nodes(boot: &mut Bootstrap, config: &Config) -> Result<CudaComm> {
+        let layout = boot.layout().clone();
+        let (rank, node) = (boot.rank(), layout.node());
+        let mut group = boot.node_group()?;
+        // NCCL beside ours (the baseline) spans the job, not the node: built below.
+        let node_config = Config {
+            with_nccl: false,
+            ..config.clone()
+        };
+        let mut comm = CudaComm::new(&mut group, &node_config)?;
+        let members = layout.same_local_rank(layout.local_rank());
+        let nccl =
+            Nccl::init_among(boot, &members, "ipcreduce-inter").map_err(|e| Error::Cuda {
+                rank,
+                op: format!(
+                    "NCCL between nodes (node {node}, local rank {}, with ranks {members:?})",
+                    layout.local_rank()
+                ),
+                detail: e.to_string(),
+            })?;
+        if config.with_nccl {
+            comm.nccl = Nccl::init(boot, config.nccl_shared_gpu()).map_err(|e| e.to_string());
+        }
+        comm.inter = Some(Inter {
+            nccl,
+            group: Some(group),
+            rank,
+            node,
+            node_ranks: layout.node_ranks(node).to_vec(),
+            members,
+        });
+        Ok(comm)
+    }
+
+    /// Runs `f` with the bootstrap the node's collectives use: the node's group when the job
+    /// spans nodes, else `boot` (the job's).
+    pub(super) fn with_node_boot<R>(
+        &mut self,
+        boot: &mut Bootstrap,
+        f: impl FnOnce(&mut Self, &mut Bootstrap) -> R,
+    ) -> R {
+        let taken = self.inter.as_mut().and_then(|i| i.group.take());
+        match taken {
+            None => f(self, boot),
+            Some(mut group) => {
+                let r = f(self, &mut group);
+                if let Some(i) = self.inter.as_mut() {
+                    i.group = Some(group);
+                }
+                r
+            }
+        }
+    }
+
+    /// The hierarchical all-reduce (see the module's text), enqueued on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_hierarchical(
+        &mut self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        self.launch_hierarchical_marked(send, recv, count, dtype, op, stream, &mut |_, _| Ok(()))
+    }
+
+    /// [`Self::launch_hierarchical`], calling `mark(self, k)` before step k (0, 1, 2) and
+    /// after the last (3): where the phase timing records its events.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_hierarchical_marked(
+        &mut self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        stream: sys::CUstream,
+        mark: &mut dyn FnMut(&mut Self, usize) -> Result<()>,
+    ) -> Result<()> {
+        let size = dtype.size();
+        let shards = Shards::aligned16(count, self.world, size);
+        let mine = shards.span(self.rank);
+        let at = recv + (mine.start * size) as u64;
+        mark(self, 0)?;
+        // Errors of the node's steps are put in the job's terms by the caller (all_reduce_raw).
+        self.launch_sg(SgOp::ReduceScatter, send, at, shards, dtype, op, stream)?;
+        let intra = self.last_path;
+        mark(self, 1)?;
+        if !mine.is_empty() {
+            let inter = self
+                .inter
+                .as_mut()
+                .expect("hierarchical calls need NCCL between nodes");
+            let (rank, node, members) = (inter.rank, inter.node, inter.members.clone());
+            // SAFETY: `at` holds our shard (`mine.len()` elements) of `recv`, which the caller
+            // vouched for.
+            unsafe {
+                inter.nccl.all_reduce(
+                    at as *const std::ffi::c_void,
+                    at as *mut std::ffi::c_void,
+                    mine.len(),
+                    dtype,
+                    op,
+                    stream,
+                )
+            }
+            .map_err(|e| Error::Cuda {
+                rank,
+                op: format!(
+                    "all_reduce {BETWEEN_NODES} (node {node}, NCCL with ranks {members:?})"
+                ),
+                detail: e.to_string(),
+            })?;
+        }
+        mark(self, 2)?;
+        self.launch_sg(SgOp::AllGather, at, recv, shards, dtype, op, stream)?;
+        mark(self, 3)?;
+        let registered = intra.is_some_and(|p| p.registered);
+        self.last_path = Some(PathInfo {
+            name: if registered {
+                "hierarchical-reg"
+            } else {
+                "hierarchical"
+            },
+            ctas: intra.map_or(0, |p| p.ctas),
+            registered,
+        });
+        Ok(())
+    }
+
+    /// An error of the node's communicator in the job's terms: the job's rank numbers (the
+    /// node's communicator numbers its ranks by local rank), and the node in the operation.
+    pub(super) fn in_job(&self, e: Error) -> Error {
+        match &self.inter {
+            Some(i) => job_terms(e, i.rank, i.node, &i.node_ranks),
+            None => e,
+        }
+    }
+}
+
+/// `e`, an error of node `node`'s communicator (which numbers the node's ranks by local rank),
+/// in the job's terms: this rank's job rank `rank`, peers by their job rank (`node_ranks`, by
+/// local rank), the node named in the operation.
+fn job_terms(e: Error, rank: usize, node: usize, node_ranks: &[usize]) -> Error {
+    // The NCCL step's errors are made in the job's terms already.
+    if matches!(&e, Error::Cuda { op, .. } if op.contains(BETWEEN_NODES)) {
+        return e;
+    }
+    let peer_of = |p: usize| node_ranks.get(p).copied().unwrap_or(p);
+    let at = |op: String| format!("{op} (inside node {node})");
+    match e {
+        Error::Timeout {
+            peer,
+            op,
+            seq,
+            waited,
+            ..
+        } => Error::Timeout {
+            rank,
+            peer: peer_of(peer),
+            op: at(op),
+            seq,
+            waited,
+        },
+        Error::Mismatch {
+            peer,
+            op,
+            seq,
+            detail,
+            ..
+        } => Error::Mismatch {
+            rank,
+            peer: peer_of(peer),
+            op: at(op),
+            seq,
+            detail,
+        },
+        Error::PeerLost {
+            peer, op, detail, ..
+        } => Error::PeerLost {
+            rank,
+            peer: peer_of(peer),
+            op: at(op),
+            detail,
+        },
+        Error::Aborted { reason, .. } => Error::Aborted { rank, reason },
+        Error::Cuda { op, detail, .. } => Error::Cuda {
+            rank,
+            op: at(op),
+            detail,
+        },
+        Error::CudaDriver {
+            op, code, detail, ..
+        } => Error::CudaDriver {
+            rank,
+            op: at(op),
+            code,
+            detail,
+        },
+        Error::PeerAccess {
+            peer, op, detail, ..
+        } => Error::PeerAccess {
+            rank,
+            peer: peer_of(peer),
+            op,
+            detail,
+        },
+        Error::InvalidArgument { op, detail, .. } => Error::InvalidArgument { rank, op, detail },
+        Error::Bootstrap {
+            peer, op, detail, ..
+        } => Error::Bootstrap {
+            rank,
+            peer: peer.map(peer_of),
+            op,
+            detail: format!("{detail} (inside node {node})"),
+        },
+        other => other,
+    }
+}
+
+impl Inter {
+    /// This rank in the job.
+    pub(super) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Makes NCCL end with ncclCommAbort (the job is aborted or work may still run).
+    pub(super) fn abort_on_drop(&mut self) {
+        self.nccl.abort_on_drop();
+    }
+}
+
+/// The time of each step of the hierarchical all-reduce, for the benchmark (`test-support`).
+#[cfg(feature = "test-support")]
+impl CudaComm {
+    /// Mean microseconds of the intra-node reduce-scatter, the NCCL all-reduce between nodes
+    /// and the intra-node all-gather of `call` on backend-owned buffers, over `iters` calls
+    /// after `warmup` (events between the steps, on the communicator's stream). None when the
+    /// job has one node.
+    pub fn time_phases(
+        &mut self,
+        call: &crate::backend::Call,
+        warmup: usize,
+        iters: usize,
+    ) -> Result<Option<[f64; 3]>> {
+        use crate::backend::TestBuffers;
+        if self.inter.is_none() {
+            return Ok(None);
+        }
+        for _ in 0..warmup {
+            self.run(call)?;
+        }
+        self.synchronize_here()?;
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let events = (0..4)
+            .map(|_| self.ctx.new_event(flags))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| self.cuda_err("cuEventCreate".into(), e))?;
+        let (send, recv) = (self.buf(call.send)?.0, self.buf(call.recv)?.0);
+        let (send, recv) = (send + call.offset as u64, recv + call.offset as u64);
+        let stream = self.stream.cu_stream();
+        let mut total = [0f64; 3];
+        for _ in 0..iters.max(1) {
+            self.in_stream_order(stream, |c| {
+                c.launch_hierarchical_marked(
+                    send,
+                    recv,
+                    call.count,
+                    call.dtype,
+                    call.op,
+                    stream,
+                    &mut |c, k| {
+                        events[k]
+                            .record(&c.stream)
+                            .map_err(|e| c.cuda_err("cuEventRecord".into(), e))
+                    },
+                )
+            })?;
+            self.synchronize_here()?;
+            for (k, t) in total.iter_mut().enumerate() {
+                let ms = events[k]
+                    .elapsed_ms(&events[k + 1])
+                    .map_err(|e| self.cuda_err("cuEventElapsedTime".into(), e))?;
+                *t += ms as f64 * 1000.0;
+            }
+        }
+        Ok(Some(total.map(|t| t / iters.max(1) as f64)))
+    }
+
+    fn synchronize_here(&mut self) -> Result<()> {
+        crate::backend::BackendOps::synchronize(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_errors_name_job_ranks_and_the_node() {
+        // Node 1 holds job ranks 2 and 3; local rank 1 (job rank 3) timed out waiting for
+        // local rank 0 (job rank 2).
+        let e = Error::Timeout {
+            rank: 1,
+            peer: 0,
+            op: "all_reduce (kernel barrier)".into(),
+            seq: 4,
+            waited: std::time::Duration::from_secs(1),
+        };
+        let text = job_terms(e, 3, 1, &[2, 3]).to_string();
+        assert!(text.starts_with("rank 3:"), "{text}");
+        assert!(
+            text.contains("peer rank 2") && text.contains("inside node 1"),
+            "{text}"
+        );
+        let m = Error::Mismatch {
+            rank: 0,
+            peer: 1,
+            op: "all_reduce".into(),
+            seq: 1,
+            detail: "count 1 vs 2".into(),
+        };
+        let text = job_terms(m, 2, 1, &[2, 3]).to_string();
+        assert!(
+            text.contains("rank 2:") && text.contains("peer rank 3"),
+            "{text}"
+        );
+        // The NCCL step's own errors stay as they are.
+        let n = Error::Cuda {
+            rank: 3,
+            op: format!("all_reduce {BETWEEN_NODES} (node 1, NCCL with ranks [1, 3])"),
+            detail: "x".into(),
+        };
+        assert_eq!(
+            job_terms(n, 3, 1, &[2, 3]).to_string(),
+            "rank 3: all_reduce between nodes (node 1, NCCL with ranks [1, 3]) failed: x"
+        );
+    }
+}

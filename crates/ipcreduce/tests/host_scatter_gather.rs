@@ -1,0 +1,300 @@
+//! Reduce-scatter and all-gather (NCCL's semantics) on the host backend, with real processes:
+//! results against the float64 reference and bitwise against the all-reduce, the in-place
+//! forms, argument checks, and ranks calling different operations.
+
+mod common;
+
+use common::{say, Job, Spawn};
+use ipcreduce::{reference, Algorithm, BackendChoice, Communicator, Config, DType, ReduceOp};
+use std::ffi::c_void;
+use std::io::Write;
+use std::time::Duration;
+
+const ROLE: &str = "IPCREDUCE_SG_ROLE";
+const T: Duration = Duration::from_secs(60);
+
+fn play_rank_if_child() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let code = match role.as_str() {
+        "semantics" => rank_semantics(),
+        "mismatch" => rank_mismatch(),
+        other => panic!("unknown role {other}"),
+    };
+    let _ = std::io::stdout().flush();
+    std::process::exit(code);
+}
+
+fn join() -> Communicator {
+    let config = Config {
+        backend: BackendChoice::Host,
+        ..Config::default()
+    };
+    Communicator::init(&config).expect("communicator init")
+}
+
+/// `count` elements of rank `r`'s input in `dtype`, as bytes (u32 storage keeps it aligned).
+fn input(dtype: DType, seed: u64, r: usize, count: usize) -> Vec<u32> {
+    let mut v = vec![0u32; (count * dtype.size()).div_ceil(4)];
+    let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut v);
+    reference::fill_input(dtype, seed, r, &mut bytes[..count * dtype.size()]);
+    v
+}
+
+fn bytes(v: &[u32], n: usize) -> &[u8] {
+    &bytemuck::cast_slice(v)[..n]
+}
+
+/// For every dtype, op and count: reduce-scatter out of place and in place equals the shard of
+/// the all-reduce, bit for bit, and is acceptable against the reference; all-gather out of
+/// place and in place returns every rank's input bit for bit.
+fn rank_semantics() -> i32 {
+    let mut c = join();
+    let (rank, world) = (c.rank(), c.world());
+    let mut cases = 0;
+    for dtype in DType::ALL {
+        let size = dtype.size();
+        for op in ReduceOp::ALL {
+            for count in [1usize, 3, 1000, 70_001] {
+                let seed = (count * 31 + op.code() as usize) as u64;
+                let total = count * world;
+                // The whole, all-reduced, for comparison.
+                let send = input(dtype, seed, rank, total);
+                let mut full = vec![0u32; send.len()];
+                let (s, f) = (
+                    send.as_ptr().cast::<c_void>(),
+                    full.as_mut_ptr().cast::<c_void>(),
+                );
+                // SAFETY: live buffers of `total` elements.
+                unsafe {
+                    c.all_reduce_raw(
+                        s,
+                        f,
+                        total,
+                        dtype,
+                        op,
+                        Algorithm::Auto,
+                        std::ptr::null_mut(),
+                    )
+                }
+                .expect("all_reduce");
+                let want =
+                    &bytes(&full, total * size)[rank * count * size..(rank + 1) * count * size];
+                let mut recv = vec![0u32; (count * size).div_ceil(4)];
+                // SAFETY: send holds world * count elements, recv count.
+                unsafe {
+                    c.reduce_scatter_raw(
+                        s,
+                        recv.as_mut_ptr().cast(),
+                        count,
+                        dtype,
+                        op,
+                        std::ptr::null_mut(),
+                    )
+                }
+                .expect("reduce_scatter");
+                assert_eq!(
+                    bytes(&recv, count * size),
+                    want,
+                    "reduce_scatter {dtype} {op} {count}"
+                );
+                // The reference, element by element of our shard.
+                for i in 0..count {
+                    let (exact, mag) =
+                        reference::reference(dtype, op, seed, world, rank * count + i);
+                    let got = ipcreduce::element::load_f64(dtype, bytes(&recv, count * size), i);
+                    assert!(
+                        reference::acceptable(dtype, op, world, got, exact, mag),
+                        "{dtype} {op} {count}: element {i} = {got}, exact {exact}"
+                    );
+                }
+                // In place: recv = send + rank * count.
+                let mut inplace = send.clone();
+                let base = inplace.as_mut_ptr().cast::<u8>();
+                // SAFETY: one live buffer of world * count elements; recv is its shard.
+                unsafe {
+                    let r = base.add(rank * count * size);
+                    c.reduce_scatter_raw(
+                        base.cast(),
+                        r.cast(),
+                        count,
+                        dtype,
+                        op,
+                        std::ptr::null_mut(),
+                    )
+                }
+                .expect("reduce_scatter in place");
+                let got =
+                    &bytes(&inplace, total * size)[rank * count * size..(rank + 1) * count * size];
+                assert_eq!(got, want, "reduce_scatter in place {dtype} {op} {count}");
+                cases += 2;
+            }
+        }
+        for count in [1usize, 5, 4097] {
+            let seed = count as u64;
+            let mine = input(dtype, seed, rank, count);
+            let mut recv = vec![0u32; (count * world * size).div_ceil(4)];
+            // SAFETY: send holds count elements, recv world * count.
+            unsafe {
+                c.all_gather_raw(
+                    mine.as_ptr().cast(),
+                    recv.as_mut_ptr().cast(),
+                    count,
+                    dtype,
+                    std::ptr::null_mut(),
+                )
+            }
+            .expect("all_gather");
+            for r in 0..world {
+                let theirs = input(dtype, seed, r, count);
+                let at = r * count * size;
+                assert_eq!(
+                    &bytes(&recv, world * count * size)[at..at + count * size],
+                    bytes(&theirs, count * size),
+                    "all_gather {dtype} {count}: rank {r}'s part"
+                );
+            }
+            // In place: send = recv + rank * count.
+            let mut inplace = vec![0u32; recv.len()];
+            let base = inplace.as_mut_ptr().cast::<u8>();
+            // SAFETY: one live buffer of world * count elements; send is its shard.
+            unsafe {
+                let s = base.add(rank * count * size);
+                std::ptr::copy_nonoverlapping(bytes(&mine, count * size).as_ptr(), s, count * size);
+                c.all_gather_raw(
+                    s.cast_const().cast(),
+                    base.cast(),
+                    count,
+                    dtype,
+                    std::ptr::null_mut(),
+                )
+            }
+            .expect("all_gather in place");
+            assert_eq!(inplace, recv, "all_gather in place {dtype} {count}");
+            cases += 2;
+        }
+    }
+    // The typed forms and their checks.
+    let send: Vec<f32> = (0..world * 4).map(|i| (i + rank) as f32).collect();
+    let mut mine = vec![0f32; 4];
+    c.reduce_scatter_host(&send, &mut mine, ReduceOp::Sum)
+        .expect("reduce_scatter_host");
+    let want: Vec<f32> = (0..4)
+        .map(|i| (0..world).map(|r| (rank * 4 + i + r) as f32).sum())
+        .collect();
+    assert_eq!(mine, want);
+    let mut all = vec![0f32; world * 4];
+    c.all_gather_host(&mine, &mut all).expect("all_gather_host");
+    let e = c
+        .all_gather_host(&mine, &mut all[1..])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&format!("rank {rank}")) && e.contains("all_gather"),
+        "{e}"
+    );
+    // Overlap other than the in-place form.
+    let mut buf = vec![0f32; world * 4 + 1];
+    let p = buf.as_mut_ptr();
+    // SAFETY: never dereferenced: refused before the call reaches the backend.
+    let e = unsafe {
+        c.reduce_scatter_raw(
+            p.cast(),
+            p.add(1).cast(),
+            4,
+            DType::F32,
+            ReduceOp::Sum,
+            std::ptr::null_mut(),
+        )
+    };
+    let e = e.unwrap_err().to_string();
+    assert!(
+        e.contains("in-place form") && e.contains("reduce_scatter"),
+        "{e}"
+    );
+    say(format!("DONE {cases}"));
+    0
+}
+
+/// Rank 1 all-gathers while the others reduce-scatter the same number of bytes: every rank
+/// fails with a mismatch naming the operations.
+fn rank_mismatch() -> i32 {
+    let mut c = join();
+    let world = c.world();
+    let r = if c.rank() == 1 {
+        let mut out = vec![0f32; world * 8];
+        c.all_gather_host(&[1f32; 8], &mut out)
+    } else {
+        let mut out = vec![0f32; 8];
+        c.reduce_scatter_host(&vec![1f32; world * 8], &mut out, ReduceOp::Sum)
+    };
+    match r {
+        Err(e @ ipcreduce::Error::Mismatch { .. }) => say(format!("MISMATCH {e}")),
+        other => say(format!("UNEXPECTED {other:?}")),
+    }
+    // Stay until the parent heard everyone: a rank that leaves early looks dead to the others.
+    let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new());
+    0
+}
+
+fn spawn(test: &str, role: &str, world: usize, hold: bool) -> Vec<common::Rank> {
+    let job = Job::new("sg", &format!("{role}{world}"));
+    let spec = Spawn {
+        test,
+        role_var: ROLE,
+        role,
+        world,
+        extra: &[],
+        hold,
+    };
+    let ranks = common::spawn_world(&spec, &job);
+    // The job's directory goes when the ranks are done (they hold the socket until then).
+    std::mem::forget(job);
+    ranks
+}
+
+#[test]
+fn reduce_scatter_and_all_gather_have_nccls_semantics() {
+    play_rank_if_child();
+    for world in [2, 3, 4] {
+        let mut ranks = spawn(
+            "reduce_scatter_and_all_gather_have_nccls_semantics",
+            "semantics",
+            world,
+            false,
+        );
+        for r in &mut ranks {
+            let done = r.expect("DONE", T);
+            assert_eq!(done, (3 * (3 * 4 * 2 + 3 * 2)).to_string(), "{}", r.diag());
+        }
+        for r in &mut ranks {
+            r.wait_ok(T);
+        }
+    }
+}
+
+#[test]
+fn ranks_in_different_operations_fail_with_a_mismatch() {
+    play_rank_if_child();
+    let mut ranks = spawn(
+        "ranks_in_different_operations_fail_with_a_mismatch",
+        "mismatch",
+        3,
+        true,
+    );
+    for r in &mut ranks {
+        let m = r.expect("MISMATCH", T);
+        assert!(
+            m.contains(&format!("rank {}", r.rank))
+                && m.contains("operation")
+                && m.contains("all_gather")
+                && m.contains("reduce_scatter"),
+            "rank {}: {m}",
+            r.rank
+        );
+    }
+    for r in &mut ranks {
+        r.wait_ok(T);
+    }
+}
