@@ -34,6 +34,13 @@ __device__ __forceinline__ u64 sg_shard_len(const SgArgs &g, int s) {
     return min(g.total, b + g.per) - b;
 }
 
+// Every rank's staged slot at byte offset `off` (reduce-scatter reads region `rank` of each).
+struct SlotSrc {
+    const Args &a;
+    u64 off;
+    __device__ const char *operator()(int r) const { return a.data[r] + off; }
+};
+
 // Elements of a shard of `len` elements inside the chunk that starts at c0.
 __device__ __forceinline__ u64 sg_in_chunk(u64 len, u64 c0, u64 chunk) {
     return c0 >= len ? 0 : min(chunk, len - c0);
