@@ -90,8 +90,8 @@ pub struct Config {
     /// `IPCREDUCE_BLOCKS`; 32, fewer when ranks share a GPU.
     pub blocks: Option<usize>,
     /// cuda: largest message for the low-latency one-shot, 0 = off *(same on every rank)*.
-    /// `IPCREDUCE_LL_MAX`; by world size and transport ([`crate::plan::ll_default_max_bytes`]:
-    /// 1 MiB at two ranks over peer memory), at most 1 MiB.
+    /// `IPCREDUCE_LL_MAX`; by world size and fabric ([`crate::plan::ll_default_max_bytes`]:
+    /// 1 MiB at two ranks over NVLink), at most 1 MiB.
     pub ll_max_bytes: Option<usize>,
     /// cuda: data bytes per 16-byte line of the low-latency one-shot, 8 (`oneshot-ll`) or 12
     /// (`oneshot-ll12`) *(same on every rank)*. `IPCREDUCE_LL_DATA`; 8.
@@ -273,11 +273,10 @@ impl Config {
         self.timeout.unwrap_or(DEFAULT_TIMEOUT)
     }
 
-    /// cuda: largest message for the low-latency one-shot at `world` ranks, over peer memory
-    /// (`peer`) or staged through host memory.
-    pub fn ll_max_bytes(&self, world: usize, peer: bool) -> usize {
+    /// cuda: largest message for the low-latency one-shot at `world` ranks on `fabric`.
+    pub fn ll_max_bytes(&self, world: usize, fabric: crate::plan::Fabric) -> usize {
         self.ll_max_bytes
-            .unwrap_or_else(|| crate::plan::ll_default_max_bytes(world, peer))
+            .unwrap_or_else(|| crate::plan::ll_default_max_bytes(world, fabric))
     }
 
     /// host: zero-copy heap bytes per arena.
@@ -365,6 +364,8 @@ mod tests {
         }
     }
 
+    use crate::plan::Fabric;
+
     #[test]
     fn every_variable_is_read() {
         let c = Config::default()
@@ -380,17 +381,17 @@ mod tests {
                 ("IPCREDUCE_NCCL_SHARED_GPU", "1"),
                 ("IPCREDUCE_TRANSPORT", "host"),
                 ("IPCREDUCE_DENY_PEER", "1:0"),
-                ("IPCREDUCE_TOPOLOGY", "PCIe"),
                 ("IPCREDUCE_REG_LOADS", "8"),
                 ("IPCREDUCE_REG_ONESHOT_MAX", "65536"),
                 ("IPCREDUCE_LL_DATA", "12"),
+                ("IPCREDUCE_TOPOLOGY", "PCIe"),
             ]))
             .unwrap();
         assert_eq!(c.timeout(), Duration::from_millis(1500));
         assert_eq!(c.algo, Some(Algorithm::TwoShot));
         assert_eq!(c.workspace_bytes, Some(2 << 20));
         assert_eq!(c.blocks, Some(16));
-        assert_eq!(c.ll_max_bytes(2, true), 0);
+        assert_eq!(c.ll_max_bytes(2, Fabric::Peer), 0);
         assert_eq!(c.reg_loads, Some(8));
         assert_eq!(c.ll_data_bytes, Some(12));
         assert_eq!(c.reg_oneshot_max_bytes, Some(65536));
@@ -408,9 +409,9 @@ mod tests {
         let c = Config::default().resolve_with(env(&[])).unwrap();
         assert_eq!(c, Config::default());
         assert_eq!(c.timeout(), DEFAULT_TIMEOUT);
-        assert_eq!(c.ll_max_bytes(2, true), 1 << 20);
-        assert_eq!(c.ll_max_bytes(8, true), 64 << 10);
-        assert_eq!(c.ll_max_bytes(2, false), 64 << 10);
+        assert_eq!(c.ll_max_bytes(2, Fabric::Peer), 1 << 20);
+        assert_eq!(c.ll_max_bytes(8, Fabric::Peer), 64 << 10);
+        assert_eq!(c.ll_max_bytes(2, Fabric::HostStaged), 64 << 10);
         assert_eq!(c.host_heap_bytes(), DEFAULT_HOST_HEAP_BYTES);
         assert!(!c.nccl_shared_gpu());
         // Empty counts as unset; "auto" sharing is no choice.

@@ -138,12 +138,12 @@ pub fn staged_chunk_bytes(fabric: Fabric, bytes: usize, slot_bytes: usize) -> us
 /// falls with the world. DEFAULTS from the design: at two ranks 1 MiB of LL lines is 2 MiB per
 /// direction, ~6 us at 370 GB/s, where the zero-copy one-shot's two system barriers and NCCL
 /// took 10-14 us (two H200s, 2026-11-30); to be confirmed by scripts/device/bw-variants.sh.
-/// Staged through host memory (`peer` false) every LL byte crosses PCIe twice as a line: the
-/// previous 64 KiB until that transport is measured. `IPCREDUCE_LL_MAX` overrides for every
-/// world and transport (0 disables).
-pub fn ll_default_max_bytes(world: usize, peer: bool) -> usize {
+/// Over PCIe (peer memory under the PCIe policy, or staged through host memory) every LL byte
+/// crosses the link twice as a line: the previous 64 KiB until those fabrics are measured.
+/// `IPCREDUCE_LL_MAX` overrides for every world and fabric (0 disables).
+pub fn ll_default_max_bytes(world: usize, fabric: Fabric) -> usize {
     match world {
-        _ if !peer => 64 << 10,
+        _ if fabric != Fabric::Peer => 64 << 10,
         0..=2 => 1 << 20,
         3..=4 => 256 << 10,
         _ => 64 << 10,
@@ -665,7 +665,7 @@ mod tests {
 
     fn limits() -> GridLimits {
         GridLimits {
-            ll_max: ll_default_max_bytes(2, true),
+            ll_max: ll_default_max_bytes(2, Fabric::Peer),
             cap: 64,
             fixed: None,
             ce_min: 0,
@@ -677,14 +677,17 @@ mod tests {
 
     #[test]
     fn ll_limit_falls_with_the_world_and_fits_the_kernels_area() {
-        assert_eq!(ll_default_max_bytes(2, true), 1 << 20);
-        assert!(ll_default_max_bytes(4, true) < ll_default_max_bytes(2, true));
-        assert!(ll_default_max_bytes(8, true) < ll_default_max_bytes(4, true));
+        assert_eq!(ll_default_max_bytes(2, Fabric::Peer), 1 << 20);
+        assert!(ll_default_max_bytes(4, Fabric::Peer) < ll_default_max_bytes(2, Fabric::Peer));
+        assert!(ll_default_max_bytes(8, Fabric::Peer) < ll_default_max_bytes(4, Fabric::Peer));
         for w in 1..=8 {
-            for peer in [true, false] {
-                let max = ll_default_max_bytes(w, peer);
+            for fabric in [Fabric::Peer, Fabric::PciePeer, Fabric::HostStaged] {
+                let max = ll_default_max_bytes(w, fabric);
                 assert!(max <= crate::backend::cuda::kernels::LL_MAX_BYTES);
-                assert!(peer || max == 64 << 10, "host-staged keeps 64 KiB");
+                assert!(
+                    fabric == Fabric::Peer || max == 64 << 10,
+                    "PCIe keeps 64 KiB"
+                );
             }
         }
         // Registered or not, in place or not: one-shot up to the limit runs LL.

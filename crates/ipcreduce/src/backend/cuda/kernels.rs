@@ -197,17 +197,18 @@ fn allreduce_options(w: usize) -> [String; 2] {
     ["--fmad=false".into(), format!("-DIPCR_W={w}")]
 }
 
+/// The all-reduce module's source: the all-reduce kernels, then the reduce-scatter and
+/// all-gather ones built on them.
+fn all_sources() -> String {
+    format!("{ALLREDUCE_SOURCE}\n{SCATTER_GATHER_SOURCE}")
+}
+
 /// Compiles the all-reduce kernels for world-size class `w` ([`world_class`]) to PTX for `arch`
 /// (e.g. "sm_90"). Needs only NVRTC, no GPU.
 pub fn compile(arch: &str, w: usize) -> Result<cudarc::nvrtc::Ptx> {
     let extra = allreduce_options(w);
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    compile_source(
-        "allreduce.cu",
-        &format!("{ALLREDUCE_SOURCE}\n{SCATTER_GATHER_SOURCE}"),
-        arch,
-        &extra,
-    )
+    compile_source("allreduce.cu", &all_sources(), arch, &extra)
 }
 
 /// Registers and spills of one kernel as ptxas reports them.
@@ -231,7 +232,7 @@ pub fn resources(arch: &str, w: usize) -> Result<Vec<Resources>> {
         op: format!("NVRTC {what} of allreduce.cu for {arch}"),
         detail,
     };
-    let source = std::ffi::CString::new(format!("{CONVERT_SOURCE}\n{ALLREDUCE_SOURCE}"))
+    let source = std::ffi::CString::new(format!("{CONVERT_SOURCE}\n{}", all_sources()))
         .map_err(|e| fail("source", e.to_string()))?;
     let prog = result::create_program(&source, Some(c"allreduce.cu"))
         .map_err(|e| fail("program creation", e.to_string()))?;

@@ -154,10 +154,10 @@ pub struct CudaComm {
     /// Whether teardown ran (else Drop waits for our work itself).
     left: bool,
     limits: GridLimits,
-    /// What the data crosses (agreed at init): chunk sizes, CTA cap, push order.
-    fabric: Fabric,
     /// The agreed tuning table: its CTA counts for the calls whose algorithm it chose.
     tune: crate::tune::Table,
+    /// What the data crosses (agreed at init): chunk sizes, CTA cap, push order.
+    fabric: Fabric,
     slot_bytes: usize,
     timeout: std::time::Duration,
     abort: Arc<AbortState>,
@@ -303,8 +303,8 @@ impl CudaComm {
         let slot_bytes = config.workspace_bytes.map_or(DEFAULT_SLOT_BYTES, |b| b / 2);
         let slot_bytes = (slot_bytes.max(64 << 10) / 256) * 256;
         // Messages up to this size take the low-latency one-shot (0 disables it).
-        // Peer memory assumed here; staged through host memory, the default is set below.
-        let ll_max = config.ll_max_bytes(world, true);
+        // NVLink peer memory assumed here; on another fabric the default is set below.
+        let ll_max = config.ll_max_bytes(world, Fabric::Peer);
         if ll_max > LL_MAX_BYTES {
             return Err(Error::Config(format!(
                 "low-latency limit {ll_max} bytes (Config::ll_max_bytes or IPCREDUCE_LL_MAX): \
@@ -333,7 +333,7 @@ impl CudaComm {
         };
         // Validated by Config: 8 or 12.
         let ll12 = config.ll_data_bytes == Some(12);
-        let limits = GridLimits {
+        let mut limits = GridLimits {
             ll_max,
             cap,
             fixed,
@@ -370,9 +370,6 @@ impl CudaComm {
         // Also checks every pair (P2P query, mapping, cross-process read) for the transport.
         let bytes = data_offset(world) as usize + 2 * slot_bytes;
         let ws = SharedWorkspaces::open(boot, device, bytes, &uuids, config)?;
-        // Every rank takes the same transport, so every rank adjusts the same way.
-        let mut limits = limits;
-        limits.ll_max = config.ll_max_bytes(world, ws.sharing().is_some());
         if ws.size < bytes {
             return Err(Error::Cuda {
                 rank,
@@ -388,8 +385,11 @@ impl CudaComm {
             ws.sharing().is_none(),
             config.topology,
         )?;
+        // Every rank takes the same fabric, so every rank adjusts the same way.
+        limits.ll_max = config.ll_max_bytes(world, fabric);
         if fabric == Fabric::PciePeer && fixed.is_none() {
             limits.cap = limits.cap.min(crate::plan::PCIE_CTA_CAP);
+            limits.deep_cap = limits.deep_cap.min(limits.cap);
         }
         let state = DeviceAlloc::new(MAX_BLOCKS * 2 * 4 + 64, rank)?;
         let words = Arc::new(MappedHostWords::new(16, rank)?);
@@ -445,8 +445,8 @@ impl CudaComm {
             leak: teardown::Leak::Nothing,
             left: false,
             limits,
-            fabric,
             tune: crate::tune::Table::builtin(),
+            fabric,
             slot_bytes,
             timeout: config.timeout(),
             abort,
@@ -722,10 +722,11 @@ impl CudaComm {
         }
         let bytes = count * dtype.size();
         let zero_copy = self.zero_copy(send, recv, bytes);
-        // The tuned CTA count of the row for this size, when the call runs that row's algorithm.
-        let tuned = self
-            .tune
-            .lookup(self.world, dtype.size(), bytes)
+        // The tuned CTA count of the row for this size, when the call runs that row's algorithm
+        // (on peer memory: tables are not measured staged through host memory).
+        let tuned = Some(&self.tune)
+            .filter(|_| self.fabric != crate::plan::Fabric::HostStaged)
+            .and_then(|t| t.lookup(self.world, dtype.size(), bytes))
             .filter(|e| e.algorithm() == Some(algo))
             .and_then(|e| e.ctas)
             .map(|c| c as usize);

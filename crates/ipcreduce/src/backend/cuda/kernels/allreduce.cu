@@ -773,12 +773,13 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args
     // under the PCIe policy in passes (the whole input to one peer, then to the next).
     const bool passes = (a.mode & MODE_PUSH_PASSES) != 0;
     for (int k0 = 1; k0 < a.world; k0++) {
+        const int k1 = passes ? k0 + 1 : a.world;
         for (u64 j = first; j < pairs; j += stride) {
             const uint4 v = load_pair(a.send, j, total);
             const bool two = 2 * j + 1 < units;
 #pragma unroll
             for (int k = 1; k < W; k++) {
-                if (k < a.world && (!passes || k == k0)) {
+                if (k >= k0 && k < k1) {
                     int r = a.rank + k;
                     if (r >= a.world) r -= a.world;
                     uint4 *line = ll_line(a, r, parity, a.rank, 2 * j);
@@ -956,11 +957,12 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll12(const Ar
     // Push: every line to every peer, peers in rotated order; under the PCIe policy in passes.
     const bool passes = (a.mode & MODE_PUSH_PASSES) != 0;
     for (int k0 = 1; k0 < a.world; k0++) {
+        const int k1 = passes ? k0 + 1 : a.world;
         for (u64 i = first; i < lines; i += stride) {
             const uint3 v = load_tri(a.send, i, total);
 #pragma unroll
             for (int k = 1; k < W; k++) {
-                if (k < a.world && (!passes || k == k0)) {
+                if (k >= k0 && k < k1) {
                     int r = a.rank + k;
                     if (r >= a.world) r -= a.world;
                     ll_put(ll_line(a, r, parity, a.rank, i), v.x, v.y, v.z, seq);
