@@ -62,7 +62,12 @@ class Ctx:
         print(f"rank {self.rank}: {name}: {len(self.failures)} failed checks -> {path}",
               flush=True)
 
-    def finish(self) -> None:
+    def finish(self, destroy_nccl: bool = True) -> None:
+        """Closes ipcreduce, then NCCL, and exits (non-zero after a failed check).
+        `destroy_nccl=False` leaves NCCL's process group to the process's exit: after NCCL calls
+        captured in CUDA graphs, torch 2.11's destroy_process_group did not return within 60 s
+        (two ranks sharing one H200, NCCL over loopback sockets; stacks in the graph step's log
+        of bench/results/2026-12-01-h200-mps-*), while ipcreduce had closed in 0.00 s."""
         # Teardown must not hang: if it is not over in 60 s, every thread's stack goes to the
         # log and the process exits (non-zero), which names the call that hung.
         faulthandler.dump_traceback_later(60, exit=True)
@@ -83,6 +88,11 @@ class Ctx:
         if dist.is_initialized():
             dist.barrier()
             step("NCCL barrier")
+            if not destroy_nccl:
+                # Nothing of NCCL's teardown runs: the process ends here, its reports written.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(1 if self.failures else 0)
             dist.destroy_process_group()
             step("NCCL destroyed")
         faulthandler.cancel_dump_traceback_later()
