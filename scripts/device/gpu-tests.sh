@@ -7,7 +7,8 @@
 # Usage: scripts/device/gpu-tests.sh OUT_DIR
 # Writes OUT_DIR/env.txt, one log per test (OUT_DIR/<test>.log) and OUT_DIR/gpu-tests.json;
 # the last line printed is `N passed, N failed`. Exit status 0 only when every test passed.
-# Knobs: GPU_TESTS_BIN (default target/gpu-tests/gpu), GPU_TESTS_FILTER (substring of the test
+# Knobs: GPU_TESTS_SKIP (test names to leave out, space separated), GPU_TESTS_BIN (default
+# target/gpu-tests/gpu), GPU_TESTS_FILTER (substring of the test
 # names to run), GPU_TEST_LL_CALLS (LL wrap length, default 200704).
 set -u
 OUT=${1:?usage: gpu-tests.sh OUT_DIR}
@@ -38,6 +39,7 @@ failed=0
 json="["
 for t in $("$BIN" --list 2>/dev/null | sed -n 's/: test$//p'); do
   case "$t" in *"${GPU_TESTS_FILTER:-}"*) ;; *) continue ;; esac
+  case " ${GPU_TESTS_SKIP:-} " in *" $t "*) echo "skip   $t (GPU_TESTS_SKIP)"; continue ;; esac
   start=$(date +%s)
   # One test at a time; each test runs its worlds one after the other.
   timeout 540 "$BIN" --exact "$t" --test-threads=1 --nocapture >"$OUT/$t.log" 2>&1

@@ -9,9 +9,10 @@
 # that never reaches past BUDGET seconds, and a step that no longer fits is skipped and reported
 # as skipped (never as passed). In this order:
 # When `nvidia-smi -L` lists two GPUs or more, on GPUs 0 and 1 without MPS, first:
-#   two       world 2, bf16, 8 B - BENCH_MAX: host transport (auto, oneshot, twoshot) against
-#             NCCL over its shared-memory transport (-a nccl-shm: NCCL_P2P_DISABLE=1 in the
-#             same bench process, the same buffers, every call checked).
+#   two       `topo` over both GPUs (NVLink pairs must not get the PCIe policy), then world 2,
+#             bf16, 8 B - BENCH_MAX: host transport (auto, oneshot, twoshot) against NCCL over
+#             its shared-memory transport (-a nccl-shm: NCCL_P2P_DISABLE=1 in the same bench
+#             process, the same buffers, every call checked).
 # On GPU 0 under MPS (every rank's traffic crosses the one PCIe link to host memory and back):
 #   fallback  auto with the pair 1:0 denied (IPCREDUCE_DENY_PEER=1:0): `topo` must name the pair
 #             in its table and JSON, and `check` must name it in the log while the job runs
@@ -29,8 +30,8 @@
 #   faults    scripts/device/mps-faults.sh with the host transport forced.
 # Knobs: PHASES="check pcie fallback two bench", WORLDS="2 4 8", CASES=2000 (CASES_4, CASES_8,
 #   CASES_PCIE), MAX_BYTES=256M (check), BENCH_MAX=128M, BUDGET=560, BLOCKS (IPCREDUCE_BLOCKS
-#   for every run), BLOCKS_SWEEP="16 64" and SLOT_SWEEP="2097152 4194304" (two: extra two-shot
-#   benches), CASES_SLOT=500, SOAK_CASES=20000 CYCLES=200 (faults).
+#   for every run), BLOCKS_SWEEP="64" and SLOT_SWEEP="262144" (two: extra one-shot and two-shot
+#   benches from 64 KiB; empty: none), CASES_SLOT=500, SOAK_CASES=20000 CYCLES=200 (faults).
 # On nvidia-h200-x2, for the two-GPU figures alone: PHASES=two.
 # summary.txt lists every step: OK, FAILED or SKIPPED. Exit status: 0 all ran and passed, 1 a
 # step failed, 2 none failed but some were skipped for the budget.
@@ -158,18 +159,45 @@ PY
 }
 
 # The two-GPU figures first: on nvidia-h200-x2 they are what the call is for.
+# topo_classified: `topo` over GPUs 0 and 1 with everything on auto: pairs over NVLink must not
+# get the PCIe policy (the classification reads P2P without native atomics as PCIe).
+topo_classified() {
+  fits topo-2gpu 60 || return 0
+  CUDA_VISIBLE_DEVICES=0,1 timeout "$T" "$BIN" topo --ranks 2 --json "$OUT/topo-2gpu.json" \
+    >"$OUT/topo-2gpu.log" 2>&1
+  local rc=$?
+  cat "$OUT/topo-2gpu.log"
+  if [ $rc -eq 0 ] && python3 - "$OUT/topo-2gpu.json" <<'PY'; then
+import json, sys
+r = json.load(open(sys.argv[1]))
+nvlink = all(p["link"].startswith("NVLink") for p in r["pairs"])
+pcie = all(p["link"].startswith("PCIe") for p in r["pairs"])
+want = "peer" if nvlink else ("pcie-peer" if pcie else r["fabric"])
+print("links:", sorted({p["link"] for p in r["pairs"]}), "fabric:", r["fabric"], "expected:", want)
+sys.exit(0 if r["fabric"] == want else 1)
+PY
+    result topo-2gpu OK "fabric follows the links"
+  else
+    result topo-2gpu FAILED "exit $rc, or the PCIe classification disagrees with NVML's links"
+  fi
+}
+
 if has two; then
   if [ "$GPUS" -ge 2 ]; then
+    echo "== [$SECONDS s] topo over GPUs 0 and 1: the path auto takes follows the links"
+    topo_classified
     echo "== [$SECONDS s] bench world 2 over GPUs 0 and 1: host transport vs NCCL over shared memory"
     CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host \
       bench bench-2gpu-host 240 8 -a auto,oneshot,twoshot,nccl-shm
-    for sl in ${SLOT_SWEEP:-}; do
+    # Sweeps from 64 KiB: smaller slots cap the chunk (a deeper pipeline for small messages),
+    # more CTAs put more loads from host memory in flight.
+    for sl in ${SLOT_SWEEP-262144}; do
       CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host IPCREDUCE_SLOT_BYTES=$sl \
-        bench "bench-2gpu-host-slot$sl" 120 1M -a oneshot,twoshot
+        bench "bench-2gpu-host-slot$sl" 120 64K -a oneshot,twoshot
     done
-    for b in ${BLOCKS_SWEEP:-}; do
+    for b in ${BLOCKS_SWEEP-64}; do
       CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host IPCREDUCE_BLOCKS=$b \
-        bench "bench-2gpu-host-blocks$b" 120 1M -a oneshot,twoshot
+        bench "bench-2gpu-host-blocks$b" 120 64K -a oneshot,twoshot
     done
   else
     result bench-2gpu-host SKIPPED "nvidia-smi lists $GPUS GPU(s)"

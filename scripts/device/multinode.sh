@@ -22,7 +22,9 @@
 # Writes OUT_DIR/env.txt, OUT_DIR/<phase>.log (and <phase>.node1.log), OUT_DIR/split-*.json and
 # OUT_DIR/summary.json; the last line printed is `N phases passed, N failed, N skipped`.
 # Knobs: MAX_BYTES (check's largest message, default 64M), SPLIT_SIZES (default
-# 64K,1M,16M,64M), IPCREDUCE_BIN, GPU_TESTS_BIN.
+# 64K,1M,16M,64M), BUDGET (seconds for the whole script, default 570: every phase's timeout
+# stops at it, phases after it are skipped and reported), PHASES (names to run, default all),
+# IPCREDUCE_BIN, GPU_TESTS_BIN.
 set -u
 OUT=${1:?usage: multinode.sh OUT_DIR [CASES]}
 CASES=${2:-2000}
@@ -30,6 +32,9 @@ BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
 TESTS=${GPU_TESTS_BIN:-target/gpu-tests/gpu}
 MAX_BYTES=${MAX_BYTES:-64M}
 SPLIT_SIZES=${SPLIT_SIZES:-64K,1M,16M,64M}
+BUDGET=${BUDGET:-570}
+PHASES=${PHASES:-all}
+T0=$(date +%s)
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 # Never NVLink multicast.
@@ -70,6 +75,14 @@ skip() {
   echo "$1 skipped: $2"
   json="$json{\"phase\":\"$1\",\"skipped\":\"$2\"},"
 }
+# wanted NAME: whether to run phase NAME; sets LIMIT (its timeout: what is left of the budget,
+# at most 560 s). Skips (and reports) phases not asked for or past the budget.
+wanted() {
+  case " $PHASES " in *" all "* | *" $1 "*) ;; *) skip "$1" "not in PHASES"; return 1 ;; esac
+  LIMIT=$((BUDGET - ($(date +%s) - T0)))
+  [ $LIMIT -gt 560 ] && LIMIT=560
+  if [ $LIMIT -lt 30 ]; then skip "$1" "budget of $BUDGET s spent"; return 1; fi
+}
 
 # two_nodes NAME PER_NODE DEV0 DEV1 ARGS...: `ipcreduce ARGS` as a job of 2 nodes x PER_NODE
 # ranks on loopback; node i sees GPU DEVi only. Node 1 starts first (its ranks wait, bounded,
@@ -77,14 +90,15 @@ skip() {
 two_nodes() {
   local name=$1 per=$2 dev0=$3 dev1=$4
   shift 4
+  wanted "$name" || return 0
   local port=$((20000 + RANDOM % 30000)) start rc0 rc1
   start=$(date +%s)
   CUDA_VISIBLE_DEVICES=$dev1 IPCREDUCE_HOST_ID=played-node-1 IPCREDUCE_NCCL_SHARED_GPU=1 \
-    timeout 560 "$BIN" launch -n "$per" --nnodes 2 --node-rank 1 --master 127.0.0.1:$port -- \
+    timeout $LIMIT "$BIN" launch -n "$per" --nnodes 2 --node-rank 1 --master 127.0.0.1:$port -- \
     "$BIN" "$@" >"$OUT/$name.node1.log" 2>&1 &
   local pid1=$!
   CUDA_VISIBLE_DEVICES=$dev0 IPCREDUCE_HOST_ID=played-node-0 IPCREDUCE_NCCL_SHARED_GPU=1 \
-    timeout 560 "$BIN" launch -n "$per" --nnodes 2 --node-rank 0 --master 127.0.0.1:$port -- \
+    timeout $LIMIT "$BIN" launch -n "$per" --nnodes 2 --node-rank 0 --master 127.0.0.1:$port -- \
     "$BIN" "$@" >"$OUT/$name.log" 2>&1
   rc0=$?
   wait $pid1
@@ -97,21 +111,22 @@ two_nodes() {
 one_node() {
   local name=$1 start rc
   shift
+  wanted "$name" || return 0
   start=$(date +%s)
-  timeout 560 "$BIN" "$@" >"$OUT/$name.log" 2>&1
+  timeout $LIMIT "$BIN" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
   record "$name" $rc $(($(date +%s) - start)) "$OUT/$name.log"
   grep -E "FAIL|error|^ *[0-9]+ +[0-9]+ " "$OUT/$name.log" | grep -v WARN | head -n 12
 }
 
-if [ -x "$TESTS" ]; then
+if ! [ -x "$TESTS" ]; then
+  skip rsag-gpu-test "$TESTS missing (scripts/build-gpu-tests.sh)"
+elif wanted rsag-gpu-test; then
   start=$(date +%s)
-  timeout 560 "$TESTS" --exact reduce_scatter_and_all_gather_plain_registered_and_in_graphs \
+  timeout $LIMIT "$TESTS" --exact reduce_scatter_and_all_gather_plain_registered_and_in_graphs \
     --test-threads=1 --nocapture >"$OUT/rsag-gpu-test.log" 2>&1
   record rsag-gpu-test $? $(($(date +%s) - start)) "$OUT/rsag-gpu-test.log"
   grep -E "panicked|checked per rank" "$OUT/rsag-gpu-test.log" | head -n 5
-else
-  skip rsag-gpu-test "$TESTS missing (scripts/build-gpu-tests.sh)"
 fi
 
 CHECK=(check --backend cuda --max-bytes "$MAX_BYTES")

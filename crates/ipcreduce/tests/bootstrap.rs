@@ -517,6 +517,20 @@ fn duplicate_rank_is_refused() {
 
 /// SIGKILLs `victim` of 4 ranks between operations; the other 3 must see their abort state
 /// set, naming the victim, well within 2 s.
+/// The rank's `ABORTED <unix us> <reason>` report: how long after `killed_at` it noticed (at
+/// most 2 s, asserted) and why.
+fn noticed_within_2s(r: &mut Rank, killed_at: u128) -> (Duration, String) {
+    let msg = r.expect("ABORTED", Duration::from_secs(5));
+    let (at, reason) = msg.split_once(' ').unwrap();
+    let latency = Duration::from_micros((at.parse::<u128>().unwrap() - killed_at) as u64);
+    assert!(
+        latency < Duration::from_secs(2),
+        "rank {} noticed after {latency:?}: {reason}",
+        r.rank
+    );
+    (latency, reason.to_string())
+}
+
 fn kill_one_of_four(net: Net, test: &str, victim: usize) {
     let job = Job::new("bt", &format!("kill{victim}-{}", net.tag()));
     let v = victim.to_string();
@@ -542,14 +556,7 @@ fn kill_one_of_four(net: Net, test: &str, victim: usize) {
 
     let mut latencies = HashMap::new();
     for r in ranks.iter_mut().filter(|r| r.rank != victim) {
-        let msg = r.expect("ABORTED", Duration::from_secs(5));
-        let (at, reason) = msg.split_once(' ').unwrap();
-        let latency = Duration::from_micros((at.parse::<u128>().unwrap() - killed_at) as u64);
-        assert!(
-            latency < Duration::from_secs(2),
-            "rank {} noticed after {latency:?}",
-            r.rank
-        );
+        let (latency, reason) = noticed_within_2s(r, killed_at);
         assert!(
             reason.contains(&format!("rank {victim} died")),
             "rank {}'s abort reason: {reason}",
@@ -821,14 +828,7 @@ fn tcp_node_groups_meet_per_node_and_share_the_jobs_abort() {
     ranks[victim].kill();
     ranks[victim].wait(T);
     for r in ranks.iter_mut().filter(|r| r.rank != victim) {
-        let msg = r.expect("ABORTED", Duration::from_secs(5));
-        let (at, reason) = msg.split_once(' ').unwrap();
-        let latency = Duration::from_micros((at.parse::<u128>().unwrap() - killed_at) as u64);
-        assert!(
-            latency < Duration::from_secs(2),
-            "rank {} noticed after {latency:?}: {reason}",
-            r.rank
-        );
+        let (_, reason) = noticed_within_2s(r, killed_at);
         assert!(
             reason.contains("rank 3 died") || reason.contains("node 1 (job ranks [2, 3]"),
             "rank {}: {reason}",

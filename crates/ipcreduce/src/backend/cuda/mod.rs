@@ -915,15 +915,14 @@ impl BackendOps for CudaComm {
         self.with_node_boot(boot, |c, b| c.teardown(b))
     }
 
+    // Registration is a collective of the node's ranks (the ones that map each other's memory):
+    // through the node's group when the job spans nodes. The closures call the node-local
+    // steps, never these methods again (the group is taken out while they run).
     fn alloc_registered(&mut self, boot: &mut Bootstrap, bytes: usize) -> Result<RegisteredBuffer> {
-        if self.inter.is_some() {
-            return self.with_node_boot(boot, |c, b| {
-                c.alloc_registered(b, bytes).map_err(|e| c.in_job(e))
-            });
-        }
-        let device = self.device;
-        self.add_region("alloc", bytes, |id| {
-            registry::alloc(boot, device, bytes, id)
+        self.with_node_boot(boot, |c, b| {
+            let device = c.device;
+            c.add_region("alloc", bytes, |id| registry::alloc(b, device, bytes, id))
+                .map_err(|e| c.in_job(e))
         })
     }
 
@@ -933,34 +932,17 @@ impl BackendOps for CudaComm {
         ptr: u64,
         bytes: usize,
     ) -> Result<RegisteredBuffer> {
-        if self.inter.is_some() {
-            // SAFETY: forwarded contract.
-            return self.with_node_boot(boot, |c, b| unsafe {
-                c.register(b, ptr, bytes).map_err(|e| c.in_job(e))
-            });
-        }
-        let device = self.device;
-        self.add_region("register", bytes, |id| {
-            registry::register(boot, device, ptr, bytes, id)
+        self.with_node_boot(boot, |c, b| {
+            let device = c.device;
+            c.add_region("register", bytes, |id| {
+                registry::register(b, device, ptr, bytes, id)
+            })
+            .map_err(|e| c.in_job(e))
         })
     }
 
     fn free_registered(&mut self, boot: &mut Bootstrap, buf: RegisteredBuffer) -> Result<()> {
-        if self.inter.is_some() {
-            return self.with_node_boot(boot, |c, b| {
-                c.free_registered(b, buf).map_err(|e| c.in_job(e))
-            });
-        }
-        // Our work on every stream that may touch it is done (bounded), then every peer's.
-        self.wait_all("free")?;
-        boot.barrier()?;
-        self.remove_region(buf.id()).ok_or_else(|| {
-            Error::invalid(
-                self.rank,
-                "free",
-                format!("buffer {:#x} is not registered here", buf.ptr()),
-            )
-        })
+        self.with_node_boot(boot, |c, b| c.free_here(b, buf).map_err(|e| c.in_job(e)))
     }
 
     fn last_path(&self) -> Option<PathInfo> {
@@ -994,6 +976,20 @@ impl CudaComm {
         let buf = RegisteredBuffer::new(region.base, region.bytes, id);
         self.registry.insert(region, self.rank)?;
         Ok(buf)
+    }
+
+    /// Frees registered `buf` among the ranks of `boot` (the node's).
+    fn free_here(&mut self, boot: &mut Bootstrap, buf: RegisteredBuffer) -> Result<()> {
+        // Our work on every stream that may touch it is done (bounded), then every peer's.
+        self.wait_all("free")?;
+        boot.barrier()?;
+        self.remove_region(buf.id()).ok_or_else(|| {
+            Error::invalid(
+                self.rank,
+                "free",
+                format!("buffer {:#x} is not registered here", buf.ptr()),
+            )
+        })
     }
 
     /// Unregisters region `id` (its memory is released with it) and forgets what was known
