@@ -708,6 +708,20 @@ __device__ __forceinline__ void ll_put(uint4 *line, u32 lo, u32 seq, u32 hi, u32
                  : "memory");
 }
 
+// The push order of both LL kernels: every peer in one pass, in rotated order so links load
+// evenly, or under the PCIe policy (MODE_PUSH_PASSES) one peer per pass, the whole input to one
+// peer and then to the next.
+__device__ __forceinline__ int ll_passes(const Args &a) {
+    return (a.mode & MODE_PUSH_PASSES) != 0 ? a.world - 1 : 1;
+}
+// Whether pass `pass` pushes to the k-th peer after this rank (1 <= k < W), which is rank `r`.
+__device__ __forceinline__ bool ll_pushes_to(const Args &a, int pass, int k, int &r) {
+    const bool all = (a.mode & MODE_PUSH_PASSES) == 0;
+    r = a.rank + k;
+    if (r >= a.world) r -= a.world;
+    return k < a.world && (all || k == pass + 1);
+}
+
 // Waits for peer `from`'s line i of this call, starting from `v` (a value already read from
 // it); returns its 8 data bytes in v.x, v.z. False on timeout, abort, mismatch or another failure.
 // The slow part of every LL wait, every 1024 reads: true (reported) when the wait must end:
@@ -769,26 +783,20 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args
     const u64 pairs = (total + 15) / 16;
     const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 stride = (u64)gridDim.x * blockDim.x;
-    // Push: both units of each pair to every peer, peers in rotated order so links load evenly;
-    // under the PCIe policy in passes (the whole input to one peer, then to the next).
-    const bool passes = (a.mode & MODE_PUSH_PASSES) != 0;
-    for (int k0 = 1; k0 < a.world; k0++) {
-        const int k1 = passes ? k0 + 1 : a.world;
+    // Push: both units of each pair to every peer (see ll_passes).
+    for (int pass = 0; pass < ll_passes(a); pass++) {
         for (u64 j = first; j < pairs; j += stride) {
             const uint4 v = load_pair(a.send, j, total);
             const bool two = 2 * j + 1 < units;
 #pragma unroll
             for (int k = 1; k < W; k++) {
-                if (k >= k0 && k < k1) {
-                    int r = a.rank + k;
-                    if (r >= a.world) r -= a.world;
-                    uint4 *line = ll_line(a, r, parity, a.rank, 2 * j);
-                    ll_put(line, v.x, seq, v.y, tag);
-                    if (two) ll_put(line + 1, v.z, seq, v.w, tag);
-                }
+                int r;
+                if (!ll_pushes_to(a, pass, k, r)) continue;
+                uint4 *line = ll_line(a, r, parity, a.rank, 2 * j);
+                ll_put(line, v.x, seq, v.y, tag);
+                if (two) ll_put(line + 1, v.z, seq, v.w, tag);
             }
         }
-        if (!passes) break;
     }
     // Reduce in rank order from our own memory. The same thread handles pair j in both loops, so
     // in place (send == recv) is safe. Two ranks: both lines of the peer are peeked before either
@@ -954,22 +962,16 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll12(const Ar
             }
         }
     }
-    // Push: every line to every peer, peers in rotated order; under the PCIe policy in passes.
-    const bool passes = (a.mode & MODE_PUSH_PASSES) != 0;
-    for (int k0 = 1; k0 < a.world; k0++) {
-        const int k1 = passes ? k0 + 1 : a.world;
+    // Push: every line to every peer (see ll_passes).
+    for (int pass = 0; pass < ll_passes(a); pass++) {
         for (u64 i = first; i < lines; i += stride) {
             const uint3 v = load_tri(a.send, i, total);
 #pragma unroll
             for (int k = 1; k < W; k++) {
-                if (k >= k0 && k < k1) {
-                    int r = a.rank + k;
-                    if (r >= a.world) r -= a.world;
-                    ll_put(ll_line(a, r, parity, a.rank, i), v.x, v.y, v.z, seq);
-                }
+                int r;
+                if (ll_pushes_to(a, pass, k, r)) ll_put(ll_line(a, r, parity, a.rank, i), v.x, v.y, v.z, seq);
             }
         }
-        if (!passes) break;
     }
     // Reduce in rank order from our own memory (the same thread pushed line i: in place is safe),
     // every peer's line peeked before any wait; every peer's header checked before the first store.
