@@ -367,9 +367,17 @@ impl Communicator {
     }
     /// Runs one call on backend-owned buffers (algorithm resolved here).
     pub fn test_run(&mut self, call: &Call) -> Result<()> {
-        let mut c = *call;
-        c.algo = self.resolve(c.algo, c.count * c.dtype.size());
+        let c = self.test_resolved(call);
         self.test_buffers().run(&c)
+    }
+
+    /// `call` with its algorithm resolved as a public call on the same kind of buffers would
+    /// be: the tuning table, then the zero-copy rule for registered buffers or the plain one.
+    fn test_resolved(&mut self, call: &Call) -> Call {
+        let mut c = *call;
+        let zero_copy = self.test_buffers().zero_copy(&c);
+        c.algo = self.resolve_call(c.algo, c.dtype, c.count * c.dtype.size(), zero_copy);
+        c
     }
     /// Across nodes (cuda): mean microseconds of the hierarchical all-reduce's three steps
     /// (intra-node reduce-scatter, NCCL between nodes, intra-node all-gather) of `call`; None
@@ -398,8 +406,7 @@ impl Communicator {
         iters: usize,
         graph: Option<usize>,
     ) -> Result<f64> {
-        let mut c = *call;
-        c.algo = self.resolve(c.algo, c.count * c.dtype.size());
+        let c = self.test_resolved(call);
         self.test_buffers().time(&c, warmup, iters, graph)
     }
 }

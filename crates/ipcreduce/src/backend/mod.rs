@@ -235,6 +235,12 @@ pub trait TestBuffers {
     fn free(&mut self, id: BufId);
     fn write(&mut self, id: BufId, data: &[u8]) -> Result<()>;
     fn read(&mut self, id: BufId, out: &mut [u8]) -> Result<()>;
+    /// Whether `call`'s send and recv are both registered (zero-copy) buffers, so that `Auto`
+    /// follows the zero-copy rule for it as a public call on those buffers would.
+    fn zero_copy(&mut self, call: &Call) -> bool {
+        let _ = call;
+        false
+    }
     /// Runs `call` on the backend's own buffers.
     fn run(&mut self, call: &Call) -> Result<()>;
     /// Mean time of one call in microseconds over `iters` calls after `warmup`.

@@ -10,6 +10,16 @@ use crate::error::{Error, Result};
 use cudarc::driver::sys;
 
 impl TestBuffers for CudaComm {
+    fn zero_copy(&mut self, call: &Call) -> bool {
+        let registered = |id: BufId| {
+            matches!(
+                self.bufs.get(id).and_then(Option::as_ref),
+                Some(TestBuf::Registered(..))
+            )
+        };
+        registered(call.send) && registered(call.recv)
+    }
+
     fn alloc(&mut self, bytes: usize) -> Result<BufId> {
         self.ctx
             .bind_to_thread()
