@@ -722,8 +722,6 @@ __device__ __forceinline__ bool ll_pushes_to(const Args &a, int pass, int k, int
     return k < a.world && (all || k == pass + 1);
 }
 
-// Waits for peer `from`'s line i of this call, starting from `v` (a value already read from
-// it); returns its 8 data bytes in v.x, v.z. False on timeout, abort, mismatch or another failure.
 // The slow part of every LL wait, every 1024 reads: true (reported) when the wait must end:
 // host abort, another failure, or the deadline (set at the first call) passed.
 __device__ bool ll_give_up(const Args &a, int from, u32 seq, u64 &deadline) {
@@ -741,6 +739,8 @@ __device__ bool ll_give_up(const Args &a, int from, u32 seq, u64 &deadline) {
     return false;
 }
 
+// Waits for peer `from`'s line i of this call, starting from `v` (a value already read from
+// it); returns its 8 data bytes in v.x, v.z. False on timeout, abort, mismatch or another failure.
 __device__ bool ll_wait(const Args &a, u32 parity, int from, u64 i, u32 seq, u32 tag, uint4 &v) {
     const uint4 *line = ll_line(a, a.rank, parity, from, i);
     u64 deadline = 0;

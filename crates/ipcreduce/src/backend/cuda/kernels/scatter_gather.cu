@@ -34,13 +34,6 @@ __device__ __forceinline__ u64 sg_shard_len(const SgArgs &g, int s) {
     return min(g.total, b + g.per) - b;
 }
 
-// Every rank's staged slot at byte offset `off` (reduce-scatter reads region `rank` of each).
-struct SlotSrc {
-    const Args &a;
-    u64 off;
-    __device__ const char *operator()(int r) const { return a.data[r] + off; }
-};
-
 // Elements of a shard of `len` elements inside the chunk that starts at c0.
 __device__ __forceinline__ u64 sg_in_chunk(u64 len, u64 c0, u64 chunk) {
     return c0 >= len ? 0 : min(chunk, len - c0);
@@ -60,7 +53,7 @@ template <typename D, typename Op, int W> __device__ void reduce_scatter_staged(
     const u64 mine = sg_shard_len(g, a.rank);
     u32 L = L0;
     for (u64 c0 = 0; c0 < g.per; c0 += chunk) {
-        const u64 slot_off = (u64)(L & 1u) * a.slot_bytes;
+        const u64 slot_off = slot_offset(a, L);
         char *slot = a.data[a.rank] + slot_off;
         L++;
         u64 b, e;
@@ -71,7 +64,9 @@ template <typename D, typename Op, int W> __device__ void reduce_scatter_staged(
         if (!barrier(a, F, c0 == 0)) break;
         shard_piece<D>(frame, sg_in_chunk(mine, c0, chunk), 1, 0, b, e);
         char *out = a.recv + c0 * D::SIZE;
-        reduce_range<D, Op, W, STAGED_LOADS_IN_FLIGHT>(SlotSrc{a, slot_off + a.rank * region},
+        // Region `rank` of every rank's slot, ours included (it holds our copy of the shard).
+        const u64 off = slot_off + a.rank * region;
+        reduce_range<D, Op, W, STAGED_LOADS_IN_FLIGHT>(StagedSrc{a, off, slot + a.rank * region},
                                                         OwnDst{out, aligned16(out)}, a.world, b, e, true);
     }
     if (threadIdx.x == 0) ctr[0] = F;
@@ -89,7 +84,7 @@ template <typename D> __device__ void all_gather_staged(const SgArgs &g) {
     const u64 mine = sg_shard_len(g, a.rank);
     u32 L = L0;
     for (u64 c0 = 0; c0 < g.per; c0 += chunk) {
-        const u64 slot_off = (u64)(L & 1u) * a.slot_bytes;
+        const u64 slot_off = slot_offset(a, L);
         L++;
         u64 b, e;
         shard_piece<D>(frame, sg_in_chunk(mine, c0, chunk), 1, 0, b, e);
