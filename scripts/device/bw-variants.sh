@@ -14,6 +14,9 @@
 #       noll     LL off (IPCREDUCE_LL_MAX=0): one-shot and two-shot, 32 KiB - 2 MiB, what LL
 #                replaces there;
 #       blocksN  the deep zero-copy kernels with N CTAs (IPCREDUCE_BLOCKS), 4 MiB - 1 GiB;
+#       ce       the copy-engine path from 32 MiB (IPCREDUCE_CE_MIN=33554432): two ranks,
+#                registered buffers, out of place, so its registered rows (the plain ones run
+#                the SM kernels), 32 MiB - 1 GiB, auto only;
 #       llblocksN  LL one-shot with at most N CTAs (default: one thread per 16 bytes, at most
 #                64), 64 KiB - 1 MiB;
 #       ll12     LL with 12 data bytes per line (IPCREDUCE_LL_DATA=12), 8 B - 1 MiB.
@@ -26,6 +29,9 @@
 # reported. summary.txt: one line per step (PASS/FAIL/SKIP and its last line).
 # Knobs: PHASES, BUDGET=540, CASES=2000, WORLDS="2 4 8", BENCH_MAX=1G, BLOCKS_SWEEP="16 32 64 128".
 set -u
+# step (budget, summary lines), summary_json, mps_on/mps_off.
+# shellcheck source=lib/steps.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib/steps.sh" || exit 2
 OUT=${1:?usage: bw-variants.sh OUT_DIR}
 BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
 BUDGET=${BUDGET:-540}
@@ -53,35 +59,6 @@ status=0
   echo "GPUs: $NGPU PHASES=$PHASES BUDGET=$BUDGET CASES=$CASES BENCH_MAX=$BENCH_MAX"
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-
-# step NAME LIMIT CMD...: runs CMD into OUT/NAME.log under `timeout`, at most LIMIT seconds and
-# never past the budget; records PASS/FAIL/SKIP and the log's last line.
-step() {
-  local name=$1 limit=$2
-  shift 2
-  local left=$((BUDGET - SECONDS))
-  if [ "$left" -lt 20 ]; then
-    echo "SKIP $name: out of time ($SECONDS s of $BUDGET)" | tee -a "$SUMMARY"
-    status=1
-    return
-  fi
-  [ "$left" -lt "$limit" ] && limit=$left
-  echo "== [$SECONDS s] $name"
-  local t0=$SECONDS
-  if timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; then
-    echo "PASS $name ($((SECONDS - t0)) s): $(grep -v WARN "$OUT/$name.log" | tail -n 1)" | tee -a "$SUMMARY"
-  else
-    echo "FAIL $name (exit $?, $((SECONDS - t0)) s): $(grep -v WARN "$OUT/$name.log" | tail -n 1)" | tee -a "$SUMMARY"
-    grep -E "FAIL|error|panicked" "$OUT/$name.log" | head -n 5
-    status=1
-  fi
-}
-
-mps_on() {
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
-}
 
 # The registers the driver reports for the loaded kernels (bf16 sum) of world-size class 2 (two
 # ranks: on one GPU only under MPS, where both ranks' kernels run at once).
@@ -117,6 +94,7 @@ if [[ " $PHASES " == *" bench "* ]]; then
   for b in $BLOCKS_SWEEP; do
     bench "blocks$b" oneshot,twoshot 4M "$BENCH_MAX" 10 3 5 IPCREDUCE_BLOCKS="$b"
   done
+  bench ce auto 32M "$BENCH_MAX" 10 3 5 IPCREDUCE_CE_MIN=33554432
   for b in 32 128; do
     bench "llblocks$b" oneshot 64K 1M 100 20 10 IPCREDUCE_BLOCKS="$b"
   done
@@ -183,16 +161,15 @@ if [[ " $PHASES " == *" checks "* ]]; then
 fi
 if [[ " $PHASES " == *" gputests "* ]]; then
   # gpu-tests.sh starts MPS itself (and stops it): stop ours first.
-  if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then
-    echo quit | nvidia-cuda-mps-control
-    trap - EXIT
+  if [ -n "${MPS_ON:-}" ]; then
+    mps_off
     sleep 2
   fi
   step gpu-tests 300 scripts/device/gpu-tests.sh "$OUT/gpu-tests"
 fi
 # Last, as time allows: the opt-in LL12 lines.
 if [[ " $PHASES " == *" checks "* ]]; then
-  [ -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || [[ " $PHASES " == *" gputests "* ]] && mps_on
+  [ -n "${MPS_ON:-}" ] || mps_on
   for w in ${WORLDS:-2 4 8}; do
     step "check-w$w-ll12" 60 env IPCREDUCE_LL_DATA=12 "$BIN" check --backend cuda --ranks "$w" \
       --cases 300 --max-bytes 1M --seed $((w + 20))
@@ -200,14 +177,7 @@ if [[ " $PHASES " == *" checks "* ]]; then
 fi
 
 # Machine-readable: every step and its outcome.
-python3 - "$SUMMARY" >"$OUT/summary.json" <<'EOF' || true
-import json, sys
-steps = []
-for line in open(sys.argv[1]):
-    word, _, rest = line.partition(" ")
-    steps.append({"outcome": word, "step": rest.split(" ")[0].rstrip(":"), "line": line.strip()})
-print(json.dumps(steps, indent=1))
-EOF
+summary_json "$SUMMARY" >"$OUT/summary.json" || true
 echo "== [$SECONDS s] summary"
 cat "$SUMMARY"
 exit $status

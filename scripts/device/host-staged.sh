@@ -36,6 +36,9 @@
 # summary.txt lists every step: OK, FAILED or SKIPPED. Exit status: 0 all ran and passed, 1 a
 # step failed, 2 none failed but some were skipped for the budget.
 set -u
+# budget_fits, mps_on/mps_off.
+# shellcheck source=lib/steps.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib/steps.sh" || exit 2
 OUT=${1:?usage: host-staged.sh OUT_DIR}
 BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
 PHASES=${PHASES:-check pcie fallback two bench}
@@ -72,13 +75,11 @@ result() {
 # fits NAME LIMIT: sets T to LIMIT, cut at the budget; false (and reported SKIPPED) when
 # fewer than 20 seconds are left.
 fits() {
-  local left=$((BUDGET - SECONDS))
-  if [ "$left" -lt 20 ]; then
+  if ! budget_fits "$2"; then
     result "$1" SKIPPED "budget of $BUDGET s spent"
     [ $status = 0 ] && status=2 # incomplete, though nothing failed
     return 1
   fi
-  T=$(($2 < left ? $2 : left))
 }
 
 # check LOG LIMIT ARGS...: runs `check`; OK only if its summary line says 0 failed.
@@ -205,10 +206,7 @@ if has two; then
 fi
 
 if has check || has pcie || has fallback || has bench || has slots || has peer; then
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  nvidia-cuda-mps-control -d
-  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  mps_on
   limit_for() { case $1 in 2) echo 120 ;; 4) echo 150 ;; *) echo 240 ;; esac; }
   cases_for() { case $1 in 4) echo "${CASES_4:-$CASES}" ;; 8) echo "${CASES_8:-$CASES}" ;; *) echo "$CASES" ;; esac; }
   if has fallback; then
@@ -256,8 +254,7 @@ if has check || has pcie || has fallback || has bench || has slots || has peer; 
     echo "== [$SECONDS s] bench world 2, one GPU under MPS: peer transport, for reference"
     CUDA_VISIBLE_DEVICES=0 IPCREDUCE_TRANSPORT=peer bench bench-mps-peer-w2 120 8 -a auto
   fi
-  echo quit | nvidia-cuda-mps-control
-  trap - EXIT
+  mps_off
 fi
 
 if has faults; then

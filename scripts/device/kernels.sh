@@ -11,10 +11,15 @@
 # GPU (or two): PHASES=mps WORLDS=2, WORLDS=4, WORLDS=8 (one call each), PHASES=sanitize.
 # Knobs: CASES=800 (main sweeps), VCASES=200 (variants), PHASES (any of nvlink, bench, sweep,
 #        sanitize, mps; default "nvlink bench" with two GPUs, "mps" with one),
-#        BENCH_MAX=1G, BLOCKS_SWEEP="8 16 32 64 96", WORLDS="2 4 8".
+#        BENCH_MAX=1G, BLOCKS_SWEEP="8 16 32 64 96", WORLDS="2 4 8", BUDGET (seconds for the
+#        call; unset by default: every step has its own timeout only; set, a step is cut at it
+#        and one that no longer fits is skipped and reported as SKIP).
 # Layout of OUT_DIR: env.txt, resources.txt, check-*.log, sanitizer.log, bench-*.{log,json},
 # summary.txt (one line per step: PASS/FAIL and the last line of its output).
 set -u
+# step (timeouts, summary lines), mps_on/mps_off.
+# shellcheck source=lib/steps.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib/steps.sh" || exit 2
 OUT=${1:?usage: kernels.sh OUT_DIR}
 BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
 CASES=${CASES:-800}
@@ -43,27 +48,18 @@ status=0
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-# step NAME TIMEOUT CMD...: runs CMD into OUT/NAME.log, records PASS/FAIL and its last line.
-step() {
-  local name=$1 limit=$2
-  shift 2
-  echo "== $name"
-  local t0=$SECONDS
-  if timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; then
-    echo "PASS $name ($((SECONDS - t0)) s): $(grep -v WARN "$OUT/$name.log" | tail -n 1)" | tee -a "$SUMMARY"
-  else
-    echo "FAIL $name (exit $?, $((SECONDS - t0)) s): $(grep -v WARN "$OUT/$name.log" | tail -n 1)" | tee -a "$SUMMARY"
-    grep -E "FAIL|error|panicked" "$OUT/$name.log" | head -n 5
-    status=1
-  fi
-  grep -E "^# paths run" "$OUT/$name.log" | tail -n 1
+# kstep NAME TIMEOUT CMD...: `step` (CMD into OUT/NAME.log, PASS/FAIL and its last line into
+# summary.txt), then the paths the run took.
+kstep() {
+  step "$@"
+  [ $? = 2 ] || grep -E "^# paths run" "$OUT/$1.log" | tail -n 1
 }
 
 # check NAME RANKS CASES [ARGS...]: the correctness sweep, with the variables in ENVS set.
 check() {
   local name=$1 ranks=$2 cases=$3
   shift 3
-  step "check-$name" 300 env "${ENVS[@]}" "$BIN" check --backend cuda --ranks "$ranks" \
+  kstep "check-$name" 300 env "${ENVS[@]}" "$BIN" check --backend cuda --ranks "$ranks" \
     --cases "$cases" --seed "$ranks" "$@"
 }
 
@@ -99,7 +95,7 @@ bench() {
   local envs=()
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done
   shift
-  step "bench-$name" 300 env "${envs[@]}" "$BIN" bench --backend cuda --ranks "$RANKS" \
+  kstep "bench-$name" 300 env "${envs[@]}" "$BIN" bench --backend cuda --ranks "$RANKS" \
     -d bfloat16 -n 20 -w 5 -G 10 --json "$OUT/bench-$name.json" "$@"
   grep -E "bfloat16" "$OUT/bench-$name.log" | head -n 80
 }
@@ -121,7 +117,7 @@ if [[ " $PHASES " == *" sanitize "* ]]; then
   [ "$NGPU" -ge 2 ] && SCASES=40 SMAX=2M
   for tool in memcheck racecheck synccheck; do
     for reg in "" --registered; do
-      step "sanitize-$tool${reg:+-registered}" 150 env IPCREDUCE_TIMEOUT_MS=120000 \
+      kstep "sanitize-$tool${reg:+-registered}" 150 env IPCREDUCE_TIMEOUT_MS=120000 \
         "$BIN" launch -n 2 -- "$SAN" --tool "$tool" --error-exitcode 99 \
         "$BIN" check --backend cuda --cases "$SCASES" --max-bytes "$SMAX" --seed 7 $reg
       grep -E "ERROR SUMMARY" "$OUT/sanitize-$tool${reg:+-registered}.log" | sort | uniq -c
@@ -142,9 +138,7 @@ if [[ " $PHASES " == *" bench "* ]]; then
   else
     ALGOS=auto,oneshot,twoshot # NCCL refuses two ranks on one GPU; no NVLink figures here
     RANKS=2
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-    mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-    nvidia-cuda-mps-control -d && MPS_ON=1
+    mps_on
   fi
   bench staged -- -a "$ALGOS" -b 8 -e "$BENCH_MAX" -f 4
   bench registered $REGENV -- -a auto,oneshot,twoshot -b 8 -e "$BENCH_MAX" -f 4 $REGFLAG
@@ -154,30 +148,25 @@ if [[ " $PHASES " == *" bench "* ]]; then
     bench ce $REGENV IPCREDUCE_CE_MIN=4194304 -- -a auto -b 4M -e "$BENCH_MAX" -f 2 $REGFLAG
     bench ce-blocks8 $REGENV IPCREDUCE_CE_MIN=4194304 IPCREDUCE_BLOCKS=8 -- -a auto -b 16M -e "$BENCH_MAX" -f 4 $REGFLAG
   fi
-  if [ -n "${MPS_ON:-}" ]; then echo quit | nvidia-cuda-mps-control; MPS_ON=; fi
+  mps_off
 fi
 
 # --- CTA sweep for tuning (1 MB, 8 MB, 64 MB, 512 MB; every SM path) ---------------------------
 if [[ " $PHASES " == *" sweep "* ]]; then
   RANKS=2
   if [ "$NGPU" -lt 2 ]; then
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-    mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-    nvidia-cuda-mps-control -d && MPS_ON=1
+    mps_on
   fi
   for b in $BLOCKS_SWEEP; do
     bench "staged-blocks$b" IPCREDUCE_BLOCKS=$b -- -a oneshot,twoshot -b 1M -e 512M -f 8
     bench "registered-blocks$b" $REGENV IPCREDUCE_BLOCKS=$b -- -a oneshot,twoshot -b 1M -e 512M -f 8 $REGFLAG
   done
-  if [ -n "${MPS_ON:-}" ]; then echo quit | nvidia-cuda-mps-control; MPS_ON=; fi
+  mps_off
 fi
 
 # --- worlds 2, 4, 8 under MPS on one GPU -----------------------------------------------------
 if [[ " $PHASES " == *" mps "* ]]; then
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  nvidia-cuda-mps-control -d
-  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  mps_on
   export CUDA_VISIBLE_DEVICES=0
   for w in ${WORLDS:-2 4 8}; do
     check_world "$w" mps

@@ -26,6 +26,9 @@
 # stops at it, phases after it are skipped and reported), PHASES (names to run, default all),
 # IPCREDUCE_BIN, GPU_TESTS_BIN.
 set -u
+# budget_fits, mps_on/mps_off.
+# shellcheck source=lib/steps.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib/steps.sh" || exit 2
 OUT=${1:?usage: multinode.sh OUT_DIR [CASES]}
 CASES=${2:-2000}
 BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
@@ -34,7 +37,6 @@ MAX_BYTES=${MAX_BYTES:-64M}
 SPLIT_SIZES=${SPLIT_SIZES:-64K,1M,16M,64M}
 BUDGET=${BUDGET:-570}
 PHASES=${PHASES:-all}
-T0=$(date +%s)
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 # Never NVLink multicast.
@@ -55,10 +57,7 @@ GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-nvidia-cuda-mps-control -d
-trap 'echo quit | nvidia-cuda-mps-control' EXIT
+mps_on
 
 passed=0 failed=0 skipped=0
 json="["
@@ -79,9 +78,8 @@ skip() {
 # at most 560 s). Skips (and reports) phases not asked for or past the budget.
 wanted() {
   case " $PHASES " in *" all "* | *" $1 "*) ;; *) skip "$1" "not in PHASES"; return 1 ;; esac
-  LIMIT=$((BUDGET - ($(date +%s) - T0)))
-  [ $LIMIT -gt 560 ] && LIMIT=560
-  if [ $LIMIT -lt 30 ]; then skip "$1" "budget of $BUDGET s spent"; return 1; fi
+  if ! budget_fits 560 30; then skip "$1" "budget of $BUDGET s spent"; return 1; fi
+  LIMIT=$T
 }
 
 # two_nodes NAME PER_NODE DEV0 DEV1 ARGS...: `ipcreduce ARGS` as a job of 2 nodes x PER_NODE

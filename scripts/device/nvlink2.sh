@@ -13,6 +13,9 @@
 # Knobs: WORLD=2 CASES=2000 BENCH_MAX=1G STEPS=300 GRAD=1G SKIP_TUNE=1 BUDGET=480 (seconds before the
 # optional phases are skipped; the device call's limit is 600).
 set -u
+# budget_allows, budget_left, mps_on/mps_off.
+# shellcheck source=lib/steps.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib/steps.sh" || exit 2
 OUT=${1:?usage: nvlink2.sh OUT_DIR}
 BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
 WORLD=${WORLD:-2}
@@ -26,11 +29,8 @@ GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 if [ "${GPUS:-0}" -lt "$WORLD" ]; then
   DRY=1
   echo "== dry run: $GPUS GPU(s) for world $WORLD: ranks share a GPU under MPS, NCCL over sockets"
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   export IPCREDUCE_NCCL_SHARED_GPU=1
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  nvidia-cuda-mps-control -d
-  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  mps_on
 else
   DRY=0
 fi
@@ -50,10 +50,11 @@ fi
 cat "$OUT/env.txt"
 
 status=0
-# Phases stop at their own timeouts; `left` says whether an optional phase still fits.
-left() { [ $((BUDGET - SECONDS)) -gt "$1" ]; }
-# A phase's timeout: at most $1 seconds and never past the budget (+60 s for the rest).
-cap() { local r=$((BUDGET + 60 - SECONDS)); [ "$r" -lt "$1" ] && echo $((r > 10 ? r : 10)) || echo "$1"; }
+# Phases stop at their own timeouts; `budget_allows N` says whether an optional phase still
+# fits (more than N seconds left).
+# A phase's timeout: at most $1 seconds and never past the budget (+60 s for the rest, at
+# least 10 s).
+cap() { local r=$(($(budget_left) + 60)); [ "$r" -lt "$1" ] && echo $((r > 10 ? r : 10)) || echo "$1"; }
 phase() { echo "== [$SECONDS s] $*"; }
 
 phase "check world $WORLD ($CASES cases)"
@@ -77,7 +78,7 @@ fi
 bench_range() { # NAME MIN MAX ITERS WARMUP GRAPH_CALLS ALGOS
   local name=$1 lo=$2 hi=$3 n=$4 w=$5 g=$6 algos=$7 dt
   for dt in bfloat16 half float; do
-    left 30 || { echo "bench $dt $name: skipped, out of time"; status=1; continue; }
+    budget_allows 30 || { echo "bench $dt $name: skipped, out of time"; status=1; continue; }
     timeout "$(cap 200)" "$BIN" bench --backend cuda --ranks "$WORLD" -a "$algos" -d $dt -b "$lo" -e "$hi" \
       -f 2 -n "$n" -w "$w" -G "$g" --registered --json "$OUT/bench-$dt-$name.json" \
       >>"$OUT/bench-$dt.log" 2>&1 || { echo "bench $dt $name: FAILED"; status=1; }
@@ -101,7 +102,7 @@ grep -h -E "^# rows" "$OUT"/bench-*.log
 # Today's configuration (a 2 ms compute phase) and a compute-heavier one (8 ms): in the
 # second, communication can hide behind compute, and what stays exposed is what counts.
 for compute in 2000 8000; do
-  if left 60; then
+  if budget_allows 60; then
     phase "training loop, compute $compute us ($STEPS steps, $GRAD of gradients)"
     timeout "$(cap 150)" "$BIN" overlap --backend cuda --ranks "$WORLD" --steps "$STEPS" --grad-bytes "$GRAD" \
       --compute-us $compute --json "$OUT/overlap-$compute.json" >"$OUT/overlap-$compute.log" 2>&1 \
@@ -118,11 +119,11 @@ done
 "$BIN" report "$OUT"/bench-*.json "$OUT"/overlap-*.json >"$OUT/goals.md" || status=1
 cat "$OUT/goals.md"
 
-if left 100; then
+if budget_allows 100; then
   phase "compute-sanitizer (memcheck, racecheck, synccheck)"
   SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   for tool in memcheck racecheck synccheck; do
-    left 30 || break
+    budget_allows 30 || break
     timeout 60 "$BIN" launch -n "$WORLD" -- "$SAN" --tool "$tool" --error-exitcode 99 \
       "$BIN" check --backend cuda --cases 12 --max-bytes 1M --seed 7 >>"$OUT/sanitizer.log" 2>&1 \
       || { echo "$tool: FAILED"; status=1; }

@@ -8,6 +8,9 @@
 # Two GPUs or more: the full run, one rank per GPU. One GPU: world 2 under MPS, fewer steps.
 # Usage: scripts/device/python.sh OUT_DIR
 set -u
+# mps_on/mps_off.
+# shellcheck source=lib/steps.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib/steps.sh" || exit 2
 OUT=${1:?usage: python.sh OUT_DIR}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -44,15 +47,13 @@ cat "$OUT/env.txt"
 if [ "$GPUS" -lt 2 ]; then
   echo "== one GPU: world 2 under MPS, the smaller dry run"
   export IPCREDUCE_PY_SMALL=1
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  nvidia-cuda-mps-control -d
-  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  mps_on
 fi
 
 status=0
-# step NAME SECONDS CMD...: runs one program, its output into OUT/NAME.log.
-step() {
+# py_step NAME SECONDS CMD...: runs one program, its output into OUT/NAME.log (its outcome is
+# the JSON each rank writes, read at the end; no summary.txt line).
+py_step() {
   local name=$1 secs=$2
   shift 2
   echo "== $name"
@@ -69,12 +70,12 @@ STEPS=" ${PY_STEPS:-correctness graph kill train} "
 want() { case "$STEPS" in *" $1 "*) return 0 ;; esac; return 1; }
 G=$REPO/python/gpu
 
-if want correctness; then step correctness 240 $TORCHRUN "$G/correctness.py" || status=1; fi
-if want graph; then step graph 180 $TORCHRUN "$G/graph.py" || status=1; fi
+if want correctness; then py_step correctness 240 $TORCHRUN "$G/correctness.py" || status=1; fi
+if want graph; then py_step graph 180 $TORCHRUN "$G/graph.py" || status=1; fi
 # A killed rank: `ipcreduce launch` (torchrun would stop the survivor before it reports). The
 # job itself fails (a rank was killed); the survivor's JSON says whether it raised in time.
 for victim in $(want kill && echo 1 0); do
-  VICTIM=$victim step "kill-victim$victim" 60 "$BIN" launch -n 2 -- python3 "$G/kill.py"
+  VICTIM=$victim py_step "kill-victim$victim" 60 "$BIN" launch -n 2 -- python3 "$G/kill.py"
   survivor=$((1 - victim))
   python3 - "$OUT/kill-victim$victim-rank$survivor.json" <<'PY' || status=1
 import json, sys
@@ -86,7 +87,7 @@ print(f"   survivor raised {r.get('seconds_after_kill', float('nan')) * 1000:.0f
 sys.exit(1 if r["failures"] else 0)
 PY
 done
-if want train; then step train 330 $TORCHRUN "$G/train.py" || status=1; fi
+if want train; then py_step train 330 $TORCHRUN "$G/train.py" || status=1; fi
 
 python3 - "$OUT" "$STEPS" <<'PY' || status=1
 import glob, json, os, sys
