@@ -9,7 +9,6 @@
 #   BUDGET   seconds the whole script may take, counted from its start ($SECONDS); empty or
 #            unset: no budget (a step runs for its own limit)
 #   status   0 at the start; `step` sets it to 1 on a failed or skipped step
-# Only bash builtins, `timeout`, grep, tail and python3 (summary_json) are used.
 
 # budget_left: prints the seconds left of BUDGET (a large number without a budget).
 budget_left() {
