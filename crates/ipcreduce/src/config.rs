@@ -106,6 +106,11 @@ pub struct Config {
     /// cuda, two ranks, registered buffers, out of place: messages from this size on take the
     /// copy-engine path, 0 = never *(same on every rank)*. `IPCREDUCE_CE_MIN`; 0 (until measured).
     pub ce_min_bytes: Option<usize>,
+    /// cuda: launch the kernels with programmatic dependent launch (compute capability 9.0 and
+    /// up): a call's kernel starts while the kernel before it on the stream finishes, and
+    /// waits on the device for its results, so the launch gap is hidden (eagerly and in CUDA
+    /// graphs). `IPCREDUCE_PDL` (1/0); on where the GPU supports it.
+    pub pdl: Option<bool>,
     /// cuda: how workspaces are shared. `IPCREDUCE_SHARE` (vmm, ipc, auto); auto tries VMM,
     /// then IPC.
     pub sharing: Option<Sharing>,
@@ -160,6 +165,7 @@ impl Config {
                 .reg_oneshot_max_bytes
                 .or(from_env.reg_oneshot_max_bytes),
             ce_min_bytes: self.ce_min_bytes.or(from_env.ce_min_bytes),
+            pdl: self.pdl.or(from_env.pdl),
             sharing: self.sharing.or(from_env.sharing),
             transport: self.transport.or(from_env.transport),
             deny_peer: self.deny_peer.or(from_env.deny_peer),
@@ -222,6 +228,9 @@ impl Config {
                 }
             })
             .transpose()?;
+        let pdl = var("IPCREDUCE_PDL")
+            .map(|v| parse_bool("IPCREDUCE_PDL", &v))
+            .transpose()?;
         let nccl_shared_gpu = var("IPCREDUCE_NCCL_SHARED_GPU")
             .map(|v| parse_bool("IPCREDUCE_NCCL_SHARED_GPU", &v))
             .transpose()?;
@@ -236,6 +245,7 @@ impl Config {
             reg_loads: int("IPCREDUCE_REG_LOADS")?,
             reg_oneshot_max_bytes: int("IPCREDUCE_REG_ONESHOT_MAX")?,
             ce_min_bytes: int("IPCREDUCE_CE_MIN")?,
+            pdl,
             sharing,
             transport,
             deny_peer,
@@ -385,6 +395,7 @@ mod tests {
                 ("IPCREDUCE_REG_ONESHOT_MAX", "65536"),
                 ("IPCREDUCE_LL_DATA", "12"),
                 ("IPCREDUCE_TOPOLOGY", "PCIe"),
+                ("IPCREDUCE_PDL", "0"),
             ]))
             .unwrap();
         assert_eq!(c.timeout(), Duration::from_millis(1500));
@@ -402,6 +413,7 @@ mod tests {
         assert_eq!(c.transport, Some(Transport::Host));
         assert_eq!(c.deny_peer, Some((1, 0)));
         assert_eq!(c.topology, Some(Topology::Pcie));
+        assert_eq!(c.pdl, Some(false));
     }
 
     #[test]
@@ -454,6 +466,7 @@ mod tests {
             ("IPCREDUCE_TOPOLOGY", "pci"),
             ("IPCREDUCE_TOPOLOGY", "host"),
             ("IPCREDUCE_TOPOLOGY", "1"),
+            ("IPCREDUCE_PDL", "auto"),
         ] {
             let msg = config_error(&[(k, v)]);
             assert!(msg.contains(k), "{k}={v}: {msg}");

@@ -149,6 +149,64 @@ impl Error {
             detail: detail.into(),
         }
     }
+
+    /// The same error under another numbering of the ranks (a communicator over a subset of
+    /// the job numbers its ranks its own way): `rank` maps the rank that saw the error, `peer`
+    /// the peer it names. Variants without a rank come back unchanged.
+    pub fn map_ranks(
+        mut self,
+        rank: impl FnOnce(usize) -> usize,
+        peer: impl FnOnce(usize) -> usize,
+    ) -> Self {
+        let (r, p) = self.ranks_mut();
+        if let Some(r) = r {
+            *r = rank(*r);
+        }
+        if let Some(p) = p {
+            *p = peer(*p);
+        }
+        self
+    }
+
+    /// The rank that saw the error and the peer it names, where the variant has them. Every
+    /// variant is listed so that a new one has to say which of its fields are ranks.
+    fn ranks_mut(&mut self) -> (Option<&mut usize>, Option<&mut usize>) {
+        match self {
+            Error::Config(_) | Error::CudaUnavailable(_) | Error::Io { .. } => (None, None),
+            Error::InvalidArgument { rank, .. }
+            | Error::Aborted { rank, .. }
+            | Error::Cuda { rank, .. }
+            | Error::CudaDriver { rank, .. } => (Some(rank), None),
+            Error::Bootstrap { rank, peer, .. } => (Some(rank), peer.as_mut()),
+            Error::PeerLost { rank, peer, .. }
+            | Error::Timeout { rank, peer, .. }
+            | Error::Mismatch { rank, peer, .. }
+            | Error::PeerAccess { rank, peer, .. } => (Some(rank), Some(peer)),
+        }
+    }
+
+    /// The same error with `place` (where it happened, e.g. "inside node 1") in its text:
+    /// after the operation, or after the detail where the operation is a fixed name.
+    /// Argument errors (the caller's, wherever they are), peer-access errors (their two ranks
+    /// place them), aborts (their reason is an earlier error, placed already) and the errors
+    /// that belong to no rank come back unchanged.
+    pub fn at_place(mut self, place: &str) -> Self {
+        match &mut self {
+            Error::Timeout { op, .. }
+            | Error::Mismatch { op, .. }
+            | Error::PeerLost { op, .. }
+            | Error::Cuda { op, .. }
+            | Error::CudaDriver { op, .. } => *op = format!("{op} ({place})"),
+            Error::Bootstrap { detail, .. } => *detail = format!("{detail} ({place})"),
+            Error::InvalidArgument { .. }
+            | Error::PeerAccess { .. }
+            | Error::Aborted { .. }
+            | Error::Config(_)
+            | Error::CudaUnavailable(_)
+            | Error::Io { .. } => {}
+        }
+        self
+    }
 }
 
 #[cfg(test)]
@@ -190,5 +248,124 @@ mod tests {
         assert!(aborted.is_fatal());
         assert!(!Error::invalid(0, "all_reduce", "null buffer pointer").is_fatal());
         assert!(!driver(CUresult::CUDA_ERROR_OUT_OF_MEMORY).is_fatal());
+    }
+
+    /// Rank 1's all_reduce #3 waited for peer rank 2.
+    fn timeout() -> Error {
+        Error::Timeout {
+            rank: 1,
+            peer: 2,
+            op: "all_reduce".into(),
+            seq: 3,
+            waited: Duration::from_secs(1),
+        }
+    }
+
+    /// Rank 1 could not reach the rendezvous (no peer).
+    fn connect_refused() -> Error {
+        Error::Bootstrap {
+            rank: 1,
+            peer: None,
+            op: "connect",
+            detail: "refused".into(),
+        }
+    }
+
+    /// One of each variant that names a rank: rank 1, peer 2 where there is a peer.
+    fn with_ranks() -> Vec<Error> {
+        vec![
+            Error::invalid(1, "all_reduce", "null buffer pointer"),
+            Error::Bootstrap {
+                rank: 1,
+                peer: Some(2),
+                op: "exchange",
+                detail: "closed".into(),
+            },
+            Error::PeerLost {
+                rank: 1,
+                peer: 2,
+                op: "all_reduce".into(),
+                detail: "EOF".into(),
+            },
+            timeout(),
+            Error::Mismatch {
+                rank: 1,
+                peer: 2,
+                op: "all_reduce".into(),
+                seq: 3,
+                detail: "count 1 vs 2".into(),
+            },
+            Error::Aborted {
+                rank: 1,
+                reason: "a peer died".into(),
+            },
+            Error::Cuda {
+                rank: 1,
+                op: "NCCL init".into(),
+                detail: "x".into(),
+            },
+            driver(CUresult::CUDA_ERROR_INVALID_VALUE),
+            Error::PeerAccess {
+                rank: 1,
+                peer: 2,
+                op: "cuIpcOpenMemHandle",
+                detail: "x".into(),
+            },
+        ]
+    }
+
+    #[test]
+    fn map_ranks_renumbers_the_rank_and_the_peer_of_every_variant() {
+        for e in with_ranks() {
+            let before = e.to_string();
+            let has_peer = before.contains("rank 2");
+            let text = e.map_ranks(|r| r + 10, |p| p + 20).to_string();
+            assert!(text.starts_with("rank 11: "), "{before} -> {text}");
+            assert_eq!(text.contains("rank 22"), has_peer, "{before} -> {text}");
+        }
+        let mapped = timeout().map_ranks(|r| r + 10, |p| p + 20);
+        assert!(matches!(
+            mapped,
+            Error::Timeout {
+                rank: 11,
+                peer: 22,
+                seq: 3,
+                ..
+            }
+        ));
+        // A bootstrap error without a peer keeps none; errors without a rank keep their text.
+        let no_peer = connect_refused().map_ranks(|r| r + 10, |_| panic!("no peer to map"));
+        assert!(matches!(
+            no_peer,
+            Error::Bootstrap {
+                rank: 11,
+                peer: None,
+                ..
+            }
+        ));
+        let unranked = [
+            Error::Config("IPCREDUCE_X is not a number".into()),
+            Error::CudaUnavailable("no driver".into()),
+            Error::io("read", std::io::Error::other("x")),
+        ];
+        for e in unranked {
+            let before = e.to_string();
+            let after = e.map_ranks(|_| panic!("no rank"), |_| panic!("no peer"));
+            assert_eq!(after.to_string(), before);
+        }
+    }
+
+    #[test]
+    fn at_place_names_the_place_after_the_operation_or_the_detail() {
+        let e = timeout().at_place("inside node 4");
+        assert!(
+            e.to_string().contains("all_reduce (inside node 4) #3"),
+            "{e}"
+        );
+        let b = connect_refused().at_place("inside node 4");
+        assert!(b.to_string().ends_with("refused (inside node 4)"), "{b}");
+        let arg = Error::invalid(1, "all_reduce", "null buffer pointer");
+        let before = arg.to_string();
+        assert_eq!(arg.at_place("inside node 4").to_string(), before);
     }
 }

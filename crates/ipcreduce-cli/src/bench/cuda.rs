@@ -37,6 +37,7 @@ struct RefreshArgs {
     world: i32,
     op: i32,
     check: i32,
+    early: i32,
 }
 
 /// Buffers, stream and kernels of one dtype's sweep.
@@ -50,6 +51,8 @@ pub struct CudaRunner {
     capacity: usize,
     refresh: [cs::CudaFunction; 3],
     max_grid: u32,
+    /// The refresh lets the next kernel launch early (`bench --pdl-producer`).
+    pdl_producer: bool,
     stream: Arc<cs::CudaStream>,
     ctx: Arc<cs::CudaContext>,
 }
@@ -89,9 +92,16 @@ impl CudaRunner {
             refresh,
             // Enough blocks to fill the GPU a few times over; the loop is grid-strided.
             max_grid: u32::try_from(sms).unwrap_or(1).max(1) * 4,
+            pdl_producer: false,
             stream,
             ctx,
         })
+    }
+
+    /// Makes the refresh a producer that lets the next kernel launch early (see refresh.cu).
+    pub fn with_pdl_producer(mut self, on: bool) -> CudaRunner {
+        self.pdl_producer = on;
+        self
     }
 
     /// Frees the buffers (collectively when registered).
@@ -130,6 +140,7 @@ impl CudaRunner {
             world: m.world as i32,
             op: op_code(m.op),
             check: i32::from(check),
+            early: i32::from(self.pdl_producer),
         };
         let grid = (m.count.div_ceil(REFRESH_THREADS as usize) as u64)
             .clamp(1, u64::from(self.max_grid)) as u32;

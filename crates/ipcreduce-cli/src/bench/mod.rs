@@ -62,6 +62,12 @@ pub struct BenchArgs {
     /// `Communicator::alloc` (cuda), beside the plain ones.
     #[arg(long)]
     pub registered: bool,
+    /// cuda: the input refresh before each call lets the next kernel launch at once
+    /// (programmatic dependent launch), as PDL-aware producers do (e.g. GEMM libraries on
+    /// Hopper): ipcreduce's kernels then start during the refresh and wait on the device for
+    /// it (IPCREDUCE_PDL, on by default); NCCL's launch as usual.
+    #[arg(long)]
+    pub pdl_producer: bool,
 }
 
 /// One line of the table / one JSON row.
@@ -111,6 +117,10 @@ struct Meta {
     timing: &'static str,
     /// NCCL_P2P_DISABLE as NCCL saw it in this run (None: unset).
     nccl_p2p_disable: Option<String>,
+    /// IPCREDUCE_PDL as set in this run (None: unset, the default).
+    ipcreduce_pdl: Option<String>,
+    /// The refresh let the next kernel launch early (`--pdl-producer`).
+    pdl_producer: bool,
 }
 
 /// What one measurement asks for.
@@ -145,9 +155,16 @@ enum Runner {
 }
 
 impl Runner {
-    fn new(comm: &mut Communicator, capacity: usize, registered: bool) -> Result<Runner> {
+    fn new(
+        comm: &mut Communicator,
+        capacity: usize,
+        registered: bool,
+        pdl_producer: bool,
+    ) -> Result<Runner> {
         Ok(match comm.backend() {
-            BackendKind::Cuda => Runner::Cuda(cuda::CudaRunner::new(comm, capacity, registered)?),
+            BackendKind::Cuda => Runner::Cuda(
+                cuda::CudaRunner::new(comm, capacity, registered)?.with_pdl_producer(pdl_producer),
+            ),
             _ => Runner::Host(host::HostRunner::new(comm, capacity, registered)?),
         })
     }
@@ -266,7 +283,7 @@ fn bench(args: &BenchArgs) -> Result<bool> {
     for &registered in &registrations {
         for &dtype in &dtypes {
             let capacity = sizes.last().copied().unwrap_or(0).max(dtype.size());
-            let mut runner = Runner::new(&mut comm, capacity, registered)?;
+            let mut runner = Runner::new(&mut comm, capacity, registered, args.pdl_producer)?;
             for &bytes in &sizes {
                 let count = (bytes / dtype.size()).max(1);
                 // NCCL does not use our registration: its rows would repeat the plain ones.
@@ -465,6 +482,8 @@ fn write_json(
         timing: "time_us: per call, (all-reduce + input refresh) minus the refresh alone (cuda), \
                  the calls alone (host); every call's output checked",
         nccl_p2p_disable: std::env::var("NCCL_P2P_DISABLE").ok(),
+        ipcreduce_pdl: std::env::var("IPCREDUCE_PDL").ok(),
+        pdl_producer: args.pdl_producer,
     };
     let doc = serde_json::json!({ "meta": meta, "rows": rows });
     let text =

@@ -37,6 +37,7 @@ struct RefreshArgs {
     int world;
     int op;     // 0 sum, 1 max, 2 min
     int check;  // 0: only write the next input (the first fill, and the timing of f alone)
+    int early;  // 1: let the next kernel launch now (bench --pdl-producer)
 };
 
 __device__ __forceinline__ u32 lowbias32(u32 x) {
@@ -131,9 +132,19 @@ __device__ void refresh(const RefreshArgs &a) {
     }
 }
 
+// With `early`, the refresh behaves as a producer written for programmatic dependent launch
+// (as e.g. GEMM libraries on Hopper are): it lets the kernel after it launch at once. That
+// kernel, if launched with programmatic stream serialization, waits on the device for the
+// refresh's completion and its writes (griddepcontrol.wait); one launched normally waits anyway.
+__device__ __forceinline__ void let_next_kernel_launch(const RefreshArgs &a) {
+#if __CUDA_ARCH__ >= 900
+    if (a.early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(REFRESH_THREADS)
-ipcr_refresh_f32(RefreshArgs a) { refresh<F32>(a); }
+ipcr_refresh_f32(RefreshArgs a) { let_next_kernel_launch(a); refresh<F32>(a); }
 extern "C" __global__ void __launch_bounds__(REFRESH_THREADS)
-ipcr_refresh_f16(RefreshArgs a) { refresh<F16>(a); }
+ipcr_refresh_f16(RefreshArgs a) { let_next_kernel_launch(a); refresh<F16>(a); }
 extern "C" __global__ void __launch_bounds__(REFRESH_THREADS)
-ipcr_refresh_bf16(RefreshArgs a) { refresh<BF16>(a); }
+ipcr_refresh_bf16(RefreshArgs a) { let_next_kernel_launch(a); refresh<BF16>(a); }

@@ -198,76 +198,10 @@ fn job_terms(e: Error, rank: usize, node: usize, node_ranks: &[usize]) -> Error 
     if matches!(&e, Error::Cuda { op, .. } if op.contains(BETWEEN_NODES)) {
         return e;
     }
-    let peer_of = |p: usize| node_ranks.get(p).copied().unwrap_or(p);
-    let at = |op: String| format!("{op} (inside node {node})");
-    match e {
-        Error::Timeout {
-            peer,
-            op,
-            seq,
-            waited,
-            ..
-        } => Error::Timeout {
-            rank,
-            peer: peer_of(peer),
-            op: at(op),
-            seq,
-            waited,
-        },
-        Error::Mismatch {
-            peer,
-            op,
-            seq,
-            detail,
-            ..
-        } => Error::Mismatch {
-            rank,
-            peer: peer_of(peer),
-            op: at(op),
-            seq,
-            detail,
-        },
-        Error::PeerLost {
-            peer, op, detail, ..
-        } => Error::PeerLost {
-            rank,
-            peer: peer_of(peer),
-            op: at(op),
-            detail,
-        },
-        Error::Aborted { reason, .. } => Error::Aborted { rank, reason },
-        Error::Cuda { op, detail, .. } => Error::Cuda {
-            rank,
-            op: at(op),
-            detail,
-        },
-        Error::CudaDriver {
-            op, code, detail, ..
-        } => Error::CudaDriver {
-            rank,
-            op: at(op),
-            code,
-            detail,
-        },
-        Error::PeerAccess {
-            peer, op, detail, ..
-        } => Error::PeerAccess {
-            rank,
-            peer: peer_of(peer),
-            op,
-            detail,
-        },
-        Error::InvalidArgument { op, detail, .. } => Error::InvalidArgument { rank, op, detail },
-        Error::Bootstrap {
-            peer, op, detail, ..
-        } => Error::Bootstrap {
-            rank,
-            peer: peer.map(peer_of),
-            op,
-            detail: format!("{detail} (inside node {node})"),
-        },
-        other => other,
-    }
+    // The node's communicator numbers this rank and its peers by local rank; the rank that
+    // saw the error is this one.
+    e.map_ranks(|_| rank, |p| node_ranks.get(p).copied().unwrap_or(p))
+        .at_place(&format!("inside node {node}"))
 }
 
 impl Inter {

@@ -164,6 +164,8 @@ pub struct CudaComm {
     devices: Vec<String>,
     /// Calls issued so far (for error messages).
     seq: u64,
+    /// Kernels launched with programmatic dependent launch (see `launch_kernel`).
+    pdl: bool,
     stream: Arc<cs::CudaStream>,
     ctx: Arc<cs::CudaContext>,
     gpu: Arc<Loaded>,
@@ -180,6 +182,8 @@ struct Loaded {
     sg: scatter_gather::Funcs,
     /// The copy-engine path's barrier kernel.
     ce_barrier: cs::CudaFunction,
+    /// Whether the GPU has programmatic dependent launch (compute capability 9.0 and up).
+    pdl_capable: bool,
 }
 
 impl Loaded {
@@ -246,6 +250,7 @@ impl Loaded {
             funcs,
             sg,
             ce_barrier,
+            pdl_capable: major >= 9,
         });
         cache.insert((ordinal, w), l.clone());
         Ok(l)
@@ -272,6 +277,7 @@ impl CudaComm {
             count as usize,
         )?;
         let gpu = Loaded::get(ordinal, kernels::world_class(world), rank)?;
+        let gpu_pdl_capable = gpu.pdl_capable;
         let ctx = gpu.ctx.clone();
         ctx.bind_to_thread()
             .map_err(|e| cuda("binding the context", e))?;
@@ -455,6 +461,7 @@ impl CudaComm {
             bufs: Vec::new(),
             devices,
             seq: 0,
+            pdl: config.pdl.unwrap_or(true) && gpu_pdl_capable,
         };
         // Every rank's signal area is cleared before any kernel writes into it.
         boot.barrier()?;
@@ -468,6 +475,12 @@ impl CudaComm {
                 nccl::Nccl::init(boot, shared_gpu).map_err(|e| e.to_string())
             };
         }
+        tracing::debug!(
+            rank,
+            pdl = comm.pdl,
+            "kernels launched with programmatic dependent launch: {}",
+            comm.pdl
+        );
         Ok(comm)
     }
 
@@ -761,7 +774,12 @@ impl CudaComm {
         })
     }
 
-    /// Launches `f` on `stream` with `args` (copied at launch).
+    /// Launches `f` on `stream` with `args` (copied at launch). With programmatic dependent
+    /// launch (`self.pdl`), the kernel may start while the kernel before it on `stream` finishes:
+    /// every entry point waits on the device for that kernel's completion before it reads
+    /// anything (`wait_for_previous_kernel` in allreduce.cu), so stream order holds and only the
+    /// launch gap is hidden. Stream capture turns the attribute into a programmatic edge of the
+    /// graph.
     fn launch_kernel<A>(
         &self,
         f: sys::CUfunction,
@@ -773,28 +791,37 @@ impl CudaComm {
     ) -> Result<()> {
         // `A`: the kernel's one by-value parameter (KernelArgs, or a struct that starts with it).
         let mut params = [(args as *mut A).cast::<c_void>()];
+        let mut attrs = [programmatic_serialization()];
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: stream,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: u32::from(self.pdl),
+        };
         // SAFETY: the kernel reads `args` (copied at launch) and only touches the buffers in it,
-        // which the caller vouched for and we own.
+        // which the caller vouched for and we own; `config` and `attrs` outlive the call.
         ck(
-            unsafe {
-                sys::cuLaunchKernel(
-                    f,
-                    grid,
-                    1,
-                    1,
-                    threads,
-                    1,
-                    1,
-                    0,
-                    stream,
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            },
+            unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) },
             self.rank,
             what,
         )
     }
+}
+
+/// The launch attribute of programmatic dependent launch.
+fn programmatic_serialization() -> sys::CUlaunchAttribute {
+    // SAFETY: an all-zero attribute is plain data (id 0, a zeroed value union); both fields
+    // that matter are set below.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    attr
 }
 
 impl BackendOps for CudaComm {

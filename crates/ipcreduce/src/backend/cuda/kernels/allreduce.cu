@@ -200,6 +200,20 @@ __device__ __forceinline__ u64 globaltimer() {
     return t;
 }
 
+// Programmatic dependent launch (`IPCREDUCE_PDL`): launched with programmatic stream
+// serialization, a kernel's blocks may start while the kernel before it on the stream is
+// finishing, so their launch overlaps its tail. Every entry point calls this first: it returns
+// once that kernel has completed and its writes are visible, so nothing of ours (not even the
+// device protocol state an earlier call of ours left) is read before. A no-op when the kernel
+// was launched normally. Our kernels never let their own successor start early
+// (griddepcontrol.launch_dependents): a successor resident beside a kernel that waits for its
+// peers could keep a peer's kernel off a shared GPU.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Records the first failure in the host-visible error record.
 __device__ void report(const Args &a, u32 code, u32 peer, u32 barrier_no, u64 theirs = 0) {
     if (atomicCAS(a.err, 0u, code) == 0u) {
@@ -1028,6 +1042,7 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll12(const Ar
 // the call, in the same order on both ranks; before and after the call the lanes' slots are
 // used only by kernels ordered with it on the caller's stream, so invariant (1) holds.
 extern "C" __global__ void __launch_bounds__(32) ipcr_ce_barrier(const Args a) {
+    wait_for_previous_kernel();
     u32 *ctr = a.counters + 2 * a.lane;
     u32 F = ctr[0];
     barrier_at(a, F, a.check != 0, a.lane);
@@ -1054,37 +1069,29 @@ template <typename D, typename Op> __device__ void ce_reduce(const Args &a) {
 #ifndef IPCR_W
 #define IPCR_W 8
 #endif
-#define SM_KERNELS(DT, OPN, D, OP, W)                                                         \
-    extern "C" __global__ void __launch_bounds__(512, 2)                                      \
-        ipcr_oneshot_w##W##_##DT##_##OPN(const Args a) { one_shot<D, OP, W>(a); }             \
-    extern "C" __global__ void __launch_bounds__(512, 2)                                      \
-        ipcr_twoshot_w##W##_##DT##_##OPN(const Args a) { two_shot<D, OP, W>(a); }             \
-    extern "C" __global__ void __launch_bounds__(512, 2)                                      \
-        ipcr_oneshotreg_w##W##_##DT##_##OPN(const Args a) {                                   \
-        one_shot_reg<D, OP, W, LOADS_IN_FLIGHT>(a);                                           \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(512, 2)                                      \
-        ipcr_twoshotreg_w##W##_##DT##_##OPN(const Args a) {                                   \
-        two_shot_reg<D, OP, W, LOADS_IN_FLIGHT>(a);                                           \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(512, 1)                                      \
-        ipcr_oneshotreg16_w##W##_##DT##_##OPN(const Args a) {                                 \
-        one_shot_reg<D, OP, W, DEEP_LOADS_IN_FLIGHT(W)>(a);                                    \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(512, 1)                                      \
-        ipcr_twoshotreg16_w##W##_##DT##_##OPN(const Args a) {                                 \
-        two_shot_reg<D, OP, W, DEEP_LOADS_IN_FLIGHT(W)>(a);                                    \
+// ENTRY(MIN_BLOCKS, NAME, CALL): an entry point of 512 threads, at least MIN_BLOCKS per SM,
+// that waits for the kernel before it (see wait_for_previous_kernel), then runs CALL.
+#define ENTRY(MIN_BLOCKS, NAME, CALL)                                                         \
+    extern "C" __global__ void __launch_bounds__(512, MIN_BLOCKS) NAME(const Args a) {        \
+        wait_for_previous_kernel();                                                           \
+        CALL;                                                                                 \
     }
+#define SM_KERNELS(DT, OPN, D, OP, W)                                                         \
+    ENTRY(2, ipcr_oneshot_w##W##_##DT##_##OPN, (one_shot<D, OP, W>(a)))                       \
+    ENTRY(2, ipcr_twoshot_w##W##_##DT##_##OPN, (two_shot<D, OP, W>(a)))                       \
+    ENTRY(2, ipcr_oneshotreg_w##W##_##DT##_##OPN, (one_shot_reg<D, OP, W, LOADS_IN_FLIGHT>(a))) \
+    ENTRY(2, ipcr_twoshotreg_w##W##_##DT##_##OPN, (two_shot_reg<D, OP, W, LOADS_IN_FLIGHT>(a))) \
+    ENTRY(1, ipcr_oneshotreg16_w##W##_##DT##_##OPN,                                           \
+          (one_shot_reg<D, OP, W, DEEP_LOADS_IN_FLIGHT(W)>(a)))                               \
+    ENTRY(1, ipcr_twoshotreg16_w##W##_##DT##_##OPN,                                           \
+          (two_shot_reg<D, OP, W, DEEP_LOADS_IN_FLIGHT(W)>(a)))
 #define SM_KERNELS_FOR(DT, OPN, D, OP, W) SM_KERNELS(DT, OPN, D, OP, W)
 
 #define KERNELS(DT, OPN, D, OP)                                                               \
     SM_KERNELS_FOR(DT, OPN, D, OP, IPCR_W)                                                    \
-    extern "C" __global__ void __launch_bounds__(512, 2)                                      \
-        ipcr_cereduce_##DT##_##OPN(const Args a) { ce_reduce<D, OP>(a); }                     \
-    extern "C" __global__ void __launch_bounds__(512, 2)                                      \
-        ipcr_oneshotll_##DT##_##OPN(const Args a) { one_shot_ll<D, OP, IPCR_W>(a); }         \
-    extern "C" __global__ void __launch_bounds__(512, 2)                                      \
-        ipcr_oneshotll12_##DT##_##OPN(const Args a) { one_shot_ll12<D, OP, IPCR_W>(a); }
+    ENTRY(2, ipcr_cereduce_##DT##_##OPN, (ce_reduce<D, OP>(a)))                               \
+    ENTRY(2, ipcr_oneshotll_##DT##_##OPN, (one_shot_ll<D, OP, IPCR_W>(a)))                    \
+    ENTRY(2, ipcr_oneshotll12_##DT##_##OPN, (one_shot_ll12<D, OP, IPCR_W>(a)))
 
 KERNELS(f32, sum, F32, OpSum)
 KERNELS(f32, max, F32, OpMax)

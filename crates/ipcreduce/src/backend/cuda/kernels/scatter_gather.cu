@@ -142,17 +142,19 @@ template <typename D> __device__ void all_gather_reg(const SgArgs &g) {
 
 // Entry points: ipcr_reducescatter{,reg}_w<W>_<dtype>_<op> and ipcr_allgather{,reg}_<dtype> (no
 // reduction: one kernel per element size would do, one per dtype keeps the table uniform).
+// SG_ENTRY(NAME, CALL): as allreduce.cu's ENTRY, for SgArgs.
+#define SG_ENTRY(NAME, CALL)                                                                  \
+    extern "C" __global__ void __launch_bounds__(512, 2) NAME(const SgArgs g) {               \
+        wait_for_previous_kernel();                                                           \
+        CALL;                                                                                 \
+    }
 #define SG_RS_KERNELS(DT, OPN, D, OP, W)                                                      \
-    extern "C" __global__ void __launch_bounds__(512, 2)                                      \
-        ipcr_reducescatter_w##W##_##DT##_##OPN(const SgArgs g) { reduce_scatter_staged<D, OP, W>(g); } \
-    extern "C" __global__ void __launch_bounds__(512, 2)                                      \
-        ipcr_reducescatterreg_w##W##_##DT##_##OPN(const SgArgs g) { reduce_scatter_reg<D, OP, W>(g); }
+    SG_ENTRY(ipcr_reducescatter_w##W##_##DT##_##OPN, (reduce_scatter_staged<D, OP, W>(g)))    \
+    SG_ENTRY(ipcr_reducescatterreg_w##W##_##DT##_##OPN, (reduce_scatter_reg<D, OP, W>(g)))
 #define SG_RS_KERNELS_FOR(DT, OPN, D, OP, W) SG_RS_KERNELS(DT, OPN, D, OP, W)
 #define SG_AG_KERNELS(DT, D)                                                                  \
-    extern "C" __global__ void __launch_bounds__(512, 2)                                      \
-        ipcr_allgather_##DT(const SgArgs g) { all_gather_staged<D>(g); }                      \
-    extern "C" __global__ void __launch_bounds__(512, 2)                                      \
-        ipcr_allgatherreg_##DT(const SgArgs g) { all_gather_reg<D>(g); }
+    SG_ENTRY(ipcr_allgather_##DT, (all_gather_staged<D>(g)))                                  \
+    SG_ENTRY(ipcr_allgatherreg_##DT, (all_gather_reg<D>(g)))
 
 SG_RS_KERNELS_FOR(f32, sum, F32, OpSum, IPCR_W)
 SG_RS_KERNELS_FOR(f32, max, F32, OpMax, IPCR_W)

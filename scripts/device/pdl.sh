@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# Programmatic dependent launch (IPCREDUCE_PDL) side by side, and its correctness. Builds
+# nothing: expects target/release/ipcreduce (and target/gpu-tests/gpu for the GPU tests).
+#
+# Usage: scripts/device/pdl.sh OUT_DIR
+#   bench   bf16 sum at two ranks, 8 B - 4 MiB, eager and CUDA graph, plain and registered
+#           buffers, every call checked, three variants in turn:
+#             off       IPCREDUCE_PDL=0: every kernel launched after the previous one completed;
+#             on        the default: our kernels start while the refresh before them finishes;
+#             producer  on, and the refresh lets the next kernel launch at once
+#                       (`bench --pdl-producer`), as PDL-aware producers do.
+#           NCCL beside when two GPUs are visible (on one GPU NCCL cannot share it without
+#           sockets). Then pdl.md: per size and mode the time of each variant and the ratios.
+#   checks  `check` at worlds 2, 4 and 8 (ranks under MPS on one GPU), plain and registered.
+#   gputests  scripts/device/gpu-tests.sh into OUT_DIR/gpu-tests (PDL on, the default).
+# Every step runs under `timeout`; a step that no longer fits BUDGET seconds is skipped and
+# reported. summary.txt: one line per step (PASS/FAIL/SKIP and its last line).
+# Knobs: PHASES="bench checks gputests", BUDGET=540, CASES=500, WORLDS="2 4 8", BENCH_MAX=4M.
+set -u
+OUT=${1:?usage: pdl.sh OUT_DIR}
+BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
+BUDGET=${BUDGET:-540}
+CASES=${CASES:-500}
+BENCH_MAX=${BENCH_MAX:-4M}
+PHASES=${PHASES:-bench checks gputests}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+# Never NVLink multicast.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export IPCREDUCE_TUNE_FILE="$OUT/no-tune.txt"
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+status=0
+
+# step NAME LIMIT CMD...: runs CMD into OUT/NAME.log under `timeout`, at most LIMIT seconds and
+# never past the budget; records PASS/FAIL/SKIP and the log's last line.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((BUDGET - SECONDS))
+  if [ "$left" -lt 20 ]; then
+    echo "SKIP $name: out of time ($SECONDS s of $BUDGET)" | tee -a "$SUMMARY"
+    status=1
+    return
+  fi
+  [ "$left" -lt "$limit" ] && limit=$left
+  echo "== [$SECONDS s] $name"
+  local t0=$SECONDS
+  if timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; then
+    echo "PASS $name ($((SECONDS - t0)) s): $(grep -v WARN "$OUT/$name.log" | tail -n 1)" | tee -a "$SUMMARY"
+  else
+    echo "FAIL $name (exit $?, $((SECONDS - t0)) s): $(grep -v WARN "$OUT/$name.log" | tail -n 1)" | tee -a "$SUMMARY"
+    grep -E "FAIL|error|panicked" "$OUT/$name.log" | head -n 5
+    status=1
+  fi
+}
+mps_on() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
+}
+mps_off() {
+  if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then
+    echo quit | nvidia-cuda-mps-control
+    trap - EXIT
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    sleep 2
+  fi
+}
+
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv
+  "$BIN" --version
+  echo "GPUs: $NGPU PHASES=$PHASES BUDGET=$BUDGET CASES=$CASES BENCH_MAX=$BENCH_MAX"
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+has() { [[ " $PHASES " == *" $1 "* ]]; }
+
+# Ranks share the GPU when there is only one: MPS lets their kernels run at once.
+if [ "${NGPU:-0}" -lt 2 ]; then mps_on; fi
+
+if has bench; then
+  algos=auto
+  [ "${NGPU:-0}" -ge 2 ] && algos=auto,nccl
+  for v in off on producer; do
+    extra=()
+    envs=()
+    case $v in
+      off) envs=(IPCREDUCE_PDL=0) ;;
+      producer) extra=(--pdl-producer) ;;
+    esac
+    step "bench-$v" 150 env "${envs[@]}" "$BIN" bench --backend cuda --ranks 2 -a "$algos" \
+      -d bfloat16 -b 8 -e "$BENCH_MAX" -f 2 -n 200 -w 50 -G 20 --registered "${extra[@]}" \
+      --json "$OUT/bench-$v.json"
+  done
+  python3 - "$OUT" >"$OUT/pdl.md" <<'EOF' || status=1
+import json, os, sys
+out = sys.argv[1]
+runs = {}
+for v in ("off", "on", "producer"):
+    f = os.path.join(out, f"bench-{v}.json")
+    if os.path.exists(f):
+        runs[v] = json.load(open(f))["rows"]
+def t(v, b, mode, reg, algo="auto"):
+    c = [r for r in runs.get(v, []) if r["bytes"] == b and r["mode"] == mode
+         and r["registered"] == reg and r["algo"] == algo]
+    return c[0]["time_us"] if c else None
+f = lambda x: "-" if x is None else f"{x:.2f}"
+ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}x"
+sizes = sorted({r["bytes"] for rows in runs.values() for r in rows})
+print("# bf16 sum, two ranks, us per call (slowest rank); off = IPCREDUCE_PDL=0, on = default,")
+print("# producer = on with a refresh that lets the next kernel launch at once; off/on > 1: PDL faster")
+for mode in ("graph", "eager"):
+    for reg in (True, False):
+        print()
+        print(f"## {mode}, {'registered' if reg else 'plain'} buffers")
+        print()
+        print("| size | off | on | producer | off/on | off/producer | NCCL (on run) |")
+        print("|---|---|---|---|---|---|---|")
+        for b in sizes:
+            a, o, p = t("off", b, mode, reg), t("on", b, mode, reg), t("producer", b, mode, reg)
+            n = t("on", b, mode, False, "nccl")
+            print(f"| {b} | {f(a)} | {f(o)} | {f(p)} | {ratio(a, o)} | {ratio(a, p)} | {f(n)} |")
+wrong = sum(r["wrong"] for rows in runs.values() for r in rows)
+print()
+print(f"wrong elements over every row: {wrong}")
+EOF
+  cat "$OUT/pdl.md"
+fi
+
+if has checks; then
+  for w in ${WORLDS:-2 4 8}; do
+    step "check-w$w" 120 "$BIN" check --backend cuda --ranks "$w" --cases "$CASES" --seed "$((w + 30))"
+    step "check-w$w-registered" 120 "$BIN" check --backend cuda --ranks "$w" --cases "$CASES" \
+      --seed $((w + 40)) --registered
+  done
+fi
+
+if has gputests; then
+  # gpu-tests.sh starts MPS itself (and stops it): stop ours first.
+  mps_off
+  step gpu-tests 330 scripts/device/gpu-tests.sh "$OUT/gpu-tests"
+fi
+
+echo "== [$SECONDS s] summary"
+cat "$SUMMARY"
+exit $status
