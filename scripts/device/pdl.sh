@@ -17,6 +17,9 @@
 # reported. summary.txt: one line per step (PASS/FAIL/SKIP and its last line).
 # Knobs: PHASES="bench checks gputests", BUDGET=540, CASES=500, WORLDS="2 4 8", BENCH_MAX=4M.
 set -u
+# step (budget, summary lines), mps_on/mps_off.
+# shellcheck source=lib/steps.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib/steps.sh" || exit 2
 OUT=${1:?usage: pdl.sh OUT_DIR}
 BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
 BUDGET=${BUDGET:-540}
@@ -33,42 +36,6 @@ NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 status=0
-
-# step NAME LIMIT CMD...: runs CMD into OUT/NAME.log under `timeout`, at most LIMIT seconds and
-# never past the budget; records PASS/FAIL/SKIP and the log's last line.
-step() {
-  local name=$1 limit=$2
-  shift 2
-  local left=$((BUDGET - SECONDS))
-  if [ "$left" -lt 20 ]; then
-    echo "SKIP $name: out of time ($SECONDS s of $BUDGET)" | tee -a "$SUMMARY"
-    status=1
-    return
-  fi
-  [ "$left" -lt "$limit" ] && limit=$left
-  echo "== [$SECONDS s] $name"
-  local t0=$SECONDS
-  if timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; then
-    echo "PASS $name ($((SECONDS - t0)) s): $(grep -v WARN "$OUT/$name.log" | tail -n 1)" | tee -a "$SUMMARY"
-  else
-    echo "FAIL $name (exit $?, $((SECONDS - t0)) s): $(grep -v WARN "$OUT/$name.log" | tail -n 1)" | tee -a "$SUMMARY"
-    grep -E "FAIL|error|panicked" "$OUT/$name.log" | head -n 5
-    status=1
-  fi
-}
-mps_on() {
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
-}
-mps_off() {
-  if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then
-    echo quit | nvidia-cuda-mps-control
-    trap - EXIT
-    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-    sleep 2
-  fi
-}
 
 {
   date -u +%Y-%m-%dT%H:%M:%SZ
@@ -142,7 +109,11 @@ fi
 
 if has gputests; then
   # gpu-tests.sh starts MPS itself (and stops it): stop ours first.
-  mps_off
+  if [ -n "${MPS_ON:-}" ]; then
+    mps_off
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    sleep 2
+  fi
   step gpu-tests 330 scripts/device/gpu-tests.sh "$OUT/gpu-tests"
 fi
 
