@@ -15,7 +15,8 @@
 #   gputests  scripts/device/gpu-tests.sh into OUT_DIR/gpu-tests (PDL on, the default).
 # Every step runs under `timeout`; a step that no longer fits BUDGET seconds is skipped and
 # reported. summary.txt: one line per step (PASS/FAIL/SKIP and its last line).
-# Knobs: PHASES="bench checks gputests", BUDGET=540, CASES=500, WORLDS="2 4 8", BENCH_MAX=4M.
+# Knobs: PHASES="bench checks gputests", BUDGET=540, CASES=500, WORLDS="2 4 8", BENCH_MAX=4M,
+# REPEAT=1 (rounds of the three bench variants, in turn; pdl.md takes the median).
 set -u
 # step (budget, summary lines), mps_on/mps_off.
 # shellcheck source=lib/steps.sh source-path=SCRIPTDIR
@@ -25,6 +26,7 @@ BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
 BUDGET=${BUDGET:-540}
 CASES=${CASES:-500}
 BENCH_MAX=${BENCH_MAX:-4M}
+REPEAT=${REPEAT:-1}
 PHASES=${PHASES:-bench checks gputests}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -53,6 +55,8 @@ if [ "${NGPU:-0}" -lt 2 ]; then mps_on; fi
 if has bench; then
   algos=auto
   [ "${NGPU:-0}" -ge 2 ] && algos=auto,nccl
+  # The variants take turns, REPEAT rounds, so a drift of the machine hits each alike.
+  for i in $(seq 1 "$REPEAT"); do
   for v in off on producer; do
     extra=()
     envs=()
@@ -60,26 +64,27 @@ if has bench; then
       off) envs=(IPCREDUCE_PDL=0) ;;
       producer) extra=(--pdl-producer) ;;
     esac
-    step "bench-$v" 150 env "${envs[@]}" "$BIN" bench --backend cuda --ranks 2 -a "$algos" \
+    step "bench-$v-$i" 150 env "${envs[@]}" "$BIN" bench --backend cuda --ranks 2 -a "$algos" \
       -d bfloat16 -b 8 -e "$BENCH_MAX" -f 2 -n 200 -w 50 -G 20 --registered "${extra[@]}" \
-      --json "$OUT/bench-$v.json"
+      --json "$OUT/bench-$v-$i.json"
+  done
   done
   python3 - "$OUT" >"$OUT/pdl.md" <<'EOF' || status=1
-import json, os, sys
+import glob, json, os, statistics, sys
 out = sys.argv[1]
 runs = {}
 for v in ("off", "on", "producer"):
-    f = os.path.join(out, f"bench-{v}.json")
-    if os.path.exists(f):
-        runs[v] = json.load(open(f))["rows"]
+    for f in sorted(glob.glob(os.path.join(out, f"bench-{v}-*.json"))):
+        runs.setdefault(v, []).extend(json.load(open(f))["rows"])
+# The median over the rounds.
 def t(v, b, mode, reg, algo="auto"):
-    c = [r for r in runs.get(v, []) if r["bytes"] == b and r["mode"] == mode
+    c = [r["time_us"] for r in runs.get(v, []) if r["bytes"] == b and r["mode"] == mode
          and r["registered"] == reg and r["algo"] == algo]
-    return c[0]["time_us"] if c else None
+    return statistics.median(c) if c else None
 f = lambda x: "-" if x is None else f"{x:.2f}"
 ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}x"
 sizes = sorted({r["bytes"] for rows in runs.values() for r in rows})
-print("# bf16 sum, two ranks, us per call (slowest rank); off = IPCREDUCE_PDL=0, on = default,")
+print("# bf16 sum, two ranks, us per call (slowest rank, median of the rounds); off = IPCREDUCE_PDL=0, on = default,")
 print("# producer = on with a refresh that lets the next kernel launch at once; off/on > 1: PDL faster")
 for mode in ("graph", "eager"):
     for reg in (True, False):
