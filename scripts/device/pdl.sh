@@ -4,9 +4,11 @@
 #
 # Usage: scripts/device/pdl.sh OUT_DIR
 #   bench   bf16 sum at two ranks, 8 B - 4 MiB, eager and CUDA graph, plain and registered
-#           buffers, every call checked, three variants in turn:
+#           buffers, every call checked, four variants in turn:
 #             off       IPCREDUCE_PDL=0: every kernel launched after the previous one completed;
-#             on        the default: our kernels start while the refresh before them finishes;
+#             default   eager calls with programmatic dependent launch, graphs without;
+#             on        IPCREDUCE_PDL=1: every call with it (our kernels may start while the
+#                       refresh before them finishes);
 #             producer  on, and the refresh lets the next kernel launch at once
 #                       (`bench --pdl-producer`), as PDL-aware producers do.
 #           NCCL beside when two GPUs are visible (on one GPU NCCL cannot share it without
@@ -57,12 +59,13 @@ if has bench; then
   [ "${NGPU:-0}" -ge 2 ] && algos=auto,nccl
   # The variants take turns, REPEAT rounds, so a drift of the machine hits each alike.
   for i in $(seq 1 "$REPEAT"); do
-  for v in off on producer; do
+  for v in off default on producer; do
     extra=()
     envs=()
     case $v in
       off) envs=(IPCREDUCE_PDL=0) ;;
-      producer) extra=(--pdl-producer) ;;
+      on) envs=(IPCREDUCE_PDL=1) ;;
+      producer) envs=(IPCREDUCE_PDL=1) extra=(--pdl-producer) ;;
     esac
     step "bench-$v-$i" 150 env "${envs[@]}" "$BIN" bench --backend cuda --ranks 2 -a "$algos" \
       -d bfloat16 -b 8 -e "$BENCH_MAX" -f 2 -n 200 -w 50 -G 20 --registered "${extra[@]}" \
@@ -73,7 +76,7 @@ if has bench; then
 import glob, json, os, statistics, sys
 out = sys.argv[1]
 runs = {}
-for v in ("off", "on", "producer"):
+for v in ("off", "default", "on", "producer"):
     for f in sorted(glob.glob(os.path.join(out, f"bench-{v}-*.json"))):
         runs.setdefault(v, []).extend(json.load(open(f))["rows"])
 # The median over the rounds.
@@ -84,19 +87,21 @@ def t(v, b, mode, reg, algo="auto"):
 f = lambda x: "-" if x is None else f"{x:.2f}"
 ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}x"
 sizes = sorted({r["bytes"] for rows in runs.values() for r in rows})
-print("# bf16 sum, two ranks, us per call (slowest rank, median of the rounds); off = IPCREDUCE_PDL=0, on = default,")
-print("# producer = on with a refresh that lets the next kernel launch at once; off/on > 1: PDL faster")
+print("# bf16 sum, two ranks, us per call (slowest rank, median of the rounds); off = IPCREDUCE_PDL=0,")
+print("# default = eager calls only, on = IPCREDUCE_PDL=1, producer = on with a refresh that lets the next")
+print("# kernel launch at once; off/X > 1: X faster than off")
 for mode in ("graph", "eager"):
     for reg in (True, False):
         print()
         print(f"## {mode}, {'registered' if reg else 'plain'} buffers")
         print()
-        print("| size | off | on | producer | off/on | off/producer | NCCL (on run) |")
-        print("|---|---|---|---|---|---|---|")
+        print("| size | off | default | on | producer | off/default | off/on | off/producer | NCCL (default run) |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for b in sizes:
-            a, o, p = t("off", b, mode, reg), t("on", b, mode, reg), t("producer", b, mode, reg)
-            n = t("on", b, mode, False, "nccl")
-            print(f"| {b} | {f(a)} | {f(o)} | {f(p)} | {ratio(a, o)} | {ratio(a, p)} | {f(n)} |")
+            a, d = t("off", b, mode, reg), t("default", b, mode, reg)
+            o, p = t("on", b, mode, reg), t("producer", b, mode, reg)
+            n = t("default", b, mode, False, "nccl")
+            print(f"| {b} | {f(a)} | {f(d)} | {f(o)} | {f(p)} | {ratio(a, d)} | {ratio(a, o)} | {ratio(a, p)} | {f(n)} |")
 wrong = sum(r["wrong"] for rows in runs.values() for r in rows)
 print()
 print(f"wrong elements over every row: {wrong}")

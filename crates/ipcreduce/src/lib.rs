@@ -31,7 +31,7 @@ pub mod types;
 
 pub use backend::RegisteredBuffer;
 pub use communicator::{AbortHandle, Communicator};
-pub use config::{Config, Options, Sharing, Topology, Transport};
+pub use config::{Config, Options, Pdl, Sharing, Topology, Transport};
 pub use plan::{Fabric, PathInfo};
 
 /// Cores online on this machine. Not `available_parallelism`: `launch` binds each rank to one

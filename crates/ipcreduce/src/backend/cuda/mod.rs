@@ -29,7 +29,7 @@ mod transport;
 use crate::abort::AbortState;
 use crate::backend::{BackendMeta, BackendOps, RegisteredBuffer, SgOp};
 use crate::bootstrap::Bootstrap;
-use crate::config::Config;
+use crate::config::{Config, Pdl};
 use crate::error::{Error, Result};
 use crate::plan::{CudaPath, Fabric, GridLimits, PathInfo};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
@@ -164,8 +164,10 @@ pub struct CudaComm {
     devices: Vec<String>,
     /// Calls issued so far (for error messages).
     seq: u64,
-    /// Kernels launched with programmatic dependent launch (see `launch_kernel`).
-    pdl: bool,
+    /// When kernels are launched with programmatic dependent launch (Off where the GPU lacks
+    /// it), and whether the call being issued is (see `launch_kernel`).
+    pdl: Pdl,
+    launch_pdl: bool,
     stream: Arc<cs::CudaStream>,
     ctx: Arc<cs::CudaContext>,
     gpu: Arc<Loaded>,
@@ -461,7 +463,12 @@ impl CudaComm {
             bufs: Vec::new(),
             devices,
             seq: 0,
-            pdl: config.pdl.unwrap_or(true) && gpu_pdl_capable,
+            pdl: match config.pdl {
+                _ if !gpu_pdl_capable => Pdl::Off,
+                Some(p) => p,
+                None => Pdl::Eager,
+            },
+            launch_pdl: false,
         };
         // Every rank's signal area is cleared before any kernel writes into it.
         boot.barrier()?;
@@ -475,12 +482,7 @@ impl CudaComm {
                 nccl::Nccl::init(boot, shared_gpu).map_err(|e| e.to_string())
             };
         }
-        tracing::debug!(
-            rank,
-            pdl = comm.pdl,
-            "kernels launched with programmatic dependent launch: {}",
-            comm.pdl
-        );
+        tracing::debug!(rank, "programmatic dependent launch: {:?}", comm.pdl);
         Ok(comm)
     }
 
@@ -663,10 +665,17 @@ impl CudaComm {
     ) -> Result<()> {
         let key = stream as streams::Key;
         // The capture status decides whether the tracker may record and wait on events (not
-        // during capture: the graph orders its calls). Where it would do neither either way,
-        // the query is skipped: repeated calls on the legacy default stream (PyTorch's
-        // default) or on our own stream.
-        let capturing = !self.streams.quiet(key) && streams::capturing(stream, self.rank)?;
+        // during capture: the graph orders its calls), and, with Pdl::Eager, whether kernels
+        // are launched with programmatic dependent launch. Where neither depends on it, the
+        // query is skipped: repeated calls on the legacy default stream (PyTorch's default)
+        // or on our own stream.
+        let needed = self.pdl == Pdl::Eager || !self.streams.quiet(key);
+        let capturing = needed && streams::capturing(stream, self.rank)?;
+        self.launch_pdl = match self.pdl {
+            Pdl::Off => false,
+            Pdl::Eager => !capturing,
+            Pdl::Always => true,
+        };
         self.streams.before(&mut self.events, key, capturing)?;
         issue(self)?;
         self.streams.after(&mut self.events, key, capturing)
@@ -775,7 +784,7 @@ impl CudaComm {
     }
 
     /// Launches `f` on `stream` with `args` (copied at launch). With programmatic dependent
-    /// launch (`self.pdl`), the kernel may start while the kernel before it on `stream` finishes:
+    /// launch (`self.launch_pdl`, set per call from `self.pdl`), the kernel may start while the kernel before it on `stream` finishes:
     /// every entry point waits on the device for that kernel's completion before it reads
     /// anything (`wait_for_previous_kernel` in allreduce.cu), so stream order holds and only the
     /// launch gap is hidden. Stream capture turns the attribute into a programmatic edge of the
@@ -802,7 +811,7 @@ impl CudaComm {
             sharedMemBytes: 0,
             hStream: stream,
             attrs: attrs.as_mut_ptr(),
-            numAttrs: u32::from(self.pdl),
+            numAttrs: u32::from(self.launch_pdl),
         };
         // SAFETY: the kernel reads `args` (copied at launch) and only touches the buffers in it,
         // which the caller vouched for and we own; `config` and `attrs` outlive the call.
