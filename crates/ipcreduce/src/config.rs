@@ -56,11 +56,11 @@ impl Transport {
 /// capability 9.0 and up; `IPCREDUCE_PDL`): the kernel may then start while the kernel before
 /// it on the stream finishes, and waits on the device for its results.
 ///
-/// Measured on one H200 (two ranks under MPS, bf16, 8 B - 256 KiB): eager calls 1.1-1.4x
-/// faster with it; in CUDA graphs 0.15-0.2 us slower after a kernel that does not let its
-/// successor launch early, and 1.3-1.45x faster (about 2.0 against 2.8 us) after one that does
-/// (`griddepcontrol.launch_dependents`, as PDL-aware GEMM and attention kernels do). Hence the
-/// default: eager calls only.
+/// Measured on one H200 (two ranks under MPS, bf16): in CUDA graphs, up to 1 KiB, 0.15-0.2 us
+/// slower after a kernel that does not let its successor launch early, and 1.3-1.5x faster
+/// (about 2.0 against 2.8 us) after one that does (`griddepcontrol.launch_dependents`, as
+/// PDL-aware GEMM and attention kernels do); eager calls about even up to 16 KiB and 1.1-1.3x
+/// faster from 32 KiB to 1 MiB. Hence the default: eager calls only.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pdl {
     /// Never (`0`, `off`).
