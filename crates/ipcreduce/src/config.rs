@@ -129,6 +129,14 @@ pub struct Config {
     /// cuda: when kernels are launched with programmatic dependent launch ([`Pdl`]).
     /// `IPCREDUCE_PDL` (0/off, eager, 1/on, auto); eager calls only, where the GPU has it.
     pub pdl: Option<Pdl>,
+    /// cuda: the low-latency kernels let the next kernel on their stream launch at once
+    /// (`griddepcontrol.launch_dependents`), so a successor launched with programmatic
+    /// dependent launch (the next call, see [`Pdl`], or a PDL-aware kernel of the caller's)
+    /// starts while they run; it waits on the device for their results. `IPCREDUCE_PDL_TRIGGER`
+    /// (1/0); on where the GPU has PDL, `IPCREDUCE_PDL` is not off and no two ranks share a GPU
+    /// (there a successor resident early could keep a peer's kernel off the GPU: forcing it
+    /// on is for tests with small grids).
+    pub pdl_trigger: Option<bool>,
     /// cuda: how workspaces are shared. `IPCREDUCE_SHARE` (vmm, ipc, auto); auto tries VMM,
     /// then IPC.
     pub sharing: Option<Sharing>,
@@ -184,6 +192,7 @@ impl Config {
                 .or(from_env.reg_oneshot_max_bytes),
             ce_min_bytes: self.ce_min_bytes.or(from_env.ce_min_bytes),
             pdl: self.pdl.or(from_env.pdl),
+            pdl_trigger: self.pdl_trigger.or(from_env.pdl_trigger),
             sharing: self.sharing.or(from_env.sharing),
             transport: self.transport.or(from_env.transport),
             deny_peer: self.deny_peer.or(from_env.deny_peer),
@@ -257,6 +266,9 @@ impl Config {
                 ("on", Pdl::Always),
             ],
         )?;
+        let pdl_trigger = var("IPCREDUCE_PDL_TRIGGER")
+            .map(|v| parse_bool("IPCREDUCE_PDL_TRIGGER", &v))
+            .transpose()?;
         let nccl_shared_gpu = var("IPCREDUCE_NCCL_SHARED_GPU")
             .map(|v| parse_bool("IPCREDUCE_NCCL_SHARED_GPU", &v))
             .transpose()?;
@@ -272,6 +284,7 @@ impl Config {
             reg_oneshot_max_bytes: int("IPCREDUCE_REG_ONESHOT_MAX")?,
             ce_min_bytes: int("IPCREDUCE_CE_MIN")?,
             pdl,
+            pdl_trigger,
             sharing,
             transport,
             deny_peer,
@@ -422,6 +435,7 @@ mod tests {
                 ("IPCREDUCE_LL_DATA", "12"),
                 ("IPCREDUCE_TOPOLOGY", "PCIe"),
                 ("IPCREDUCE_PDL", "0"),
+                ("IPCREDUCE_PDL_TRIGGER", "1"),
             ]))
             .unwrap();
         assert_eq!(c.timeout(), Duration::from_millis(1500));
@@ -440,6 +454,7 @@ mod tests {
         assert_eq!(c.deny_peer, Some((1, 0)));
         assert_eq!(c.topology, Some(Topology::Pcie));
         assert_eq!(c.pdl, Some(Pdl::Off));
+        assert_eq!(c.pdl_trigger, Some(true));
         for (v, want) in [
             ("on", Pdl::Always),
             ("1", Pdl::Always),
@@ -505,6 +520,7 @@ mod tests {
             ("IPCREDUCE_TOPOLOGY", "1"),
             ("IPCREDUCE_PDL", "graph"),
             ("IPCREDUCE_PDL", "yes"),
+            ("IPCREDUCE_PDL_TRIGGER", "eager"),
         ] {
             let msg = config_error(&[(k, v)]);
             assert!(msg.contains(k), "{k}={v}: {msg}");

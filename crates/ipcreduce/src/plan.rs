@@ -47,6 +47,10 @@ impl Fabric {
 /// kernels/allreduce.cu's MODE_PUSH_PASSES: in pass p rank r pushes only to rank (r+1+p) mod W.
 pub const MODE_PUSH_PASSES: u32 = 1;
 
+/// kernels/allreduce.cu's MODE_LET_NEXT_LAUNCH: the LL kernels let the next kernel on their
+/// stream launch at once (programmatic dependent launch).
+pub const MODE_LET_NEXT_LAUNCH: u32 = 2;
+
 /// Most CTAs per kernel under the PCIe policy. PCIe Gen4/Gen5 x16 carries 25-55 GB/s per
 /// direction: 16 CTAs of 512 threads with 4 16-byte loads in flight each (512 KiB) cover its
 /// bandwidth-delay product at several microseconds of latency; more CTAs only add requests

@@ -11,7 +11,7 @@ use super::pattern;
 use super::{Measure, Measured};
 use crate::gpu::{comm_context, cu, load_kernels, Memory};
 use cudarc::driver::{safe as cs, sys};
-use ipcreduce::backend::cuda::driver::ck;
+use ipcreduce::backend::cuda::driver::{ck, launch};
 use ipcreduce::backend::cuda::memory::DeviceAlloc;
 use ipcreduce::error::{Error, Result};
 use ipcreduce::types::{DType, ReduceOp};
@@ -23,6 +23,16 @@ pub const REFRESH_SOURCE: &str = include_str!("refresh.cu");
 const REFRESH_THREADS: u32 = 512;
 /// Bytes of `struct State` in refresh.cu: {u32 iter, u32 blocks_done, u64 wrong}.
 const STATE_BYTES: usize = 16;
+
+/// How the refresh takes part in programmatic dependent launch (`bench --pdl-producer`,
+/// `--pdl-consumer`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RefreshPdl {
+    /// It lets the next kernel launch at once.
+    pub producer: bool,
+    /// It is launched with PDL and waits on the device for the kernel before it.
+    pub consumer: bool,
+}
 
 /// Must match `struct RefreshArgs` in refresh.cu field by field.
 #[repr(C)]
@@ -51,8 +61,8 @@ pub struct CudaRunner {
     capacity: usize,
     refresh: [cs::CudaFunction; 3],
     max_grid: u32,
-    /// The refresh lets the next kernel launch early (`bench --pdl-producer`).
-    pdl_producer: bool,
+    /// How the refresh takes part in programmatic dependent launch.
+    pdl: RefreshPdl,
     stream: Arc<cs::CudaStream>,
     ctx: Arc<cs::CudaContext>,
 }
@@ -92,15 +102,15 @@ impl CudaRunner {
             refresh,
             // Enough blocks to fill the GPU a few times over; the loop is grid-strided.
             max_grid: u32::try_from(sms).unwrap_or(1).max(1) * 4,
-            pdl_producer: false,
+            pdl: RefreshPdl::default(),
             stream,
             ctx,
         })
     }
 
-    /// Makes the refresh a producer that lets the next kernel launch early (see refresh.cu).
-    pub fn with_pdl_producer(mut self, on: bool) -> CudaRunner {
-        self.pdl_producer = on;
+    /// How the refresh takes part in programmatic dependent launch (see refresh.cu).
+    pub fn with_pdl(mut self, pdl: RefreshPdl) -> CudaRunner {
+        self.pdl = pdl;
         self
     }
 
@@ -140,7 +150,7 @@ impl CudaRunner {
             world: m.world as i32,
             op: op_code(m.op),
             check: i32::from(check),
-            early: i32::from(self.pdl_producer),
+            early: i32::from(self.pdl.producer),
         };
         let grid = (m.count.div_ceil(REFRESH_THREADS as usize) as u64)
             .clamp(1, u64::from(self.max_grid)) as u32;
@@ -150,18 +160,13 @@ impl CudaRunner {
         // 16-byte state.
         ck(
             unsafe {
-                sys::cuLaunchKernel(
+                launch(
                     self.kernel(m.dtype).cu_function(),
                     grid,
-                    1,
-                    1,
                     REFRESH_THREADS,
-                    1,
-                    1,
-                    0,
                     self.stream.cu_stream(),
                     params.as_mut_ptr(),
-                    std::ptr::null_mut(),
+                    self.pdl.consumer,
                 )
             },
             self.rank,

@@ -68,6 +68,11 @@ pub struct BenchArgs {
     /// it (IPCREDUCE_PDL, on by default); NCCL's launch as usual.
     #[arg(long)]
     pub pdl_producer: bool,
+    /// cuda: the input refresh after each call is launched with programmatic dependent launch
+    /// and waits on the device for the call (a PDL-aware consumer): it launches while the
+    /// call's kernel runs where that kernel lets it (IPCREDUCE_PDL_TRIGGER).
+    #[arg(long)]
+    pub pdl_consumer: bool,
 }
 
 /// One line of the table / one JSON row.
@@ -121,6 +126,10 @@ struct Meta {
     ipcreduce_pdl: Option<String>,
     /// The refresh let the next kernel launch early (`--pdl-producer`).
     pdl_producer: bool,
+    /// The refresh was launched with programmatic dependent launch (`--pdl-consumer`).
+    pdl_consumer: bool,
+    /// IPCREDUCE_PDL_TRIGGER as set in this run (None: unset, the default).
+    ipcreduce_pdl_trigger: Option<String>,
 }
 
 /// What one measurement asks for.
@@ -159,12 +168,12 @@ impl Runner {
         comm: &mut Communicator,
         capacity: usize,
         registered: bool,
-        pdl_producer: bool,
+        pdl: cuda::RefreshPdl,
     ) -> Result<Runner> {
         Ok(match comm.backend() {
-            BackendKind::Cuda => Runner::Cuda(
-                cuda::CudaRunner::new(comm, capacity, registered)?.with_pdl_producer(pdl_producer),
-            ),
+            BackendKind::Cuda => {
+                Runner::Cuda(cuda::CudaRunner::new(comm, capacity, registered)?.with_pdl(pdl))
+            }
             _ => Runner::Host(host::HostRunner::new(comm, capacity, registered)?),
         })
     }
@@ -283,7 +292,15 @@ fn bench(args: &BenchArgs) -> Result<bool> {
     for &registered in &registrations {
         for &dtype in &dtypes {
             let capacity = sizes.last().copied().unwrap_or(0).max(dtype.size());
-            let mut runner = Runner::new(&mut comm, capacity, registered, args.pdl_producer)?;
+            let mut runner = Runner::new(
+                &mut comm,
+                capacity,
+                registered,
+                cuda::RefreshPdl {
+                    producer: args.pdl_producer,
+                    consumer: args.pdl_consumer,
+                },
+            )?;
             for &bytes in &sizes {
                 let count = (bytes / dtype.size()).max(1);
                 // NCCL does not use our registration: its rows would repeat the plain ones.
@@ -484,6 +501,8 @@ fn write_json(
         nccl_p2p_disable: std::env::var("NCCL_P2P_DISABLE").ok(),
         ipcreduce_pdl: std::env::var("IPCREDUCE_PDL").ok(),
         pdl_producer: args.pdl_producer,
+        pdl_consumer: args.pdl_consumer,
+        ipcreduce_pdl_trigger: std::env::var("IPCREDUCE_PDL_TRIGGER").ok(),
     };
     let doc = serde_json::json!({ "meta": meta, "rows": rows });
     let text =

@@ -40,6 +40,15 @@ struct RefreshArgs {
     int early;  // 1: let the next kernel launch now (bench --pdl-producer)
 };
 
+// Launched with programmatic stream serialization (bench --pdl-consumer), the refresh may start
+// while the all-reduce before it runs: it waits on the device for that kernel's completion and
+// writes before it reads the output. A no-op when launched normally.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ u32 lowbias32(u32 x) {
     x ^= x >> 16;
     x *= 0x7feb352du;
@@ -143,8 +152,8 @@ __device__ __forceinline__ void let_next_kernel_launch(const RefreshArgs &a) {
 }
 
 extern "C" __global__ void __launch_bounds__(REFRESH_THREADS)
-ipcr_refresh_f32(RefreshArgs a) { let_next_kernel_launch(a); refresh<F32>(a); }
+ipcr_refresh_f32(RefreshArgs a) { wait_for_previous_kernel(); let_next_kernel_launch(a); refresh<F32>(a); }
 extern "C" __global__ void __launch_bounds__(REFRESH_THREADS)
-ipcr_refresh_f16(RefreshArgs a) { let_next_kernel_launch(a); refresh<F16>(a); }
+ipcr_refresh_f16(RefreshArgs a) { wait_for_previous_kernel(); let_next_kernel_launch(a); refresh<F16>(a); }
 extern "C" __global__ void __launch_bounds__(REFRESH_THREADS)
-ipcr_refresh_bf16(RefreshArgs a) { let_next_kernel_launch(a); refresh<BF16>(a); }
+ipcr_refresh_bf16(RefreshArgs a) { wait_for_previous_kernel(); let_next_kernel_launch(a); refresh<BF16>(a); }

@@ -24,6 +24,44 @@ pub fn driver_error(rank: usize, op: String, res: sys::CUresult) -> Error {
     }
 }
 
+/// Launches `f` (one-dimensional grid and block, no dynamic shared memory) on `stream` with
+/// `params`, with programmatic dependent launch when `pdl`: the kernel may then start while
+/// the kernel before it on `stream` finishes, so it must wait on the device
+/// (`griddepcontrol.wait`) before it reads anything that kernel wrote. Under stream capture the
+/// attribute becomes a programmatic edge of the graph.
+///
+/// # Safety
+/// `params` must point to the kernel's parameters as `cuLaunchKernel` takes them, each valid
+/// for the launch; the kernel must only touch memory the caller vouches for.
+pub unsafe fn launch(
+    f: sys::CUfunction,
+    grid: u32,
+    threads: u32,
+    stream: sys::CUstream,
+    params: *mut *mut std::ffi::c_void,
+    pdl: bool,
+) -> sys::CUresult {
+    // SAFETY: an all-zero attribute is plain data (id 0, a zeroed value union); both fields
+    // that matter are set below.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: threads,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: stream,
+        attrs: &mut attr,
+        numAttrs: u32::from(pdl),
+    };
+    // SAFETY: `config` and `attr` outlive the call; `params` as the caller vouched.
+    unsafe { sys::cuLaunchKernelEx(&config, f, params, std::ptr::null_mut()) }
+}
+
 /// Our error for one of cudarc's (which keeps the result code too).
 pub fn from_cudarc(rank: usize, op: impl Into<String>, e: cudarc::driver::DriverError) -> Error {
     driver_error(rank, op.into(), e.0)

@@ -326,6 +326,16 @@ mod tests {
             LL_MAX_BYTES / 1024
         )));
         assert!(ALLREDUCE_SOURCE.contains("#define LL_LINES (LL_MAX_BYTES / 8)"));
+        for (name, value) in [
+            ("MODE_PUSH_PASSES", crate::plan::MODE_PUSH_PASSES),
+            ("MODE_LET_NEXT_LAUNCH", crate::plan::MODE_LET_NEXT_LAUNCH),
+        ] {
+            let line = format!("#define {name} {value}");
+            assert!(
+                ALLREDUCE_SOURCE.contains(&line),
+                "kernel source lacks `{line}`"
+            );
+        }
         assert!(ALLREDUCE_SOURCE.contains("#define LL_BYTES(world) (2 * (world) * LL_LINES * 16)"));
         assert_eq!(ll_bytes(2), 8 << 20);
         let codes = format!("ERR_TIMEOUT = {ERR_TIMEOUT}, ERR_ABORTED = {ERR_ABORTED}, ERR_MISMATCH = {ERR_MISMATCH}");

@@ -168,6 +168,8 @@ pub struct CudaComm {
     /// it), and whether the call being issued is (see `launch_kernel`).
     pdl: Pdl,
     launch_pdl: bool,
+    /// The LL kernels let the next kernel launch early (MODE_LET_NEXT_LAUNCH).
+    let_next_launch: bool,
     stream: Arc<cs::CudaStream>,
     ctx: Arc<cs::CudaContext>,
     gpu: Arc<Loaded>,
@@ -469,6 +471,10 @@ impl CudaComm {
                 None => Pdl::Eager,
             },
             launch_pdl: false,
+            // Not where ranks share a GPU (unless forced): see let_next_kernel_launch.
+            let_next_launch: gpu_pdl_capable
+                && config.pdl != Some(Pdl::Off)
+                && config.pdl_trigger.unwrap_or(sharing == 1),
         };
         // Every rank's signal area is cleared before any kernel writes into it.
         boot.barrier()?;
@@ -482,7 +488,12 @@ impl CudaComm {
                 nccl::Nccl::init(boot, shared_gpu).map_err(|e| e.to_string())
             };
         }
-        tracing::debug!(rank, "programmatic dependent launch: {:?}", comm.pdl);
+        tracing::debug!(
+            rank,
+            "programmatic dependent launch: {:?}, LL kernels let the next launch early: {}",
+            comm.pdl,
+            comm.let_next_launch
+        );
         Ok(comm)
     }
 
@@ -580,7 +591,12 @@ impl CudaComm {
             aligned: all16(&rsend) as i32 | (all16(&rrecv) as i32) << 1,
             lane: 0,
             check: 0,
-            mode: self.fabric.kernel_mode() as i32,
+            mode: (self.fabric.kernel_mode()
+                | if self.let_next_launch {
+                    crate::plan::MODE_LET_NEXT_LAUNCH
+                } else {
+                    0
+                }) as i32,
             chunk_bytes: self.slot_bytes as u64,
         }
     }
@@ -800,37 +816,23 @@ impl CudaComm {
     ) -> Result<()> {
         // `A`: the kernel's one by-value parameter (KernelArgs, or a struct that starts with it).
         let mut params = [(args as *mut A).cast::<c_void>()];
-        let mut attrs = [programmatic_serialization()];
-        let config = sys::CUlaunchConfig {
-            gridDimX: grid,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: threads,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: 0,
-            hStream: stream,
-            attrs: attrs.as_mut_ptr(),
-            numAttrs: u32::from(self.launch_pdl),
-        };
         // SAFETY: the kernel reads `args` (copied at launch) and only touches the buffers in it,
-        // which the caller vouched for and we own; `config` and `attrs` outlive the call.
+        // which the caller vouched for and we own.
         ck(
-            unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) },
+            unsafe {
+                driver::launch(
+                    f,
+                    grid,
+                    threads,
+                    stream,
+                    params.as_mut_ptr(),
+                    self.launch_pdl,
+                )
+            },
             self.rank,
             what,
         )
     }
-}
-
-/// The launch attribute of programmatic dependent launch.
-fn programmatic_serialization() -> sys::CUlaunchAttribute {
-    // SAFETY: an all-zero attribute is plain data (id 0, a zeroed value union); both fields
-    // that matter are set below.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmaticStreamSerializationAllowed = 1;
-    attr
 }
 
 impl BackendOps for CudaComm {

@@ -131,6 +131,9 @@ struct Args {
 // carries one stream of pushes per direction at a time instead of world - 1 streams that meet
 // at the root complex.
 #define MODE_PUSH_PASSES 1
+// MODE_LET_NEXT_LAUNCH (LL kernels, no GPU shared between ranks): the kernel lets the next
+// kernel on its stream launch at once (see let_next_kernel_launch).
+#define MODE_LET_NEXT_LAUNCH 2
 
 enum { ERR_NONE = 0, ERR_TIMEOUT = 1, ERR_ABORTED = 2, ERR_MISMATCH = 3 };
 
@@ -205,12 +208,23 @@ __device__ __forceinline__ u64 globaltimer() {
 // finishing, so their launch overlaps its tail. Every entry point calls this first: it returns
 // once that kernel has completed and its writes are visible, so nothing of ours (not even the
 // device protocol state an earlier call of ours left) is read before. A no-op when the kernel
-// was launched normally. Our kernels never let their own successor start early
-// (griddepcontrol.launch_dependents): a successor resident beside a kernel that waits for its
-// peers could keep a peer's kernel off a shared GPU.
+// was launched normally.
 __device__ __forceinline__ void wait_for_previous_kernel() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// The other half (MODE_LET_NEXT_LAUNCH, the LL kernels only): once every block of ours has run
+// this, the next kernel on the stream may launch if it was launched with programmatic stream
+// serialization (the next call's kernel, or a PDL-aware kernel of the caller's); it waits on the
+// device for our completion before it reads anything, so only its launch overlaps our run.
+// Only where no GPU is shared between ranks: a successor resident beside a kernel of ours that
+// waits for its peers could keep a peer's kernel off a shared GPU. LL grids are small, so the
+// successor finds room; the bandwidth kernels' runtime dwarfs a launch gap.
+__device__ __forceinline__ void let_next_kernel_launch(const Args &a) {
+#if __CUDA_ARCH__ >= 900
+    if ((a.mode & MODE_LET_NEXT_LAUNCH) != 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 
@@ -788,6 +802,7 @@ __device__ __forceinline__ void ll_accumulate(Pack<D> &acc, int h, uint2 w, bool
 }
 
 template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args &a) {
+    let_next_kernel_launch(a);
     u32 *ll_state = a.counters + STATE_LL; // {last sequence number, blocks done}
     const u32 seq = *(volatile u32 *)&ll_state[0] + 1;
     const u32 tag = ll_tag(a.stamp);
@@ -957,6 +972,7 @@ __device__ __forceinline__ void store_tri(char *dst, u64 i, u64 total, uint3 w) 
 }
 
 template <typename D, typename Op, int W> __device__ void one_shot_ll12(const Args &a) {
+    let_next_kernel_launch(a);
     const int N = 12 / D::SIZE;
     u32 *ll_state = a.counters + STATE_LL; // {last sequence number, blocks done}
     const u32 seq = *(volatile u32 *)&ll_state[0] + 1;
