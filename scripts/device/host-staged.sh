@@ -30,7 +30,8 @@
 #   faults    scripts/device/mps-faults.sh with the host transport forced.
 # Knobs: PHASES="check pcie fallback two bench", WORLDS="2 4 8", CASES=2000 (CASES_4, CASES_8,
 #   CASES_PCIE), MAX_BYTES=256M (check), BENCH_MAX=128M, BUDGET=560, BLOCKS (IPCREDUCE_BLOCKS
-#   for every run), BLOCKS_SWEEP="64" and SLOT_SWEEP="262144" (two: extra one-shot and two-shot
+#   for every run), MPS_BENCH_ALGOS (bench's host-transport algorithms on one GPU, default
+#   auto,oneshot,twoshot,nccl-shm), BLOCKS_SWEEP="64" and SLOT_SWEEP="262144" (two: extra one-shot and two-shot
 #   benches from 64 KiB; empty: none), CASES_SLOT=500, SOAK_CASES=20000 CYCLES=200 (faults).
 # On nvidia-h200-x2, for the two-GPU figures alone: PHASES=two.
 # summary.txt lists every step: OK, FAILED or SKIPPED. Exit status: 0 all ran and passed, 1 a
@@ -250,7 +251,7 @@ if has check || has pcie || has fallback || has bench || has slots || has peer; 
   if has bench; then
     echo "== [$SECONDS s] bench world 2, one GPU under MPS: host transport vs nccl-shm (loopback sockets)"
     CUDA_VISIBLE_DEVICES=0 IPCREDUCE_TRANSPORT=host IPCREDUCE_NCCL_SHARED_GPU=1 \
-      bench bench-mps-host-w2 200 8 -a auto,oneshot,twoshot,nccl-shm
+      bench bench-mps-host-w2 200 8 -a "${MPS_BENCH_ALGOS:-auto,oneshot,twoshot,nccl-shm}"
     echo "== [$SECONDS s] bench world 2, one GPU under MPS: peer transport, for reference"
     CUDA_VISIBLE_DEVICES=0 IPCREDUCE_TRANSPORT=peer bench bench-mps-peer-w2 120 8 -a auto
   fi
