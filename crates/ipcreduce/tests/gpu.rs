@@ -936,6 +936,20 @@ fn graph_replays_with_changing_inputs() {
 }
 
 #[test]
+fn programmatic_dependent_launch_in_graphs_and_chains() {
+    // Every launch with programmatic dependent launch, captured ones too (IPCREDUCE_PDL=1), and
+    // the LL kernels letting the next kernel launch at once (IPCREDUCE_PDL_TRIGGER=1, forced:
+    // by default off where ranks share a GPU; worlds 2 and 4 keep the grids small enough for
+    // the early successors to fit beside every rank's kernel): graph replays with changing
+    // inputs and unsynchronized chains, every result checked.
+    play_rank_if_child();
+    let pdl = [("IPCREDUCE_PDL", "1"), ("IPCREDUCE_PDL_TRIGGER", "1")];
+    let test = "programmatic_dependent_launch_in_graphs_and_chains";
+    run_role(test, "graph", &[2, 4], &pdl);
+    run_role(test, "chain", &[2, 4], &pdl);
+}
+
+#[test]
 fn default_stream_and_switching_streams() {
     play_rank_if_child();
     run_role(
