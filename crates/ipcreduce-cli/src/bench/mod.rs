@@ -64,8 +64,9 @@ pub struct BenchArgs {
     pub registered: bool,
     /// cuda: the input refresh before each call lets the next kernel launch at once
     /// (programmatic dependent launch), as PDL-aware producers do (e.g. GEMM libraries on
-    /// Hopper): ipcreduce's kernels then start during the refresh and wait on the device for
-    /// it (IPCREDUCE_PDL, on by default); NCCL's launch as usual.
+    /// Hopper): ipcreduce's kernels launched with PDL then start during the refresh and wait
+    /// on the device for it (IPCREDUCE_PDL: eager calls by default, captured ones too with 1);
+    /// NCCL's launch as usual.
     #[arg(long)]
     pub pdl_producer: bool,
     /// cuda: the input refresh after each call is launched with programmatic dependent launch
