@@ -72,6 +72,34 @@ pub enum Pdl {
     Always,
 }
 
+impl Pdl {
+    /// The mode a communicator runs: `Off` where the GPU lacks PDL (`capable` false), else the
+    /// configured one, else `Eager`.
+    pub fn resolve(configured: Option<Pdl>, capable: bool) -> Pdl {
+        match configured {
+            _ if !capable => Pdl::Off,
+            Some(p) => p,
+            None => Pdl::Eager,
+        }
+    }
+
+    /// Whether a call is launched with PDL, `capturing` saying if its stream is being captured.
+    pub fn for_call(self, capturing: bool) -> bool {
+        match self {
+            Pdl::Off => false,
+            Pdl::Eager => !capturing,
+            Pdl::Always => true,
+        }
+    }
+
+    /// Whether the LL kernels let the next kernel launch at once (`Config::pdl_trigger`): as
+    /// configured, else where no GPU is shared (`ranks_per_gpu` the most ranks on one GPU);
+    /// never with PDL off.
+    pub fn trigger(self, configured: Option<bool>, ranks_per_gpu: usize) -> bool {
+        self != Pdl::Off && configured.unwrap_or(ranks_per_gpu == 1)
+    }
+}
+
 /// What the cuda backend assumes about the links between GPUs, when forced
 /// (`IPCREDUCE_TOPOLOGY`); unset, it is classified from the P2P attributes of every pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -465,6 +493,25 @@ mod tests {
                 .unwrap();
             assert_eq!(c.pdl, Some(want), "{v}");
         }
+    }
+
+    #[test]
+    fn pdl_modes_launches_and_trigger() {
+        // No PDL on the GPU: off, whatever was asked.
+        assert_eq!(Pdl::resolve(Some(Pdl::Always), false), Pdl::Off);
+        assert_eq!(Pdl::resolve(None, true), Pdl::Eager);
+        assert_eq!(Pdl::resolve(Some(Pdl::Off), true), Pdl::Off);
+        // Eager: outside capture only; Always: captured calls too.
+        assert!(Pdl::Eager.for_call(false) && !Pdl::Eager.for_call(true));
+        assert!(Pdl::Always.for_call(false) && Pdl::Always.for_call(true));
+        assert!(!Pdl::Off.for_call(false) && !Pdl::Off.for_call(true));
+        // The trigger: on by default where no GPU is shared; forced either way; never with
+        // PDL off.
+        assert!(Pdl::Eager.trigger(None, 1));
+        assert!(!Pdl::Eager.trigger(None, 2));
+        assert!(Pdl::Always.trigger(Some(true), 4));
+        assert!(!Pdl::Always.trigger(Some(false), 1));
+        assert!(!Pdl::Off.trigger(Some(true), 1));
     }
 
     #[test]

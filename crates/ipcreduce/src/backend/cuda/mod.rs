@@ -465,16 +465,11 @@ impl CudaComm {
             bufs: Vec::new(),
             devices,
             seq: 0,
-            pdl: match config.pdl {
-                _ if !gpu_pdl_capable => Pdl::Off,
-                Some(p) => p,
-                None => Pdl::Eager,
-            },
+            pdl: Pdl::resolve(config.pdl, gpu_pdl_capable),
             launch_pdl: false,
             // Not where ranks share a GPU (unless forced): see let_next_kernel_launch.
-            let_next_launch: gpu_pdl_capable
-                && config.pdl != Some(Pdl::Off)
-                && config.pdl_trigger.unwrap_or(sharing == 1),
+            let_next_launch: Pdl::resolve(config.pdl, gpu_pdl_capable)
+                .trigger(config.pdl_trigger, sharing),
         };
         // Every rank's signal area is cleared before any kernel writes into it.
         boot.barrier()?;
@@ -687,11 +682,7 @@ impl CudaComm {
         // or on our own stream.
         let needed = self.pdl == Pdl::Eager || !self.streams.quiet(key);
         let capturing = needed && streams::capturing(stream, self.rank)?;
-        self.launch_pdl = match self.pdl {
-            Pdl::Off => false,
-            Pdl::Eager => !capturing,
-            Pdl::Always => true,
-        };
+        self.launch_pdl = self.pdl.for_call(capturing);
         self.streams.before(&mut self.events, key, capturing)?;
         issue(self)?;
         self.streams.after(&mut self.events, key, capturing)
