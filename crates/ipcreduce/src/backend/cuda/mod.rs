@@ -281,7 +281,7 @@ impl CudaComm {
             count as usize,
         )?;
         let gpu = Loaded::get(ordinal, kernels::world_class(world), rank)?;
-        let gpu_pdl_capable = gpu.pdl_capable;
+        let pdl = Pdl::resolve(config.pdl, gpu.pdl_capable);
         let ctx = gpu.ctx.clone();
         ctx.bind_to_thread()
             .map_err(|e| cuda("binding the context", e))?;
@@ -465,11 +465,10 @@ impl CudaComm {
             bufs: Vec::new(),
             devices,
             seq: 0,
-            pdl: Pdl::resolve(config.pdl, gpu_pdl_capable),
+            pdl,
             launch_pdl: false,
             // Not where ranks share a GPU (unless forced): see let_next_kernel_launch.
-            let_next_launch: Pdl::resolve(config.pdl, gpu_pdl_capable)
-                .trigger(config.pdl_trigger, sharing),
+            let_next_launch: pdl.trigger(config.pdl_trigger, sharing),
         };
         // Every rank's signal area is cleared before any kernel writes into it.
         boot.barrier()?;
@@ -613,14 +612,18 @@ impl CudaComm {
         Some((s, r))
     }
 
-    /// Refuses a buffer the kernels cannot use: another GPU's memory or host memory (the
-    /// kernel's access would fault and end the process's CUDA context). The driver is asked
-    /// once per allocation (pointers.rs); later calls in it cost no query.
-    fn check_pointer(&mut self, ptr: u64, what: &str) -> Result<()> {
-        self.check_pointer_for("all_reduce", ptr, what)
+    /// Refuses a buffer of `bytes` at `ptr` the kernels cannot use in operation `op` (named in
+    /// the error): another GPU's memory or host memory (the kernel's access would fault and end
+    /// the process's CUDA context). Registered buffers are known to be ours; for anything else
+    /// the driver is asked once per allocation (pointers.rs), so later calls in it cost no query.
+    fn check_buffer(&mut self, op: &'static str, ptr: u64, bytes: usize, what: &str) -> Result<()> {
+        if self.registry.lookup(ptr, bytes).is_some() {
+            return Ok(());
+        }
+        self.check_pointer_for(op, ptr, what)
     }
 
-    /// [`Self::check_pointer`] for operation `op` (named in the error).
+    /// The driver's side of [`Self::check_buffer`].
     fn check_pointer_for(&mut self, op: &'static str, ptr: u64, what: &str) -> Result<()> {
         let rank = self.rank;
         let (facts, asked) = match self.pointers.get(ptr) {
@@ -851,13 +854,9 @@ impl BackendOps for CudaComm {
             .bind_to_thread()
             .map_err(|e| self.cuda_err("binding the context".into(), e))?;
         let bytes = count * dtype.size();
-        // Registered buffers are known to be ours; anything else is asked of the driver once
-        // per allocation (check_pointer).
-        if self.registry.lookup(send as u64, bytes).is_none() {
-            self.check_pointer(send as u64, "send")?;
-        }
-        if recv as u64 != send as u64 && self.registry.lookup(recv as u64, bytes).is_none() {
-            self.check_pointer(recv as u64, "recv")?;
+        self.check_buffer("all_reduce", send as u64, bytes, "send")?;
+        if recv as u64 != send as u64 {
+            self.check_buffer("all_reduce", recv as u64, bytes, "recv")?;
         }
         // CUDA's meaning: 0 is the legacy default stream.
         let stream = stream as sys::CUstream;

@@ -173,9 +173,8 @@ impl CudaComm {
         };
         let name = what.name();
         for (ptr, bytes, which) in [(send, send_bytes, "send"), (recv, recv_bytes, "recv")] {
-            // Registered buffers are known to be ours; anything else is asked of the driver.
-            if bytes > 0 && self.registry.lookup(ptr, bytes).is_none() {
-                self.check_pointer_for(name, ptr, which)?;
+            if bytes > 0 {
+                self.check_buffer(name, ptr, bytes, which)?;
             }
         }
         self.in_stream_order(stream, |c| {
