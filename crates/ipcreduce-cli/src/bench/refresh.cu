@@ -16,7 +16,8 @@
 // pattern() must equal bench::pattern::value in Rust: the host writes nothing but checks the
 // final output with the Rust version, so a difference fails every row.
 
-// u32/u64/u16 and h2f/f2h/f2b come from the library's convert.cuh (prepended at compile).
+// u32/u64/u16, h2f/f2h/f2b and wait_for_previous_kernel come from the library's convert.cuh
+// (prepended at compile).
 
 #define REFRESH_THREADS 512
 #define MAX_RANKS 8
@@ -41,13 +42,8 @@ struct RefreshArgs {
 };
 
 // Launched with programmatic stream serialization (bench --pdl-consumer), the refresh may start
-// while the all-reduce before it runs: it waits on the device for that kernel's completion and
-// writes before it reads the output. A no-op when launched normally.
-__device__ __forceinline__ void wait_for_previous_kernel() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
+// while the all-reduce before it runs: it first waits on the device for that kernel's completion
+// and writes (convert.cuh's wait_for_previous_kernel) before it reads the output.
 
 __device__ __forceinline__ u32 lowbias32(u32 x) {
     x ^= x >> 16;

@@ -203,21 +203,9 @@ __device__ __forceinline__ u64 globaltimer() {
     return t;
 }
 
-// Programmatic dependent launch (`IPCREDUCE_PDL`): launched with programmatic stream
-// serialization, a kernel's blocks may start while the kernel before it on the stream is
-// finishing, so their launch overlaps its tail. Every entry point calls this first: it returns
-// once that kernel has completed and its writes are visible, so nothing of ours (not even the
-// device protocol state an earlier call of ours left) is read before. A no-op when the kernel
-// was launched normally.
-__device__ __forceinline__ void wait_for_previous_kernel() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-// The other half (MODE_LET_NEXT_LAUNCH, the LL kernels only): once every block of ours has run
-// this, the next kernel on the stream may launch if it was launched with programmatic stream
-// serialization (the next call's kernel, or a PDL-aware kernel of the caller's); it waits on the
+// The other half of convert.cuh's wait_for_previous_kernel (MODE_LET_NEXT_LAUNCH, the LL
+// kernels only): once every block of ours has run this, the next kernel on the stream may
+// launch if it was launched with programmatic stream serialization (the next call's kernel, or a PDL-aware kernel of the caller's); it waits on the
 // device for our completion before it reads anything, so only its launch overlaps our run.
 // Only where no GPU is shared between ranks: a successor resident beside a kernel of ours that
 // waits for its peers could keep a peer's kernel off a shared GPU. LL grids are small, so the
