@@ -51,14 +51,7 @@ SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 status=0
 
-{
-  date -u +%Y-%m-%dT%H:%M:%SZ
-  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv
-  [ "${NGPU:-0}" -ge 2 ] && nvidia-smi topo -m
-  "$BIN" --version
-  echo "GPUs: $NGPU PHASES=$PHASES BUDGET=$BUDGET CASES=$CASES BENCH_MAX=$BENCH_MAX"
-} >"$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+env_txt "GPUs: $NGPU PHASES=$PHASES BUDGET=$BUDGET CASES=$CASES BENCH_MAX=$BENCH_MAX"
 
 # The registers the driver reports for the loaded kernels (bf16 sum) of world-size class 2 (two
 # ranks: on one GPU only under MPS, where both ranks' kernels run at once).

@@ -39,14 +39,7 @@ SUMMARY="$OUT/summary.txt"
 : >>"$SUMMARY"
 status=0
 
-{
-  date -u +%Y-%m-%dT%H:%M:%SZ
-  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv
-  [ "$NGPU" -ge 2 ] && nvidia-smi topo -m
-  "$BIN" --version
-  echo "GPUs: $NGPU"
-} >"$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+env_txt "GPUs: $NGPU"
 
 # kstep NAME TIMEOUT CMD...: `step` (CMD into OUT/NAME.log, PASS/FAIL and its last line into
 # summary.txt), then the paths the run took.

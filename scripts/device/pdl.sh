@@ -47,13 +47,7 @@ SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 status=0
 
-{
-  date -u +%Y-%m-%dT%H:%M:%SZ
-  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv
-  "$BIN" --version
-  echo "GPUs: $NGPU PHASES=$PHASES BUDGET=$BUDGET CASES=$CASES BENCH_MAX=$BENCH_MAX"
-} >"$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+env_txt "GPUs: $NGPU PHASES=$PHASES BUDGET=$BUDGET CASES=$CASES BENCH_MAX=$BENCH_MAX"
 
 has() { [[ " $PHASES " == *" $1 "* ]]; }
 

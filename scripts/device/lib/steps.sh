@@ -75,6 +75,19 @@ print(json.dumps(steps, indent=1))
 EOF
 }
 
+# env_txt LINE: writes OUT/env.txt (the date, the GPUs, their topology when NGPU >= 2, BIN's
+# version, then LINE) and prints it. The caller sets OUT, BIN and NGPU.
+env_txt() {
+  {
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv
+    [ "${NGPU:-0}" -ge 2 ] && nvidia-smi topo -m
+    "$BIN" --version
+    echo "$1"
+  } >"$OUT/env.txt" 2>&1
+  cat "$OUT/env.txt"
+}
+
 # mps_on: starts the MPS control daemon (ranks that share a GPU run side by side under it,
 # rather than time-sliced) with its pipe and log folders under /tmp, and stops it when the
 # script exits. Returns the daemon's start status (a daemon already running there is
