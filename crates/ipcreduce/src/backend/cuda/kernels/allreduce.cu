@@ -205,8 +205,9 @@ __device__ __forceinline__ u64 globaltimer() {
 
 // The other half of convert.cuh's wait_for_previous_kernel (MODE_LET_NEXT_LAUNCH, the LL
 // kernels only): once every block of ours has run this, the next kernel on the stream may
-// launch if it was launched with programmatic stream serialization (the next call's kernel, or a PDL-aware kernel of the caller's); it waits on the
-// device for our completion before it reads anything, so only its launch overlaps our run.
+// launch if it was launched with programmatic stream serialization (the next call's kernel,
+// or a PDL-aware kernel of the caller's); it waits on the device for our completion before it
+// reads anything, so only its launch overlaps our run.
 // Only where no GPU is shared between ranks: a successor resident beside a kernel of ours that
 // waits for its peers could keep a peer's kernel off a shared GPU. LL grids are small, so the
 // successor finds room; the bandwidth kernels' runtime dwarfs a launch gap.
