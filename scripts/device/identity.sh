@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The call identity, the LL lines and the errors every rank sees, on one GPU (ranks under MPS).
+# Builds nothing: expects target/release/ipcreduce, target/gpu-tests/ (scripts/build-gpu-tests.sh)
+# and, for the latency comparison, a binary of the commit before the change at $BASE_BIN.
+#
+# Usage: scripts/device/identity.sh OUT_DIR
+#   latency   small-message latency before/after: bf16 sum, two ranks, 8 B - 64 KiB, eager and
+#             CUDA graph (-G 20), plain buffers, every call checked; the two binaries take
+#             turns for REPEAT rounds so a drift of the machine hits both alike; latency.md has
+#             the median of the rounds, their spread (min-max) and after/before per size.
+#   checks    `check` CASES cases at worlds 2, 4 and 8, plain and registered buffers.
+#   gputests  scripts/device/gpu-tests.sh into OUT_DIR/gpu-tests (the whole GPU suite, the
+#             hostile-call roles included).
+# summary.txt: one line per step (PASS/FAIL/SKIP and its last line); env.txt: GPU, driver and
+# both binaries' versions (the commit each was built from).
+# Knobs: PHASES="latency checks gputests", BUDGET=540, CASES=2000, WORLDS="2 4 8", REPEAT=3,
+# BASE_BIN=target/baseline/ipcreduce.
+set -u
+# shellcheck source=lib/steps.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib/steps.sh" || exit 2
+OUT=${1:?usage: identity.sh OUT_DIR}
+BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
+BASE_BIN=${BASE_BIN:-target/baseline/ipcreduce}
+BUDGET=${BUDGET:-540}
+CASES=${CASES:-2000}
+REPEAT=${REPEAT:-3}
+PHASES=${PHASES:-latency checks gputests}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+# Never NVLink multicast.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export IPCREDUCE_TUNE_FILE="$OUT/no-tune.txt"
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+status=0
+
+base_version=missing
+[ -x "$BASE_BIN" ] && base_version=$("$BASE_BIN" --version 2>&1)
+env_txt "GPUs: $NGPU PHASES=$PHASES BUDGET=$BUDGET CASES=$CASES REPEAT=$REPEAT; before: $base_version"
+
+has() { [[ " $PHASES " == *" $1 "* ]]; }
+
+if [ "${NGPU:-0}" -lt 2 ]; then
+  if ! mps_on; then
+    echo "FAIL mps: the MPS control daemon did not start" | tee -a "$SUMMARY"
+    exit 1
+  fi
+fi
+
+if has latency; then
+  if [ ! -x "$BASE_BIN" ]; then
+    echo "SKIP latency: no binary of the commit before at $BASE_BIN" | tee -a "$SUMMARY"
+    status=1
+  else
+    for i in $(seq 1 "$REPEAT"); do
+      for v in before after; do
+        b=$BIN
+        [ "$v" = before ] && b=$BASE_BIN
+        step "bench-$v-$i" 150 "$b" bench --backend cuda --ranks 2 -a auto -d bfloat16 \
+          -b 8 -e 64K -f 2 -n 300 -w 50 -G 20 --json "$OUT/bench-$v-$i.json"
+      done
+    done
+    python3 - "$OUT" >"$OUT/latency.md" <<'EOF' || status=1
+import glob, json, os, statistics, sys
+out = sys.argv[1]
+runs = {v: [json.load(open(f))["rows"] for f in sorted(glob.glob(os.path.join(out, f"bench-{v}-*.json")))]
+        for v in ("before", "after")}
+def rounds(v, b, mode):
+    return [r["time_us"] for rows in runs[v] for r in rows
+            if r["bytes"] == b and r["mode"] == mode and not r["registered"] and r["algo"] == "auto"]
+sizes = sorted({r["bytes"] for rows in runs["after"] for r in rows})
+print("# bf16 sum, two ranks under MPS on one GPU, us per call (slowest rank), median of the rounds")
+print("# [min-max]; after/before < 1: the change is faster")
+for mode in ("graph", "eager"):
+    print()
+    print(f"## {mode}")
+    print()
+    print("| size | before | after | after/before |")
+    print("|---|---|---|---|")
+    for b in sizes:
+        cells = []
+        meds = []
+        for v in ("before", "after"):
+            c = rounds(v, b, mode)
+            if c:
+                m = statistics.median(c)
+                meds.append(m)
+                cells.append(f"{m:.2f} [{min(c):.2f}-{max(c):.2f}]")
+            else:
+                meds.append(None)
+                cells.append("-")
+        ratio = "-" if None in meds else f"{meds[1] / meds[0]:.3f}"
+        print(f"| {b} | {cells[0]} | {cells[1]} | {ratio} |")
+wrong = sum(r["wrong"] for v in runs for rows in runs[v] for r in rows)
+print()
+print(f"wrong elements over every row: {wrong}")
+EOF
+    cat "$OUT/latency.md"
+  fi
+fi
+
+if has checks; then
+  for w in ${WORLDS:-2 4 8}; do
+    step "check-w$w" 150 "$BIN" check --backend cuda --ranks "$w" --cases "$CASES" --seed "$((w + 60))"
+    step "check-w$w-registered" 150 "$BIN" check --backend cuda --ranks "$w" --cases "$CASES" \
+      --seed $((w + 70)) --registered
+  done
+fi
+
+if has gputests; then
+  # gpu-tests.sh starts MPS itself (and stops it): stop ours first.
+  if [ -n "${MPS_ON:-}" ]; then
+    mps_off
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    sleep 2
+  fi
+  step gpu-tests "$(budget_left)" scripts/device/gpu-tests.sh "$OUT/gpu-tests"
+fi
+
+summary_json "$SUMMARY" >"$OUT/summary.json"
+cat "$SUMMARY"
+exit $status
