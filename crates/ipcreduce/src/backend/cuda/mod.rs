@@ -15,6 +15,7 @@ mod nccl;
 mod peers;
 mod pointers;
 mod registry;
+mod residency;
 mod scatter_gather;
 mod streams;
 mod teardown;
@@ -57,12 +58,9 @@ fn data_offset(world: usize) -> u64 {
 const PROBE_OFFSET: u64 = SIG_BYTES as u64;
 /// Threads per block of the all-reduce kernels (their `__launch_bounds__`).
 const THREADS: u32 = 512;
-/// Most CTAs a kernel uses by default on a GPU of its own; ranks sharing a GPU share this
-/// (every CTA of every rank must be resident at once: two 512-thread CTAs fit per SM).
+/// Most CTAs a kernel uses by default (a policy); fewer where they would not all be resident
+/// beside the other ranks' (see residency.rs).
 const DEFAULT_CTA_CAP: usize = 64;
-const SHARED_GPU_CTAS: usize = 192;
-/// The same for kernels compiled for one block per SM (the deep zero-copy ones): H200 has 132.
-const SHARED_GPU_DEEP_CTAS: usize = 96;
 
 // Words of the host-mapped area shared with the kernels.
 const W_ABORT: usize = 0;
@@ -306,10 +304,11 @@ impl CudaComm {
                 fixed.unwrap_or(0)
             )));
         }
-        let cap = match fixed {
-            Some(_) => MAX_BLOCKS,
-            None => DEFAULT_CTA_CAP.min(SHARED_GPU_CTAS / sharing),
-        };
+        // What every rank's grid can count on being resident (the smallest room of any rank).
+        let room = residency::agree(boot, residency::measure(&gpu, device, sharing, rank)?)?;
+        let residency::Caps { cap, deep_cap } =
+            residency::caps(&room, fixed, DEFAULT_CTA_CAP, MAX_BLOCKS)
+                .map_err(|why| Error::invalid(rank, "init", why))?;
         let slot_bytes = config.workspace_bytes.map_or(DEFAULT_SLOT_BYTES, |b| b / 2);
         let slot_bytes = (slot_bytes.max(64 << 10) / 256) * 256;
         // Messages up to this size take the low-latency one-shot (0 disables it).
@@ -336,10 +335,6 @@ impl CudaComm {
                 "zero-copy loads in flight {n} (Config::reg_loads or IPCREDUCE_REG_LOADS): 8 or 16"
             )))
             }
-        };
-        let deep_cap = match (fixed, sharing) {
-            (None, 2..) => cap.min(SHARED_GPU_DEEP_CTAS / sharing),
-            _ => cap,
         };
         // Validated by Config: 8 or 12.
         let ll12 = config.ll_data_bytes == Some(12);
