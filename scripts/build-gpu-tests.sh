@@ -1,22 +1,30 @@
 #!/usr/bin/env bash
 # Run HERE (the development machine; the GPU machine has no Rust): builds the ipcreduce binary
-# and the GPU test executable (crates/ipcreduce/tests/gpu.rs, cargo feature `gpu`) and puts the
-# test executable at a fixed path for scripts/device/gpu-tests.sh:
-#   target/gpu-tests/gpu
+# and the GPU test executables (crates/ipcreduce/tests/gpu.rs and gpu_streams.rs, cargo feature
+# `gpu`) and puts them at fixed paths for scripts/device/gpu-tests.sh:
+#   target/gpu-tests/gpu, target/gpu-tests/gpu_streams
+# and the commit they were built from, with a dirty flag, in target/gpu-tests/gpu.commit
+# (`<sha>` or `<sha>-dirty`: uncommitted changes to tracked files).
 # Then on the GPU machine: scripts/device/gpu-tests.sh OUT_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -p ipcreduce-cli
-log=$(cargo test --release -p ipcreduce --features gpu --test gpu --no-run 2>&1) || {
-  echo "$log" >&2
-  exit 1
-}
-exe=$(echo "$log" | sed -n 's|.*Executable tests/gpu.rs (\(.*\))|\1|p' | tail -n 1)
-if [ -z "$exe" ] || [ ! -x "$exe" ]; then
-  echo "$log" >&2
-  echo "error: cargo named no GPU test executable" >&2
-  exit 1
-fi
 mkdir -p target/gpu-tests
-cp "$exe" target/gpu-tests/gpu
-echo "target/gpu-tests/gpu ($("target/gpu-tests/gpu" --list 2>/dev/null | grep -c ': test$') tests)"
+for t in gpu gpu_streams; do
+  log=$(cargo test --release -p ipcreduce --features gpu --test "$t" --no-run 2>&1) || {
+    echo "$log" >&2
+    exit 1
+  }
+  exe=$(echo "$log" | sed -n "s|.*Executable tests/$t.rs (\(.*\))|\1|p" | tail -n 1)
+  if [ -z "$exe" ] || [ ! -x "$exe" ]; then
+    echo "$log" >&2
+    echo "error: cargo named no executable for tests/$t.rs" >&2
+    exit 1
+  fi
+  cp "$exe" "target/gpu-tests/$t"
+  echo "target/gpu-tests/$t ($("target/gpu-tests/$t" --list 2>/dev/null | grep -c ': test$') tests)"
+done
+commit=$(git rev-parse HEAD)
+git diff --quiet HEAD -- || commit="$commit-dirty"
+echo "$commit" >target/gpu-tests/gpu.commit
+echo "target/gpu-tests/gpu.commit: $commit"

@@ -143,7 +143,7 @@ fi
 
 # --- one GPU, ranks under MPS: correctness ---------------------------------------------------
 if [[ " $PHASES " == *" checks "* ]]; then
-  mps_on
+  mps_on || exit 1
   resources
   for w in ${WORLDS:-2 4 8}; do
     step "check-w$w" 150 "$BIN" check --backend cuda --ranks "$w" --cases "$CASES" --seed "$w"
@@ -155,14 +155,13 @@ fi
 if [[ " $PHASES " == *" gputests "* ]]; then
   # gpu-tests.sh starts MPS itself (and stops it): stop ours first.
   if [ -n "${MPS_ON:-}" ]; then
-    mps_off
-    sleep 2
+    mps_off # returns once the daemon no longer answers
   fi
   step gpu-tests 300 scripts/device/gpu-tests.sh "$OUT/gpu-tests"
 fi
 # Last, as time allows: the opt-in LL12 lines.
 if [[ " $PHASES " == *" checks "* ]]; then
-  [ -n "${MPS_ON:-}" ] || mps_on
+  [ -n "${MPS_ON:-}" ] || mps_on || exit 1
   for w in ${WORLDS:-2 4 8}; do
     step "check-w$w-ll12" 60 env IPCREDUCE_LL_DATA=12 "$BIN" check --backend cuda --ranks "$w" \
       --cases 300 --max-bytes 1M --seed $((w + 20))

@@ -1,58 +1,96 @@
 #!/usr/bin/env bash
-# The library's GPU tests (crates/ipcreduce/tests/gpu.rs) on one GPU with several ranks per
-# GPU under MPS: worlds 2/4/8, stale-data chains, CUDA graph replays, streams, teardown with
-# work in flight, and the low-latency wrap (200,704 LL calls, every result checked).
+# The library's GPU tests (crates/ipcreduce/tests/gpu.rs and gpu_streams.rs) on one GPU with
+# several ranks per GPU under MPS: worlds 2/4/8, stale-data chains, CUDA graph replays,
+# streams, teardown with work in flight, the low-latency wrap (200,704 LL calls, every result
+# checked), graph replays interleaved with eager calls and replays after drop.
 # Builds nothing: run scripts/build-gpu-tests.sh on the development machine first; it leaves
-# target/gpu-tests/gpu.
+# target/gpu-tests/{gpu,gpu_streams,gpu.commit}.
 # Usage: scripts/device/gpu-tests.sh OUT_DIR
-# Writes OUT_DIR/env.txt, one log per test (OUT_DIR/<test>.log) and OUT_DIR/gpu-tests.json;
-# the last line printed is `N passed, N failed`. Exit status 0 only when every test passed.
-# Knobs: GPU_TESTS_SKIP (test names to leave out, space separated), GPU_TESTS_BIN (default
-# target/gpu-tests/gpu), GPU_TESTS_FILTER (substring of the test
-# names to run), GPU_TEST_LL_CALLS (LL wrap length, default 200704).
+# Writes OUT_DIR/env.txt (with the commit and "MPS: on"), one log per test
+# (OUT_DIR/<binary>.<test>.log) and OUT_DIR/gpu-tests.json: one entry per test listed, run
+# (`ok`, `exit`, `seconds`), skipped (`"skipped": reason`) or ignored (`"ignored": true`, not
+# run unless GPU_TESTS_IGNORED=1). A test passed only when its log says
+# `test result: ok. 1 passed`. The last line printed is `N passed, N failed, N skipped,
+# N ignored`. Exit status 0 only when every test run passed and MPS was on.
+# Knobs: GPU_TESTS_SKIP (test names to leave out, space separated), GPU_TESTS_BINS (default
+# "target/gpu-tests/gpu target/gpu-tests/gpu_streams"), GPU_TESTS_FILTER (substring of the
+# test names to run), GPU_TESTS_IGNORED=1 (run ignored tests too), GPU_TEST_LL_CALLS (LL wrap
+# length, default 200704).
 set -u
 OUT=${1:?usage: gpu-tests.sh OUT_DIR}
-BIN=${GPU_TESTS_BIN:-target/gpu-tests/gpu}
+BINS=${GPU_TESTS_BINS:-${GPU_TESTS_BIN:-target/gpu-tests/gpu target/gpu-tests/gpu_streams}}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 # Never NVLink multicast.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# shellcheck source=lib/steps.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib/steps.sh" || exit 2
 
+first=${BINS%% *}
+COMMIT=$(cat "$(dirname "$first")/gpu.commit" 2>/dev/null || echo unknown)
 {
   date -u +%Y-%m-%dT%H:%M:%SZ
+  echo "commit: $COMMIT"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  ls -l "$BIN"
+  for b in $BINS; do ls -l "$b"; done
 } >"$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
-if [ ! -x "$BIN" ]; then
-  echo "error: $BIN missing: run scripts/build-gpu-tests.sh first" >&2
-  exit 2
-fi
+for b in $BINS; do
+  if [ ! -x "$b" ]; then
+    cat "$OUT/env.txt"
+    echo "error: $b missing: run scripts/build-gpu-tests.sh first" >&2
+    exit 2
+  fi
+done
+[ "$COMMIT" != unknown ] || echo "warning: no gpu.commit beside $first: the commit under test is unknown" >&2
 
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-nvidia-cuda-mps-control -d
-trap 'echo quit | nvidia-cuda-mps-control' EXIT
+MPS_ENV="$OUT/env.txt" mps_on || { cat "$OUT/env.txt"; exit 1; }
+cat "$OUT/env.txt"
 
 passed=0
 failed=0
-json="["
-for t in $("$BIN" --list 2>/dev/null | sed -n 's/: test$//p'); do
-  case "$t" in *"${GPU_TESTS_FILTER:-}"*) ;; *) continue ;; esac
-  case " ${GPU_TESTS_SKIP:-} " in *" $t "*) echo "skip   $t (GPU_TESTS_SKIP)"; continue ;; esac
-  start=$(date +%s)
-  # One test at a time; each test runs its worlds one after the other.
-  timeout 540 "$BIN" --exact "$t" --test-threads=1 --nocapture >"$OUT/$t.log" 2>&1
-  rc=$?
-  secs=$(($(date +%s) - start))
-  if [ $rc -eq 0 ]; then
-    passed=$((passed + 1)); ok=true; echo "ok     $t (${secs} s)"
-  else
-    failed=$((failed + 1)); ok=false; echo "FAILED $t (${secs} s, exit $rc)"
-    grep -E "panicked|wrong|error" "$OUT/$t.log" | head -n 5
-  fi
-  json="$json{\"test\":\"$t\",\"ok\":$ok,\"exit\":$rc,\"seconds\":$secs},"
+skipped=0
+ignored=0
+json="{\"commit\":\"$COMMIT\",\"tests\":["
+for b in $BINS; do
+  bin=$(basename "$b")
+  ignored_list=" $("$b" --list --ignored 2>/dev/null | sed -n 's/: test$//p' | tr '\n' ' ') "
+  for t in $("$b" --list 2>/dev/null | sed -n 's/: test$//p'); do
+    name="$bin::$t"
+    case "$t" in *"${GPU_TESTS_FILTER:-}"*) ;; *)
+      skipped=$((skipped + 1)); echo "skip   $name (GPU_TESTS_FILTER)"
+      json="$json{\"test\":\"$name\",\"skipped\":\"not matched by GPU_TESTS_FILTER\"},"
+      continue ;;
+    esac
+    case " ${GPU_TESTS_SKIP:-} " in *" $t "*)
+      skipped=$((skipped + 1)); echo "skip   $name (GPU_TESTS_SKIP)"
+      json="$json{\"test\":\"$name\",\"skipped\":\"GPU_TESTS_SKIP\"},"
+      continue ;;
+    esac
+    extra=()
+    case "$ignored_list" in *" $t "*)
+      if [ "${GPU_TESTS_IGNORED:-0}" != 1 ]; then
+        ignored=$((ignored + 1)); echo "ignore $name (#[ignore]; GPU_TESTS_IGNORED=1 runs it)"
+        json="$json{\"test\":\"$name\",\"ignored\":true},"
+        continue
+      fi
+      extra=(--include-ignored) ;;
+    esac
+    log="$OUT/$bin.$t.log"
+    start=$(date +%s)
+    # One test at a time; each test runs its worlds one after the other.
+    timeout 540 "$b" --exact "$t" "${extra[@]}" --test-threads=1 --nocapture >"$log" 2>&1
+    rc=$?
+    secs=$(($(date +%s) - start))
+    # The exit status alone would count a test that did not run (0 passed) as passed.
+    if [ $rc -eq 0 ] && grep -q "test result: ok. 1 passed" "$log"; then
+      passed=$((passed + 1)); ok=true; echo "ok     $name (${secs} s)"
+    else
+      failed=$((failed + 1)); ok=false; echo "FAILED $name (${secs} s, exit $rc)"
+      grep -E "panicked|wrong|error|test result" "$log" | head -n 5
+    fi
+    json="$json{\"test\":\"$name\",\"ok\":$ok,\"exit\":$rc,\"seconds\":$secs},"
+  done
 done
-echo "${json%,}]" >"$OUT/gpu-tests.json"
-echo "$passed passed, $failed failed"
+echo "${json%,}]}" >"$OUT/gpu-tests.json"
+echo "$passed passed, $failed failed, $skipped skipped, $ignored ignored"
 [ "$failed" -eq 0 ] && [ "$passed" -gt 0 ]

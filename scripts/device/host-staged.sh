@@ -207,7 +207,7 @@ if has two; then
 fi
 
 if has check || has pcie || has fallback || has bench || has slots || has peer; then
-  mps_on
+  mps_on || exit 1
   limit_for() { case $1 in 2) echo 120 ;; 4) echo 150 ;; *) echo 240 ;; esac; }
   cases_for() { case $1 in 4) echo "${CASES_4:-$CASES}" ;; 8) echo "${CASES_8:-$CASES}" ;; *) echo "$CASES" ;; esac; }
   if has fallback; then

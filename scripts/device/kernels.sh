@@ -131,7 +131,7 @@ if [[ " $PHASES " == *" bench "* ]]; then
   else
     ALGOS=auto,oneshot,twoshot # NCCL refuses two ranks on one GPU; no NVLink figures here
     RANKS=2
-    mps_on
+    mps_on || exit 1
   fi
   bench staged -- -a "$ALGOS" -b 8 -e "$BENCH_MAX" -f 4
   bench registered $REGENV -- -a auto,oneshot,twoshot -b 8 -e "$BENCH_MAX" -f 4 $REGFLAG
@@ -148,7 +148,7 @@ fi
 if [[ " $PHASES " == *" sweep "* ]]; then
   RANKS=2
   if [ "$NGPU" -lt 2 ]; then
-    mps_on
+    mps_on || exit 1
   fi
   for b in $BLOCKS_SWEEP; do
     bench "staged-blocks$b" IPCREDUCE_BLOCKS=$b -- -a oneshot,twoshot -b 1M -e 512M -f 8
@@ -159,7 +159,7 @@ fi
 
 # --- worlds 2, 4, 8 under MPS on one GPU -----------------------------------------------------
 if [[ " $PHASES " == *" mps "* ]]; then
-  mps_on
+  mps_on || exit 1
   export CUDA_VISIBLE_DEVICES=0
   for w in ${WORLDS:-2 4 8}; do
     check_world "$w" mps

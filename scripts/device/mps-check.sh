@@ -20,10 +20,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-nvidia-cuda-mps-control -d
-trap 'echo quit | nvidia-cuda-mps-control' EXIT
+# MPS, checked: the daemon must answer (lib/steps.sh).
+# shellcheck source=lib/steps.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib/steps.sh" || exit 2
+MPS_ENV="$OUT/env.txt" mps_on || exit 1
 
 status=0
 for w in ${WORLDS-2 4 8}; do

@@ -11,10 +11,10 @@ GRAD=${GRAD:-256M}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0 IPCREDUCE_NCCL_SHARED_GPU=1
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-nvidia-cuda-mps-control -d
-trap 'echo quit | nvidia-cuda-mps-control' EXIT
+# MPS, checked: the daemon must answer (lib/steps.sh).
+# shellcheck source=lib/steps.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib/steps.sh" || exit 2
+mps_on || exit 1
 status=0
 echo "== bench with NCCL beside (world 2, eager)"
 timeout 300 "$BIN" bench --backend cuda --ranks 2 -a all -d bfloat16 -b 8 -e 8M -f 8 -n 10 -w 3 \

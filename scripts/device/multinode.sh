@@ -57,7 +57,7 @@ GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-mps_on
+mps_on || exit 1
 
 passed=0 failed=0 skipped=0
 json="["

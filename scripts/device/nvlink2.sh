@@ -30,7 +30,7 @@ if [ "${GPUS:-0}" -lt "$WORLD" ]; then
   DRY=1
   echo "== dry run: $GPUS GPU(s) for world $WORLD: ranks share a GPU under MPS, NCCL over sockets"
   export IPCREDUCE_NCCL_SHARED_GPU=1
-  mps_on
+  mps_on || exit 1
 else
   DRY=0
 fi

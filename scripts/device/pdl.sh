@@ -131,9 +131,8 @@ fi
 if has gputests; then
   # gpu-tests.sh starts MPS itself (and stops it): stop ours first.
   if [ -n "${MPS_ON:-}" ]; then
-    mps_off
+    mps_off # returns once the daemon no longer answers
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-    sleep 2
   fi
   step gpu-tests 330 scripts/device/gpu-tests.sh "$OUT/gpu-tests"
 fi

@@ -47,7 +47,7 @@ cat "$OUT/env.txt"
 if [ "$GPUS" -lt 2 ]; then
   echo "== one GPU: world 2 under MPS, the smaller dry run"
   export IPCREDUCE_PY_SMALL=1
-  mps_on
+  mps_on || exit 1
 fi
 
 status=0

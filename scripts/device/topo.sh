@@ -52,10 +52,10 @@ PY
 if [ "$GPUS" -ge 2 ]; then
   run per-gpu peer "$GPUS"
 fi
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-nvidia-cuda-mps-control -d
-trap 'echo quit | nvidia-cuda-mps-control' EXIT
+# MPS, checked: the daemon must answer (lib/steps.sh).
+# shellcheck source=lib/steps.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib/steps.sh" || exit 2
+MPS_ENV="$OUT/env.txt" mps_on || exit 1
 run mps-w2 peer 2
 run mps-w4 peer 4
 run deny-1-0 host-staged 2 IPCREDUCE_DENY_PEER=1:0 IPCREDUCE_LOG=warn

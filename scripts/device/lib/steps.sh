@@ -88,10 +88,17 @@ env_txt() {
   cat "$OUT/env.txt"
 }
 
+# mps_answers: whether an MPS control daemon answers on CUDA_MPS_PIPE_DIRECTORY (bounded).
+mps_answers() {
+  echo get_server_list | timeout 10 nvidia-cuda-mps-control >/dev/null 2>&1
+}
+
 # mps_on: starts the MPS control daemon (ranks that share a GPU run side by side under it,
 # rather than time-sliced) with its pipe and log folders under /tmp, and stops it when the
-# script exits. Returns the daemon's start status (a daemon already running there is
-# used as it is, and still stopped at exit).
+# script exits. Fails (status 1, with a message) unless the daemon then answers: without MPS,
+# worlds 4 and 8 on one GPU run time-sliced, which is another test. A daemon already running
+# there is used as it is (and still stopped at exit). Callers: `mps_on || exit 1`.
+# With MPS_ENV set to a file, appends "MPS: on" to it.
 mps_on() {
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -99,14 +106,27 @@ mps_on() {
   local rc=$?
   MPS_ON=1
   trap mps_off EXIT
-  return $rc
+  if ! mps_answers; then
+    echo "error: the MPS control daemon did not start (nvidia-cuda-mps-control -d: exit $rc) or does not answer get_server_list" >&2
+    return 1
+  fi
+  [ "$rc" -eq 0 ] || echo "note: nvidia-cuda-mps-control -d exit $rc, but a daemon answers: using it" >&2
+  [ -z "${MPS_ENV:-}" ] || echo "MPS: on" >>"$MPS_ENV"
+  return 0
 }
 
 # mps_off: stops the daemon mps_on started (nothing when it did not run), before a program that
-# must run without MPS or starts its own.
+# must run without MPS or starts its own; returns once the daemon no longer answers (at most
+# 20 s), so that a daemon still exiting cannot make the next mps_on fail.
 mps_off() {
   [ -n "${MPS_ON:-}" ] || return 0
   echo quit | nvidia-cuda-mps-control
   MPS_ON=
   trap - EXIT
+  local i
+  for i in $(seq 1 100); do
+    mps_answers || return 0
+    sleep 0.2
+  done
+  echo "warning: the MPS control daemon still answers 20 s after quit" >&2
 }

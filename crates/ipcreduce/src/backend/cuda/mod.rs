@@ -15,6 +15,7 @@ mod nccl;
 mod peers;
 mod pointers;
 mod registry;
+mod residency;
 mod scatter_gather;
 mod streams;
 mod teardown;
@@ -38,7 +39,7 @@ use driver::ck;
 use kernels::{
     ll_bytes, ERR_MISMATCH, ERR_TIMEOUT, LL_MAX_BYTES, MAX_BLOCKS, MAX_RANKS, SIG_BYTES,
 };
-use memory::{DeviceAlloc, MappedHostWords};
+use memory::{DeviceAlloc, Kept, MappedHostWords};
 use peers::device_uuid;
 use registry::Registry;
 use std::collections::HashMap;
@@ -57,12 +58,9 @@ fn data_offset(world: usize) -> u64 {
 const PROBE_OFFSET: u64 = SIG_BYTES as u64;
 /// Threads per block of the all-reduce kernels (their `__launch_bounds__`).
 const THREADS: u32 = 512;
-/// Most CTAs a kernel uses by default on a GPU of its own; ranks sharing a GPU share this
-/// (every CTA of every rank must be resident at once: two 512-thread CTAs fit per SM).
+/// Most CTAs a kernel uses by default (a policy); fewer where they would not all be resident
+/// beside the other ranks' (see residency.rs).
 const DEFAULT_CTA_CAP: usize = 64;
-const SHARED_GPU_CTAS: usize = 192;
-/// The same for kernels compiled for one block per SM (the deep zero-copy ones): H200 has 132.
-const SHARED_GPU_DEEP_CTAS: usize = 96;
 
 // Words of the host-mapped area shared with the kernels.
 const W_ABORT: usize = 0;
@@ -144,11 +142,12 @@ pub struct CudaComm {
     /// Stream order and what teardown waits for (see streams.rs).
     streams: streams::Tracker,
     events: streams::CudaEvents,
-    // Memory kernels use: freed in Drop unless work may still run on it (see teardown.rs).
+    // Memory kernels use: released in Drop unless work may still run on it, or by the last
+    // CUDA graph that captured a call (see teardown.rs).
     words: ManuallyDrop<Arc<MappedHostWords>>,
     /// Private device state: counters[MAX_BLOCKS][2], then the error word.
-    state: ManuallyDrop<DeviceAlloc>,
-    ws: ManuallyDrop<SharedWorkspaces>,
+    state: ManuallyDrop<Kept<DeviceAlloc>>,
+    ws: ManuallyDrop<Kept<SharedWorkspaces>>,
     /// Set by teardown: what must not be freed.
     leak: teardown::Leak,
     /// Whether teardown ran (else Drop waits for our work itself).
@@ -306,10 +305,11 @@ impl CudaComm {
                 fixed.unwrap_or(0)
             )));
         }
-        let cap = match fixed {
-            Some(_) => MAX_BLOCKS,
-            None => DEFAULT_CTA_CAP.min(SHARED_GPU_CTAS / sharing),
-        };
+        // What every rank's grid can count on being resident (the smallest room of any rank).
+        let room = residency::agree(boot, residency::measure(&gpu, device, sharing, rank)?)?;
+        let residency::Caps { cap, deep_cap } =
+            residency::caps(&room, fixed, DEFAULT_CTA_CAP, MAX_BLOCKS)
+                .map_err(|why| Error::invalid(rank, "init", why))?;
         let slot_bytes = config.workspace_bytes.map_or(DEFAULT_SLOT_BYTES, |b| b / 2);
         let slot_bytes = (slot_bytes.max(64 << 10) / 256) * 256;
         // Messages up to this size take the low-latency one-shot (0 disables it).
@@ -336,10 +336,6 @@ impl CudaComm {
                 "zero-copy loads in flight {n} (Config::reg_loads or IPCREDUCE_REG_LOADS): 8 or 16"
             )))
             }
-        };
-        let deep_cap = match (fixed, sharing) {
-            (None, 2..) => cap.min(SHARED_GPU_DEEP_CTAS / sharing),
-            _ => cap,
         };
         // Validated by Config: 8 or 12.
         let ll12 = config.ll_data_bytes == Some(12);
@@ -449,8 +445,8 @@ impl CudaComm {
             gpu,
             streams: streams::Tracker::new(own),
             events: streams::CudaEvents::new(rank),
-            ws: ManuallyDrop::new(ws),
-            state: ManuallyDrop::new(state),
+            ws: ManuallyDrop::new(Kept::new(ws)),
+            state: ManuallyDrop::new(Kept::new(state)),
             words: ManuallyDrop::new(words),
             leak: teardown::Leak::Nothing,
             left: false,
@@ -681,11 +677,14 @@ impl CudaComm {
         // The capture status decides whether the tracker may record and wait on events (not
         // during capture: the graph orders its calls), and, with Pdl::Eager, whether kernels
         // are launched with programmatic dependent launch. Where neither depends on it, the
-        // query is skipped: repeated calls on the legacy default stream (PyTorch's default)
-        // or on our own stream.
+        // query is skipped: repeated calls on the legacy default stream (PyTorch's default),
+        // until a call was captured. A captured call makes the graph hold our memory.
         let needed = self.pdl == Pdl::Eager || !self.streams.quiet(key);
         let capturing = needed && streams::capturing(stream, self.rank)?;
         self.launch_pdl = self.pdl.for_call(capturing);
+        if capturing {
+            self.hold_for_graph(stream)?;
+        }
         self.streams.before(&mut self.events, key, capturing)?;
         issue(self)?;
         self.streams.after(&mut self.events, key, capturing)

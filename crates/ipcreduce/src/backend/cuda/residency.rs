@@ -1,0 +1,463 @@
+//! How many CTAs a kernel of one rank may use so that every CTA of every rank is resident at
+//! once.
+//!
+//! The kernels' blocks wait for their peers' blocks (block b of every rank meets at the same
+//! flags), so a grid that does not fit beside the grids of the other ranks on the same GPU
+//! never finishes: the blocks that run wait for blocks that cannot start. Until the timeout,
+//! that is a hang. The room is measured on the device, not assumed:
+//! - the SMs of the device (`CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT`; a MIG slice reports its
+//!   own);
+//! - the SMs this context may use: the execution affinity the driver reports
+//!   (`cuCtxGetExecAffinity`, `CU_EXEC_AFFINITY_TYPE_SM_COUNT`, which covers limits set by the
+//!   MPS control daemon where the driver reports them) and the MPS active-thread share the
+//!   client sees (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`), whichever is smaller;
+//! - the ranks sharing the GPU: each gets whole SMs of its own, `device SMs / sharing` (whether
+//!   MPS places two clients' blocks on one SM or not, this fits);
+//! - the blocks per SM of the loaded kernels (`cuOccupancyMaxActiveBlocksPerMultiprocessor`):
+//!   two for the 512-thread kernels (their launch bounds), one for the deep zero-copy ones.
+//!
+//! Every rank measures its own and all take the smallest (the protocol pairs block b with block
+//! b, so all ranks must launch the same grid). The arithmetic is plain functions, tested here.
+
+use super::driver::ck;
+use super::Loaded;
+use crate::bootstrap::Bootstrap;
+use crate::error::{Error, Result};
+use cudarc::driver::sys;
+
+/// What one rank measured: resident 512-thread CTAs and deep (one block per SM) CTAs it may
+/// launch, and how (for messages).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Room {
+    /// CTAs of the two-blocks-per-SM kernels that fit for this rank.
+    pub wide: usize,
+    /// CTAs of the deep zero-copy kernels that fit for this rank.
+    pub deep: usize,
+    /// SMs of the device, SMs this rank may hold, ranks sharing the GPU.
+    pub device_sms: usize,
+    pub rank_sms: usize,
+    pub sharing: usize,
+}
+
+/// The caps of one communicator (agreed by every rank).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Caps {
+    pub cap: usize,
+    pub deep_cap: usize,
+}
+
+/// SMs one process may use on a device of `device_sms`: the driver's execution affinity when it
+/// reports one, and the MPS active-thread percentage. The percentage is turned into SMs rounded
+/// down to whole TPCs (2 SMs) where it limits: MPS provisions SMs, and a guess that is one SM too
+/// high could hang where one too low only costs a CTA or two.
+pub(super) fn usable_sms(
+    device_sms: usize,
+    affinity: Option<usize>,
+    mps_percent: Option<f64>,
+) -> usize {
+    let mut n = device_sms;
+    if let Some(a) = affinity.filter(|&a| a > 0) {
+        n = n.min(a);
+    }
+    if let Some(p) = mps_percent.filter(|p| p.is_finite() && *p > 0.0 && *p < 100.0) {
+        let sms = (device_sms as f64 * p / 100.0).floor() as usize;
+        let whole_tpcs = if sms >= 2 { sms & !1 } else { sms };
+        n = n.min(whole_tpcs);
+    }
+    n
+}
+
+/// SMs one of `sharing` ranks on the GPU may count on: its usable share, and no more than an
+/// even split of the device among the ranks.
+pub(super) fn rank_sms(usable: usize, device_sms: usize, sharing: usize) -> usize {
+    usable.min(device_sms / sharing.max(1))
+}
+
+/// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` as the client sees it (unset or unparsable: no limit).
+pub(super) fn parse_mps_percent(v: Option<&str>) -> Option<f64> {
+    v.and_then(|s| s.trim().parse::<f64>().ok())
+}
+
+/// The caps from the smallest room of any rank. `fixed` (`IPCREDUCE_BLOCKS`) must fit; without
+/// it, the policy cap `default_cap` applies as well. An error (the same on every rank, since
+/// every rank computes it from the same numbers) when nothing fits.
+pub(super) fn caps(
+    room: &Room,
+    fixed: Option<usize>,
+    default_cap: usize,
+    max_blocks: usize,
+) -> std::result::Result<Caps, String> {
+    let why = || {
+        format!(
+            "{} SMs of {} for each of the {} ranks sharing this GPU",
+            room.rank_sms, room.device_sms, room.sharing
+        )
+    };
+    if room.wide == 0 || room.deep == 0 {
+        return Err(format!(
+            "no kernel grid fits: {} (every CTA of every rank must be resident at once); \
+             fewer ranks on the GPU or a larger MPS share needed",
+            why()
+        ));
+    }
+    let wide = room.wide.min(max_blocks);
+    let cap = match fixed {
+        Some(f) if f > wide => {
+            return Err(format!(
+                "blocks {f} (Config::blocks or IPCREDUCE_BLOCKS): at most {wide} CTAs per rank \
+                 can be resident at once here ({})",
+                why()
+            ))
+        }
+        Some(_) => wide,
+        None => wide.min(default_cap),
+    };
+    Ok(Caps {
+        cap,
+        deep_cap: cap.min(room.deep),
+    })
+}
+
+/// The smallest of every rank's room (all-gathered): what all ranks can launch.
+pub(super) fn smallest(all: &[Room]) -> Option<Room> {
+    all.iter()
+        .copied()
+        .min_by_key(|r| r.rank_sms)
+        .map(|first| Room {
+            wide: all.iter().map(|r| r.wide).min().unwrap_or(0),
+            deep: all.iter().map(|r| r.deep).min().unwrap_or(0),
+            ..first
+        })
+}
+
+impl Room {
+    fn to_bytes(self) -> Vec<u8> {
+        [
+            self.wide,
+            self.deep,
+            self.device_sms,
+            self.rank_sms,
+            self.sharing,
+        ]
+        .map(|v| (v as u64).to_le_bytes())
+        .concat()
+    }
+
+    fn from_bytes(b: &[u8]) -> Option<Room> {
+        let w = |i: usize| -> Option<usize> {
+            Some(u64::from_le_bytes(b.get(i * 8..i * 8 + 8)?.try_into().ok()?) as usize)
+        };
+        Some(Room {
+            wide: w(0)?,
+            deep: w(1)?,
+            device_sms: w(2)?,
+            rank_sms: w(3)?,
+            sharing: w(4)?,
+        })
+    }
+}
+
+/// Measures this rank's room on `device` (its context current), with `sharing` ranks on the
+/// GPU, for the kernels of `gpu`.
+pub(super) fn measure(
+    gpu: &Loaded,
+    device: sys::CUdevice,
+    sharing: usize,
+    rank: usize,
+) -> Result<Room> {
+    let mut sms = 0;
+    // SAFETY: writes one int for a valid device.
+    ck(
+        unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut sms,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                device,
+            )
+        },
+        rank,
+        || "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)".into(),
+    )?;
+    let device_sms = sms.max(0) as usize;
+    let usable = usable_sms(
+        device_sms,
+        context_sm_affinity(),
+        parse_mps_percent(
+            std::env::var("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+                .ok()
+                .as_deref(),
+        ),
+    );
+    let rank_sms = rank_sms(usable, device_sms, sharing);
+    let mut wide_per_sm = usize::MAX;
+    let mut deep_per_sm = usize::MAX;
+    let sm_funcs = gpu
+        .funcs
+        .iter()
+        .map(|((p, _, _), f)| (p.one_block_per_sm(), f));
+    let sg_funcs = gpu.sg.values().map(|f| (false, f));
+    for (deep, f) in sm_funcs.chain(sg_funcs) {
+        let n = blocks_per_sm(f.cu_function(), super::THREADS, rank)?;
+        let slot = if deep {
+            &mut deep_per_sm
+        } else {
+            &mut wide_per_sm
+        };
+        *slot = (*slot).min(n);
+    }
+    // No kernels of a kind loaded: the other kind's figure stands in.
+    let wide_per_sm = if wide_per_sm == usize::MAX {
+        2
+    } else {
+        wide_per_sm
+    };
+    let deep_per_sm = if deep_per_sm == usize::MAX {
+        wide_per_sm
+    } else {
+        deep_per_sm
+    };
+    let room = Room {
+        wide: rank_sms * wide_per_sm,
+        deep: rank_sms * deep_per_sm,
+        device_sms,
+        rank_sms,
+        sharing,
+    };
+    tracing::debug!(
+        rank,
+        ?room,
+        usable,
+        wide_per_sm,
+        deep_per_sm,
+        "kernel residency"
+    );
+    Ok(room)
+}
+
+/// What every rank can launch: each rank's [`measure`], all-gathered, the smallest taken.
+pub(super) fn agree(boot: &mut Bootstrap, mine: Room) -> Result<Room> {
+    let rank = boot.rank();
+    let all = boot.all_gather(&mine.to_bytes())?;
+    let rooms: Vec<Room> = all
+        .iter()
+        .enumerate()
+        .map(|(peer, b)| {
+            Room::from_bytes(b).ok_or_else(|| {
+                Error::invalid(
+                    rank,
+                    "init",
+                    format!("rank {peer} sent a malformed residency record"),
+                )
+            })
+        })
+        .collect::<Result<_>>()?;
+    Ok(smallest(&rooms).unwrap_or(mine))
+}
+
+/// Resident blocks of `threads` threads per SM for `f`, as the occupancy calculator says.
+fn blocks_per_sm(f: sys::CUfunction, threads: u32, rank: usize) -> Result<usize> {
+    let mut n = 0;
+    // SAFETY: writes one int for a loaded function.
+    ck(
+        unsafe { sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, f, threads as i32, 0) },
+        rank,
+        || "cuOccupancyMaxActiveBlocksPerMultiprocessor".into(),
+    )?;
+    Ok(n.max(0) as usize)
+}
+
+/// The SM count of the current context's execution affinity, where the driver reports one.
+fn context_sm_affinity() -> Option<usize> {
+    // SAFETY: plain data; the driver fills it in.
+    let mut p: sys::CUexecAffinityParam = unsafe { std::mem::zeroed() };
+    // SAFETY: writes one struct for the current context.
+    let res = unsafe {
+        sys::cuCtxGetExecAffinity(
+            &mut p,
+            sys::CUexecAffinityType::CU_EXEC_AFFINITY_TYPE_SM_COUNT,
+        )
+    };
+    if res != sys::CUresult::CUDA_SUCCESS {
+        return None;
+    }
+    // SAFETY: the SM-count member is the one this type fills.
+    let n = unsafe { p.param.smCount.val };
+    (n > 0).then_some(n as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H200: usize = 132;
+
+    fn room(
+        device_sms: usize,
+        usable: usize,
+        sharing: usize,
+        wide_per_sm: usize,
+        deep_per_sm: usize,
+    ) -> Room {
+        let r = rank_sms(usable, device_sms, sharing);
+        Room {
+            wide: r * wide_per_sm,
+            deep: r * deep_per_sm,
+            device_sms,
+            rank_sms: r,
+            sharing,
+        }
+    }
+
+    #[test]
+    fn the_mps_share_becomes_whole_tpcs_rounded_down() {
+        assert_eq!(usable_sms(H200, None, None), H200);
+        // 10 % of 132 = 13.2 SMs: 12 (6 TPCs).
+        assert_eq!(usable_sms(H200, None, Some(10.0)), 12);
+        // 3 % = 3.96 SMs: 2.
+        assert_eq!(usable_sms(H200, None, Some(3.0)), 2);
+        // Below two SMs: what there is (one SM, or none).
+        assert_eq!(usable_sms(H200, None, Some(1.0)), 1);
+        assert_eq!(usable_sms(H200, None, Some(0.5)), 0);
+        // 100 % or nonsense: no limit from the variable.
+        assert_eq!(usable_sms(H200, None, Some(100.0)), H200);
+        assert_eq!(usable_sms(H200, None, Some(f64::NAN)), H200);
+        assert_eq!(usable_sms(H200, None, Some(-5.0)), H200);
+    }
+
+    #[test]
+    fn the_drivers_affinity_limits_too_and_the_smaller_wins() {
+        assert_eq!(usable_sms(H200, Some(40), None), 40);
+        assert_eq!(usable_sms(H200, Some(40), Some(10.0)), 12);
+        assert_eq!(usable_sms(H200, Some(8), Some(50.0)), 8);
+        // A MIG slice reports its own SM count as the device's.
+        assert_eq!(usable_sms(16, Some(16), None), 16);
+        assert_eq!(usable_sms(H200, Some(0), None), H200, "0 = not reported");
+    }
+
+    #[test]
+    fn ranks_sharing_a_gpu_split_its_sms() {
+        assert_eq!(rank_sms(H200, H200, 1), H200);
+        assert_eq!(rank_sms(H200, H200, 4), 33);
+        assert_eq!(rank_sms(H200, H200, 8), 16);
+        // A limited client holds no more than its share.
+        assert_eq!(rank_sms(12, H200, 4), 12);
+        assert_eq!(rank_sms(2, H200, 8), 2);
+        assert_eq!(rank_sms(H200, 16, 32), 0);
+        assert_eq!(
+            rank_sms(H200, H200, 0),
+            H200,
+            "no sharing count: the whole device"
+        );
+    }
+
+    #[test]
+    fn a_gpu_of_its_own_keeps_the_policy_cap() {
+        let c = caps(&room(H200, H200, 1, 2, 1), None, 64, 128).unwrap();
+        assert_eq!(
+            c,
+            Caps {
+                cap: 64,
+                deep_cap: 64
+            }
+        );
+    }
+
+    #[test]
+    fn shared_and_limited_gpus_get_what_is_resident() {
+        // Four ranks on an H200: 33 SMs each, 66 wide CTAs (policy 64), 33 deep.
+        assert_eq!(
+            caps(&room(H200, H200, 4, 2, 1), None, 64, 128).unwrap(),
+            Caps {
+                cap: 64,
+                deep_cap: 33
+            }
+        );
+        // Eight: 16 SMs each.
+        assert_eq!(
+            caps(&room(H200, H200, 8, 2, 1), None, 64, 128).unwrap(),
+            Caps {
+                cap: 32,
+                deep_cap: 16
+            }
+        );
+        // MPS at 10 % (12 SMs), eight ranks: 24 and 12.
+        let r = room(H200, usable_sms(H200, None, Some(10.0)), 8, 2, 1);
+        assert_eq!(
+            caps(&r, None, 64, 128).unwrap(),
+            Caps {
+                cap: 24,
+                deep_cap: 12
+            }
+        );
+        // MPS at 3 % (2 SMs): 4 and 2.
+        let r = room(H200, usable_sms(H200, None, Some(3.0)), 4, 2, 1);
+        assert_eq!(
+            caps(&r, None, 64, 128).unwrap(),
+            Caps {
+                cap: 4,
+                deep_cap: 2
+            }
+        );
+        // A 16-SM MIG slice, two ranks.
+        assert_eq!(
+            caps(&room(16, 16, 2, 2, 1), None, 64, 128).unwrap(),
+            Caps {
+                cap: 16,
+                deep_cap: 8
+            }
+        );
+        // Kernels that fit fewer blocks per SM than their launch bounds promise shrink the cap.
+        assert_eq!(
+            caps(&room(H200, H200, 8, 1, 1), None, 64, 128).unwrap(),
+            Caps {
+                cap: 16,
+                deep_cap: 16
+            }
+        );
+    }
+
+    #[test]
+    fn a_fixed_block_count_must_fit() {
+        let r = room(H200, H200, 8, 2, 1);
+        assert_eq!(
+            caps(&r, Some(32), 64, 128).unwrap(),
+            Caps {
+                cap: 32,
+                deep_cap: 16
+            }
+        );
+        let e = caps(&r, Some(33), 64, 128).unwrap_err();
+        assert!(e.contains("blocks 33") && e.contains("at most 32"), "{e}");
+        assert!(e.contains("16 SMs of 132") && e.contains("8 ranks"), "{e}");
+        // A GPU of its own: anything up to the kernels' maximum.
+        let r = room(H200, H200, 1, 2, 1);
+        assert_eq!(
+            caps(&r, Some(128), 64, 128).unwrap(),
+            Caps {
+                cap: 128,
+                deep_cap: 128
+            }
+        );
+    }
+
+    #[test]
+    fn no_room_is_an_error_not_a_hang() {
+        let r = room(H200, usable_sms(H200, None, Some(0.5)), 8, 2, 1);
+        let e = caps(&r, None, 64, 128).unwrap_err();
+        assert!(
+            e.contains("no kernel grid fits") && e.contains("0 SMs of 132"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn every_rank_takes_the_smallest_room() {
+        let a = room(H200, H200, 4, 2, 1);
+        let b = room(H200, 12, 4, 2, 1);
+        let s = smallest(&[a, b, a]).unwrap();
+        assert_eq!((s.wide, s.deep, s.rank_sms), (24, 12, 12));
+        assert_eq!(Room::from_bytes(&b.to_bytes()), Some(b));
+        assert_eq!(Room::from_bytes(&[0; 7]), None);
+        assert_eq!(smallest(&[]), None);
+    }
+}
