@@ -1,19 +1,42 @@
-//! The benchmark's timed loop on the host backend: the same contract as the cuda one
-//! (cuda.rs), with the refresh (`pattern::Refresh`) run by the rank itself after each call.
-//! Host calls are synchronous, so each call is timed alone by the wall clock (no
-//! subtraction needed); the refresh's own time is reported beside it.
+//! The benchmark's timed loop on the host backend: back-to-back calls, as OSU and IMB time
+//! them and as a program calls the library, with every call's data checked outside the timing.
+//!
+//! Host calls are synchronous and run on the rank's own core, so a check or a refresh between
+//! two timed calls would be timed too: the slowest rank's check delays every peer's next call,
+//! and the calls absorb that skew. Instead each round prepares its inputs first: call `j` of a
+//! round reads input buffer `j` and writes output buffer `j`, each input a different iteration
+//! of `pattern` (every element differs from the previous iteration's, so a result made from a
+//! stale input is wrong) and each output poisoned; then a barrier, the calls back to back,
+//! timed as one span, and every output checked against its iteration's exact result. When
+//! the buffers of a whole round do not fit [`ROUND_BYTES`], the round runs in segments of as
+//! many calls as fit (a barrier before each, the segments' spans added).
+//!
+//! A round has at least `iters` calls and enough for [`ROUND_SPAN`] at the warm-up's pace
+//! (agreed by every rank: the slowest estimate), at most [`MAX_CALLS`]: small messages need
+//! thousands of calls before one barrier's skew stops mattering. [`ROUNDS`] rounds; the row
+//! reports, per round, the slowest rank's mean, and their median, minimum and maximum.
 
-use super::pattern::{self, Refresh};
-use super::{Measure, Measured};
+use super::pattern::{self, value};
+use super::{Measure, Measured, MAX_ROUNDS};
+use ipcreduce::element::store_f64;
 use ipcreduce::error::{Error, Result};
 use ipcreduce::Communicator;
 use std::ffi::c_void;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// Rounds per measurement (each one a median candidate).
+pub const ROUNDS: usize = 5;
+/// Wall time a round aims for, at the warm-up's pace.
+const ROUND_SPAN: Duration = Duration::from_millis(4);
+/// Most calls in one round (small messages).
+const MAX_CALLS: usize = 20_000;
+/// Bytes of input plus output buffers one segment may hold, per rank.
+const ROUND_BYTES: usize = 256 << 20;
 
 pub struct HostRunner {
-    /// u64 words: the buffers must be aligned to the element size.
-    send: Vec<u64>,
-    recv: Vec<u64>,
+    /// Inputs, then outputs, of one segment: `2 * calls` slots of `slot` bytes in u64 words
+    /// (the buffers must be aligned to the element size).
+    buf: Vec<u64>,
 }
 
 fn bytes_mut(v: &mut [u64]) -> &mut [u8] {
@@ -22,7 +45,7 @@ fn bytes_mut(v: &mut [u64]) -> &mut [u8] {
 }
 
 impl HostRunner {
-    pub fn new(comm: &Communicator, capacity: usize, registered: bool) -> Result<HostRunner> {
+    pub fn new(comm: &Communicator, _capacity: usize, registered: bool) -> Result<HostRunner> {
         if registered {
             return Err(Error::invalid(
                 comm.rank(),
@@ -30,102 +53,134 @@ impl HostRunner {
                 "registered buffers need the cuda backend",
             ));
         }
-        let words = capacity.div_ceil(8);
-        Ok(HostRunner {
-            send: vec![0; words],
-            recv: vec![0; words],
-        })
+        Ok(HostRunner { buf: Vec::new() })
     }
 
-    /// One measurement: first input, then `warmup` + `iters` (all-reduce, refresh) pairs,
-    /// then the final output checked.
+    /// One measurement: the warm-up (which also sets the calls per round), then [`ROUNDS`]
+    /// rounds of back-to-back calls.
     pub fn measure(&mut self, comm: &mut Communicator, m: &Measure) -> Result<Measured> {
-        let bytes = m.count * m.dtype.size();
-        if bytes > self.send.len() * 8 {
-            return Err(Error::invalid(
-                comm.rank(),
-                "bench",
-                "message exceeds the buffers",
-            ));
-        }
         let salts = pattern::salts(m.seed, m.world);
-        let f = Refresh {
-            dtype: m.dtype,
-            op: m.op,
-            salts: &salts,
-            rank: comm.rank(),
-        };
-        bytes_mut(&mut self.recv)[..bytes].fill(0xFF);
-        // The first input (iteration u32::MAX + 1 = 0); nothing to check yet.
-        f.run(
-            u32::MAX,
-            false,
-            &[],
-            &mut bytes_mut(&mut self.send)[..bytes],
-        );
-        comm.bootstrap().barrier()?;
+        let mut next_iter = 0u32;
+        let mut wrong = 0u64;
+        let mut calls = 0u64;
+        // Warm-up: untimed for the row, but its pace sets the length of a round.
+        let warm = m.warmup.max(1);
+        let (span, _) = self.round(comm, m, &salts, &mut next_iter, warm, &mut wrong)?;
+        calls += warm as u64;
+        let pace = span.as_secs_f64() / warm as f64;
+        let wanted = (ROUND_SPAN.as_secs_f64() / pace.max(1e-9)).ceil() as u64;
+        let mine = wanted.clamp(m.iters.max(1) as u64, MAX_CALLS as u64);
+        // Every rank runs the same number of calls: the most any rank asks for.
+        let per_round = gather_max(comm, mine)? as usize;
 
-        let mut iter = 0u32;
-        let mut wrong_calls = 0;
-        // Time spent in the all-reduces and in the refreshes, timed calls only.
-        let (mut in_calls, mut in_refresh) = (0.0f64, 0.0f64);
-        let (send_p, recv_p) = (self.send.as_ptr(), self.recv.as_mut_ptr());
-        let call = |comm: &mut Communicator,
-                    iter: &mut u32,
-                    wrong: &mut u64,
-                    times: Option<(&mut f64, &mut f64)>|
-         -> Result<()> {
-            let t0 = Instant::now();
-            // SAFETY: both vectors hold at least `bytes`, are aligned to 8 and distinct.
-            unsafe {
-                comm.all_reduce_raw(
-                    send_p.cast::<c_void>(),
-                    recv_p.cast::<c_void>(),
-                    m.count,
-                    m.dtype,
-                    m.op,
-                    m.algo,
-                    std::ptr::null_mut(),
-                )?;
-            }
-            let t1 = Instant::now();
-            // SAFETY: as above; the call is finished (host calls are synchronous).
-            unsafe {
-                let recv = std::slice::from_raw_parts(recv_p.cast::<u8>(), bytes);
-                let send = std::slice::from_raw_parts_mut(send_p.cast_mut().cast::<u8>(), bytes);
-                *wrong += f.run(*iter, true, recv, send);
-            }
-            if let Some((calls, refresh)) = times {
-                *calls += (t1 - t0).as_secs_f64();
-                *refresh += t1.elapsed().as_secs_f64();
-            }
-            *iter += 1;
-            Ok(())
-        };
-        for _ in 0..m.warmup {
-            call(comm, &mut iter, &mut wrong_calls, None)?;
+        let mut rounds = [0.0f64; MAX_ROUNDS];
+        let mut prep = Duration::ZERO;
+        for r in rounds.iter_mut().take(ROUNDS) {
+            let (span, p) = self.round(comm, m, &salts, &mut next_iter, per_round, &mut wrong)?;
+            *r = span.as_secs_f64() * 1e6 / per_round as f64;
+            prep += p;
+            calls += per_round as u64;
         }
-        let iters = m.iters.max(1);
-        for _ in 0..iters {
-            call(
-                comm,
-                &mut iter,
-                &mut wrong_calls,
-                Some((&mut in_calls, &mut in_refresh)),
-            )?;
-        }
-        let refresh_us = in_refresh * 1e6 / iters as f64;
-        // Reported as the bench's gross (call + refresh): the row's time is gross - refresh.
-        let gross_us = (in_calls + in_refresh) * 1e6 / iters as f64;
-        let out = bytes_mut(&mut self.recv)[..bytes].to_vec();
-        let wrong_final = pattern::count_wrong(m.dtype, m.op, &salts, iter - 1, &out);
-
+        let mut sorted = rounds[..ROUNDS].to_vec();
+        sorted.sort_by(f64::total_cmp);
+        let median = sorted[ROUNDS / 2];
+        let refresh_us = prep.as_secs_f64() * 1e6 / (ROUNDS * per_round) as f64;
         Ok(Measured {
-            gross_us,
+            gross_us: median + refresh_us,
             refresh_us,
-            calls: u64::from(iter),
-            wrong_calls,
-            wrong_final,
+            calls,
+            wrong_calls: wrong,
+            wrong_final: 0,
+            rounds,
+            nrounds: ROUNDS,
         })
     }
+
+    /// `n` calls in segments that fit [`ROUND_BYTES`]: for each, inputs filled and outputs
+    /// poisoned, a barrier, the calls timed back to back, every output checked. Returns the
+    /// summed span of the calls and the time spent preparing and checking.
+    fn round(
+        &mut self,
+        comm: &mut Communicator,
+        m: &Measure,
+        salts: &[u32],
+        next_iter: &mut u32,
+        n: usize,
+        wrong: &mut u64,
+    ) -> Result<(Duration, Duration)> {
+        let bytes = m.count * m.dtype.size();
+        // Slots start on 8 bytes; at least one word so that empty messages have addresses.
+        let slot_words = bytes.div_ceil(8).max(1);
+        let fit = (ROUND_BYTES / (2 * slot_words * 8)).max(1);
+        let rank = comm.rank();
+        let mut span = Duration::ZERO;
+        let mut prep = Duration::ZERO;
+        let mut done = 0;
+        while done < n {
+            let seg = fit.min(n - done);
+            let t_prep = Instant::now();
+            if self.buf.len() < 2 * seg * slot_words {
+                self.buf.resize(2 * seg * slot_words, 0);
+            }
+            let first = *next_iter;
+            {
+                let all = bytes_mut(&mut self.buf);
+                let (inputs, outputs) = all.split_at_mut(seg * slot_words * 8);
+                for j in 0..seg {
+                    let it = first.wrapping_add(j as u32);
+                    let input = &mut inputs[j * slot_words * 8..][..bytes];
+                    for i in 0..m.count {
+                        let v = value(salts[rank], rank, it, i as u64);
+                        store_f64(m.dtype, input, i, f64::from(v));
+                    }
+                    outputs[j * slot_words * 8..][..bytes].fill(0xFF);
+                }
+            }
+            prep += t_prep.elapsed();
+            comm.bootstrap().barrier()?;
+            let base = self.buf.as_mut_ptr();
+            let t0 = Instant::now();
+            for j in 0..seg {
+                // SAFETY: input j and output j are distinct slots of `bytes` inside `buf`,
+                // aligned to 8; the call is finished when it returns (host calls are
+                // synchronous).
+                unsafe {
+                    let send = base.add(j * slot_words);
+                    let recv = base.add((seg + j) * slot_words);
+                    comm.all_reduce_raw(
+                        send.cast::<c_void>(),
+                        recv.cast::<c_void>(),
+                        m.count,
+                        m.dtype,
+                        m.op,
+                        m.algo,
+                        std::ptr::null_mut(),
+                    )?;
+                }
+            }
+            span += t0.elapsed();
+            let t_check = Instant::now();
+            let all = bytes_mut(&mut self.buf);
+            for j in 0..seg {
+                let it = first.wrapping_add(j as u32);
+                let out = &all[(seg + j) * slot_words * 8..][..bytes];
+                *wrong += pattern::count_wrong(m.dtype, m.op, salts, it, out);
+            }
+            prep += t_check.elapsed();
+            *next_iter = first.wrapping_add(seg as u32);
+            done += seg;
+        }
+        Ok((span, prep))
+    }
+}
+
+/// The largest of every rank's `v` (collective, untimed).
+fn gather_max(comm: &mut Communicator, v: u64) -> Result<u64> {
+    let all = comm.bootstrap().all_gather(&v.to_le_bytes())?;
+    Ok(all
+        .iter()
+        .filter_map(|b| b.get(..8).and_then(|b| b.try_into().ok()))
+        .map(u64::from_le_bytes)
+        .max()
+        .unwrap_or(v))
 }

@@ -7,7 +7,11 @@
 //! [`pattern`]). A stale read, a missed element or a wrong sum in any call, warm-up and timed
 //! ones alike, counts as wrong; the host then checks the last call's output again itself.
 //! On cuda the refresh alone is timed the same way and subtracted, so `time_us` is the
-//! all-reduce's share; on host, where calls are synchronous, each call is timed by itself. Times are the slowest rank's; any wrong element makes the exit status non-zero.
+//! all-reduce's share. On host, where calls are synchronous and a refresh between them would be
+//! timed with them, the calls run back to back on inputs prepared before the timed span and
+//! every output is checked after it, in several rounds (see host.rs). Times are the slowest
+//! rank's (host: the median of the rounds, with their spread); any wrong element makes the exit
+//! status non-zero.
 
 pub mod algos;
 pub(crate) mod cuda;
@@ -97,8 +101,15 @@ pub struct Row {
     pub mode: &'static str,
     pub bytes: usize,
     pub count: usize,
-    /// Per call: the loop's time minus the refresh's (slowest rank).
+    /// Per call: the loop's time minus the refresh's (slowest rank); with several rounds
+    /// (host), the median over the rounds of the slowest rank's mean.
     pub time_us: f64,
+    /// The fastest and slowest round (each the slowest rank's mean; equal to `time_us` when
+    /// one round was measured).
+    pub time_min_us: f64,
+    pub time_max_us: f64,
+    /// Rounds measured.
+    pub rounds: usize,
     /// Per call of the loop, all-reduce and refresh together (slowest rank).
     pub gross_us: f64,
     /// Per refresh alone (slowest rank).
@@ -156,7 +167,14 @@ pub struct Measured {
     pub calls: u64,
     pub wrong_calls: u64,
     pub wrong_final: u64,
+    /// Per round, this rank's time per call (us); the first `nrounds` are used. The cuda loop
+    /// measures one round; the host loop several (see host.rs).
+    pub rounds: [f64; MAX_ROUNDS],
+    pub nrounds: usize,
 }
+
+/// Most rounds one measurement reports.
+pub const MAX_ROUNDS: usize = 8;
 
 /// The backend's timed loop.
 enum Runner {
@@ -376,7 +394,15 @@ fn make_row(
     let world = comm.world();
     let bytes = m.count * m.dtype.size();
     let slowest = |v: Vec<f64>| v.into_iter().fold(f64::NEG_INFINITY, f64::max);
-    let time_us = slowest(gather_f64(comm, got.gross_us - got.refresh_us)?);
+    // Per round, the slowest rank's time; then the median and spread of the rounds.
+    let mut per_round = Vec::with_capacity(got.nrounds);
+    for &t in &got.rounds[..got.nrounds] {
+        per_round.push(slowest(gather_f64(comm, t)?));
+    }
+    let mut sorted = per_round.clone();
+    sorted.sort_by(f64::total_cmp);
+    let time_us = sorted[sorted.len() / 2];
+    let (time_min_us, time_max_us) = (sorted[0], sorted[sorted.len() - 1]);
     let gross_us = slowest(gather_f64(comm, got.gross_us)?);
     let refresh_us = slowest(gather_f64(comm, got.refresh_us)?);
     let wrong = gather_u64(comm, got.wrong_calls + got.wrong_final)?
@@ -399,6 +425,9 @@ fn make_row(
         bytes,
         count: m.count,
         time_us,
+        time_min_us,
+        time_max_us,
+        rounds: got.nrounds,
         gross_us,
         refresh_us,
         algbw_gbps: algbw,
@@ -497,8 +526,10 @@ fn write_json(
         warmup: args.warmup,
         graph_calls: args.graph,
         seed: args.seed,
-        timing: "time_us: per call, (all-reduce + input refresh) minus the refresh alone (cuda), \
-                 the calls alone (host); every call's output checked",
+        timing: "time_us: per call, (all-reduce + input refresh) minus the refresh alone (cuda); \
+                 host: back-to-back calls on inputs prepared before the timed span, each rank's \
+                 mean per round, the slowest rank's, median of the rounds (time_min_us and \
+                 time_max_us: the fastest and slowest round); every call's output checked",
         nccl_p2p_disable: std::env::var("NCCL_P2P_DISABLE").ok(),
         ipcreduce_pdl: std::env::var("IPCREDUCE_PDL").ok(),
         pdl_producer: args.pdl_producer,

@@ -8,7 +8,7 @@
 //! is equal to the expected value. Consecutive iterations differ at every element (an odd
 //! step modulo 32), so a sum that reads any rank's previous input is wrong.
 
-use ipcreduce::element::{load_f64, store_f64};
+use ipcreduce::element::load_f64;
 use ipcreduce::types::{DType, ReduceOp};
 
 /// Largest world the patterns stay exact for (8 x 16 = 128 fits bf16's 8-bit significand).
@@ -55,49 +55,9 @@ pub fn expected(op: ReduceOp, salts: &[u32], iter: u32, i: u64) -> f64 {
     acc
 }
 
-/// What a wrong output element turns the next input into: it survives every operator, so an
-/// error of any call reaches the final output.
-pub fn poison(op: ReduceOp) -> f64 {
-    if op == ReduceOp::Min {
-        f64::NEG_INFINITY
-    } else {
-        f64::INFINITY
-    }
-}
-
 /// The salts of every rank of a world.
 pub fn salts(seed: u64, world: usize) -> Vec<u32> {
     (0..world).map(|r| salt(seed, r)).collect()
-}
-
-/// One refresh on the host (the host backend's `f`, same contract as refresh.cu): checks
-/// `recv` against iteration `iter` when `check`, writes iteration `iter + 1` of `rank`'s input
-/// into `send` (poison where the output was wrong), and returns the wrong count.
-pub struct Refresh<'a> {
-    pub dtype: DType,
-    pub op: ReduceOp,
-    pub salts: &'a [u32],
-    pub rank: usize,
-}
-
-impl Refresh<'_> {
-    pub fn run(&self, iter: u32, check: bool, recv: &[u8], send: &mut [u8]) -> u64 {
-        let count = send.len() / self.dtype.size();
-        let mine = self.salts[self.rank];
-        let mut wrong = 0;
-        for i in 0..count {
-            let ok = !check
-                || load_f64(self.dtype, recv, i) == expected(self.op, self.salts, iter, i as u64);
-            wrong += u64::from(!ok);
-            let next = if ok {
-                f64::from(value(mine, self.rank, iter.wrapping_add(1), i as u64))
-            } else {
-                poison(self.op)
-            };
-            store_f64(self.dtype, send, i, next);
-        }
-        wrong
-    }
 }
 
 /// Wrong elements of `out` as the result of iteration `iter`, spread over the cores.
@@ -127,6 +87,7 @@ pub fn count_wrong(dtype: DType, op: ReduceOp, salts: &[u32], iter: u32, out: &[
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ipcreduce::element::store_f64;
 
     #[test]
     fn values_are_small_integers_that_change_every_iteration() {
@@ -165,41 +126,21 @@ mod tests {
         }
     }
 
-    /// The host refresh chains: right outputs give the next pattern, a wrong one poisons the
-    /// next input, and the count says how many were wrong.
+    /// `count_wrong` counts exactly the elements that differ from the iteration's result, and
+    /// a right output of one iteration is wrong as the output of the next (a stale result).
     #[test]
-    fn refresh_checks_and_chains() {
+    fn wrong_elements_and_stale_outputs_are_counted() {
         let (dtype, op, world, n) = (DType::Bf16, ReduceOp::Sum, 2, 64);
         let salts = salts(5, world);
-        let f = Refresh {
-            dtype,
-            op,
-            salts: &salts,
-            rank: 1,
-        };
-        let mut send = vec![0u8; n * 2];
-        let mut recv = vec![0xFFu8; n * 2];
-        // First fill: iteration u32::MAX + 1 = 0, nothing checked.
-        assert_eq!(f.run(u32::MAX, false, &recv, &mut send), 0);
+        let mut recv = vec![0u8; n * 2];
         for i in 0..n {
-            assert_eq!(
-                load_f64(dtype, &send, i),
-                f64::from(value(salts[1], 1, 0, i as u64))
-            );
+            let want = f64::from(value(salts[0], 0, 0, i as u64))
+                + f64::from(value(salts[1], 1, 0, i as u64));
+            store_f64(dtype, &mut recv, i, want);
         }
-        // A right output of iteration 0, but for element 5.
-        for i in 0..n {
-            store_f64(dtype, &mut recv, i, expected(op, &salts, 0, i as u64));
-        }
+        assert_eq!(count_wrong(dtype, op, &salts, 0, &recv), 0);
         store_f64(dtype, &mut recv, 5, 1000.0);
         assert_eq!(count_wrong(dtype, op, &salts, 0, &recv), 1);
-        assert_eq!(f.run(0, true, &recv, &mut send), 1);
-        assert_eq!(load_f64(dtype, &send, 5), f64::INFINITY);
-        assert_eq!(
-            load_f64(dtype, &send, 6),
-            f64::from(value(salts[1], 1, 1, 6))
-        );
-        // Last call's result is wrong for this call.
         store_f64(dtype, &mut recv, 5, expected(op, &salts, 0, 5));
         assert_eq!(count_wrong(dtype, op, &salts, 1, &recv), n as u64);
     }
