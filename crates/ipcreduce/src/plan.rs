@@ -35,7 +35,7 @@ impl Fabric {
         }
     }
 
-    /// The kernels' `Args::mode` bits (kernels/allreduce.cu, MODE_*).
+    /// The kernels' `Args::mode` bits (kernels/prims.cuh, MODE_*).
     pub fn kernel_mode(self) -> u32 {
         match self {
             Fabric::PciePeer => MODE_PUSH_PASSES,
@@ -44,10 +44,10 @@ impl Fabric {
     }
 }
 
-/// kernels/allreduce.cu's MODE_PUSH_PASSES: in pass p rank r pushes only to rank (r+1+p) mod W.
+/// kernels/prims.cuh's MODE_PUSH_PASSES: in pass p rank r pushes only to rank (r+1+p) mod W.
 pub const MODE_PUSH_PASSES: u32 = 1;
 
-/// kernels/allreduce.cu's MODE_LET_NEXT_LAUNCH: the LL kernels let the next kernel on their
+/// kernels/prims.cuh's MODE_LET_NEXT_LAUNCH: the LL kernels let the next kernel on their
 /// stream launch at once (programmatic dependent launch).
 pub const MODE_LET_NEXT_LAUNCH: u32 = 2;
 
@@ -170,7 +170,7 @@ pub fn reg_oneshot_max_bytes(world: usize) -> usize {
 
 /// Packs in flight per thread in the zero-copy kernels: 8 (the kernels compiled for two blocks
 /// per SM) or 16 (their deep variants, one block per SM; 12 at three or four ranks, see
-/// allreduce.cu). `IPCREDUCE_REG_LOADS` overrides.
+/// zerocopy.cu). `IPCREDUCE_REG_LOADS` overrides.
 pub const REG_LOADS_DEFAULT: usize = 16;
 
 /// Default smallest message for the cuda copy-engine path (two ranks, registered, out of

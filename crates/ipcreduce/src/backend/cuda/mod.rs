@@ -4,7 +4,7 @@
 //! kernels with NVRTC, create and share the workspaces ([`workspace`]), check every pair of
 //! ranks for real (P2P query + a cross-process write/read), optionally build NCCL beside us.
 //! A call: validate, stamp nothing on the host, launch one kernel on the caller's stream. All
-//! protocol state is on the device (see kernels/allreduce.cu), so calls can be graph-captured.
+//! protocol state is on the device (see kernels/prims.cuh), so calls can be graph-captured.
 
 mod ce;
 pub mod driver;
@@ -874,7 +874,7 @@ impl CudaComm {
     /// Launches `f` on `stream` with `args` (copied at launch). With programmatic dependent
     /// launch (`self.launch_pdl`, set per call from `self.pdl`), the kernel may start while the kernel before it on `stream` finishes:
     /// every entry point waits on the device for that kernel's completion before it reads
-    /// anything (`wait_for_previous_kernel` in allreduce.cu), so stream order holds and only the
+    /// anything (`wait_for_previous_kernel` in convert.cuh), so stream order holds and only the
     /// launch gap is hidden. Stream capture turns the attribute into a programmatic edge of the
     /// graph.
     fn launch_kernel<A>(

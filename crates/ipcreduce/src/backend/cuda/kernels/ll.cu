@@ -88,14 +88,23 @@ __device__ __forceinline__ void store_pair(char *dst, u64 j, u64 total, uint4 w)
     store_unit(dst, 2 * j + 1, total, make_uint2(w.z, w.w));
 }
 
+// The call number, on a wait's slow path: the counter still holds the previous call's until
+// the last block of this one finishes (finish_call), after every wait. Not kept in a register
+// through the fast path, where the LL kernels have none to spare.
+__device__ __forceinline__ u64 current_call(const Args &a) {
+    // (Read by a block before it counts itself done in finish_call, so before the store.)
+    return *(volatile u64 *)(a.counters + STATE_CALL) + 1;
+}
+
 // Waits for peer `from`'s line i of this call, starting from `v` (a value already read from
 // it), then clears the line. False on mismatch, timeout, abort or another failure.
-__device__ bool ll_wait(const Args &a, u32 parity, int from, u64 i, u32 flag, u64 call, ulonglong2 &v) {
+__device__ bool ll_wait(const Args &a, u32 parity, int from, u64 i, u32 flag, ulonglong2 &v) {
     ulonglong2 *line = ll_line(a, a.rank, parity, from, i);
     u64 deadline = 0;
     u32 spins = 0;
     while (!ll_ready(v, flag)) {
         if ((++spins & 1023u) == 0u) {
+            const u64 call = current_call(a);
             if (ll_foreign(v, flag)) {
                 report(a, ERR_MISMATCH, from, (u32)i, call);
                 return false;
@@ -153,17 +162,16 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args
     // in place (send == recv) is safe. Two ranks: both lines of the peer are peeked before either
     // is waited for. More ranks: one line at a time, its line of every peer peeked before any
     // wait (2 * (world - 1) lines held at once would not fit two blocks per SM: 64 registers).
-    const u64 ready = (u64)flag << 32 | flag; // a placeholder that passes ll_ready
     bool ok = true;
     for (u64 j = first; ok && j < pairs; j += stride) {
         const bool two = 2 * j + 1 < lines;
-        const uint4 mine = load_pair(a.send, j, total);
         Pack<D> acc;
         if (W <= 2) {
+            const uint4 mine = load_pair(a.send, j, total);
             ulonglong2 got[2][2];
 #pragma unroll
             for (int r = 0; r < 2; r++) {
-                got[r][0] = got[r][1] = make_ulonglong2(ready, ready); // unused or past the end
+                got[r][0] = got[r][1] = make_ulonglong2((u64)flag << 32, (u64)flag << 32); // unused or past the end
                 if (r < a.world && r != a.rank) {
                     const ulonglong2 *line = ll_line(a, a.rank, parity, r, 2 * j);
                     got[r][0] = ll_peek(line);
@@ -175,8 +183,8 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args
                 if (r >= a.world) break;
                 uint4 w = mine;
                 if (r != a.rank) {
-                    if (!ll_wait(a, parity, r, 2 * j, flag, call, got[r][0]) ||
-                        (two && !ll_wait(a, parity, r, 2 * j + 1, flag, call, got[r][1]))) {
+                    if (!ll_wait(a, parity, r, 2 * j, flag, got[r][0]) ||
+                        (two && !ll_wait(a, parity, r, 2 * j + 1, flag, got[r][1]))) {
                         ok = false;
                         break;
                     }
@@ -192,15 +200,16 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args
                 ulonglong2 got[W];
 #pragma unroll
                 for (int r = 0; r < W; r++) {
-                    got[r] = make_ulonglong2(ready, ready);
+                    got[r] = make_ulonglong2((u64)flag << 32, (u64)flag << 32);
                     if (r < a.world && r != a.rank) got[r] = ll_peek(ll_line(a, a.rank, parity, r, 2 * j + h));
                 }
 #pragma unroll
                 for (int r = 0; r < W; r++) {
                     if (r >= a.world) break;
-                    uint2 w = h == 0 ? make_uint2(mine.x, mine.y) : make_uint2(mine.z, mine.w);
+                    // Our own half, loaded where it is used (registers: invariant 5).
+                    uint2 w = r == a.rank ? load_unit(a.send, 2 * j + h, total) : make_uint2(0u, 0u);
                     if (r != a.rank) {
-                        if (!ll_wait(a, parity, r, 2 * j + h, flag, call, got[r])) {
+                        if (!ll_wait(a, parity, r, 2 * j + h, flag, got[r])) {
                             ok = false;
                             break;
                         }
@@ -212,7 +221,7 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args
         }
         if (ok) store_pair(a.recv, j, total, repack<D>(acc));
     }
-    finish_call(a, call);
+    finish_call(a, current_call(a)); // (not `call`: see current_call)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -221,12 +230,13 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args
 
 // Waits for peer `from`'s line i of this call (its flag word ours), starting from `v`, then
 // clears it.
-__device__ bool ll12_wait(const Args &a, u32 parity, int from, u64 i, u32 flag, u64 call, uint4 &v) {
+__device__ bool ll12_wait(const Args &a, u32 parity, int from, u64 i, u32 flag, uint4 &v) {
     uint4 *line = (uint4 *)ll_line(a, a.rank, parity, from, i);
     u64 deadline = 0;
     u32 spins = 0;
     while (v.w != flag) {
         if ((++spins & 1023u) == 0u) {
+            const u64 call = current_call(a);
             if (v.w != 0u) { // written, but not with our flag
                 report(a, ERR_MISMATCH, from, (u32)i, call);
                 return false;
@@ -305,7 +315,7 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll12(const Ar
             if (r >= a.world) break;
             uint3 w = mine;
             if (r != a.rank) {
-                if (!ll12_wait(a, parity, r, i, flag, call, got[r])) {
+                if (!ll12_wait(a, parity, r, i, flag, got[r])) {
                     ok = false;
                     break;
                 }
@@ -326,7 +336,7 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll12(const Ar
             store_tri(a.recv, i, total, w);
         }
     }
-    finish_call(a, call);
+    finish_call(a, current_call(a)); // (not `call`: see current_call)
 }
 
 // Entry points: ipcr_oneshotll_<dtype>_<op> (also the empty call's) and ipcr_oneshotll12_*.
