@@ -345,6 +345,24 @@ impl Config {
         Ok(())
     }
 
+    /// cuda: refuses LL12 lines (`IPCREDUCE_LL_DATA=12`) on a fabric that does not make a
+    /// 16-byte store arrive whole. LL12 validates a line by its last 4 bytes only, so it relies
+    /// on 16-byte single-copy atomicity, which NVLink peer memory gives in practice but PTX does
+    /// not promise, and PCIe (peer or to host memory) may split into smaller writes: a reader
+    /// could take the flag of this call with data of an earlier one.
+    pub fn check_ll_data(&self, fabric: crate::plan::Fabric) -> Result<()> {
+        use crate::plan::Fabric;
+        match (self.ll_data_bytes, fabric) {
+            (Some(12), Fabric::PciePeer | Fabric::HostStaged) => Err(Error::Config(format!(
+                "ll_data_bytes 12 (IPCREDUCE_LL_DATA=12) needs NVLink peer memory, and this \
+                 communicator's fabric is {}: LL12 lines rely on 16-byte stores arriving whole; \
+                 leave IPCREDUCE_LL_DATA unset (8) here",
+                fabric.describe()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// The bound on every wait.
     pub fn timeout(&self) -> Duration {
         self.timeout.unwrap_or(DEFAULT_TIMEOUT)
@@ -426,6 +444,34 @@ fn parse_bool(name: &str, v: &str) -> Result<bool> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn ll12_lines_only_on_nvlink_peer_memory() {
+        use crate::plan::Fabric;
+        let ll12 = Config {
+            ll_data_bytes: Some(12),
+            ..Config::default()
+        };
+        ll12.check_ll_data(Fabric::Peer).unwrap();
+        for fabric in [Fabric::PciePeer, Fabric::HostStaged] {
+            let err = ll12.check_ll_data(fabric).unwrap_err();
+            assert!(matches!(err, Error::Config(_)), "{err:?}");
+            let text = err.to_string();
+            assert!(
+                text.contains("IPCREDUCE_LL_DATA") && text.contains(&fabric.describe()),
+                "{text}"
+            );
+        }
+        for bytes in [None, Some(8)] {
+            let c = Config {
+                ll_data_bytes: bytes,
+                ..Config::default()
+            };
+            for fabric in [Fabric::Peer, Fabric::PciePeer, Fabric::HostStaged] {
+                c.check_ll_data(fabric).unwrap();
+            }
+        }
+    }
     use super::*;
     use std::collections::HashMap;
 

@@ -35,7 +35,7 @@ impl Fabric {
         }
     }
 
-    /// The kernels' `Args::mode` bits (kernels/allreduce.cu, MODE_*).
+    /// The kernels' `Args::mode` bits (kernels/prims.cuh, MODE_*).
     pub fn kernel_mode(self) -> u32 {
         match self {
             Fabric::PciePeer => MODE_PUSH_PASSES,
@@ -44,10 +44,10 @@ impl Fabric {
     }
 }
 
-/// kernels/allreduce.cu's MODE_PUSH_PASSES: in pass p rank r pushes only to rank (r+1+p) mod W.
+/// kernels/prims.cuh's MODE_PUSH_PASSES: in pass p rank r pushes only to rank (r+1+p) mod W.
 pub const MODE_PUSH_PASSES: u32 = 1;
 
-/// kernels/allreduce.cu's MODE_LET_NEXT_LAUNCH: the LL kernels let the next kernel on their
+/// kernels/prims.cuh's MODE_LET_NEXT_LAUNCH: the LL kernels let the next kernel on their
 /// stream launch at once (programmatic dependent launch).
 pub const MODE_LET_NEXT_LAUNCH: u32 = 2;
 
@@ -170,7 +170,7 @@ pub fn reg_oneshot_max_bytes(world: usize) -> usize {
 
 /// Packs in flight per thread in the zero-copy kernels: 8 (the kernels compiled for two blocks
 /// per SM) or 16 (their deep variants, one block per SM; 12 at three or four ranks, see
-/// allreduce.cu). `IPCREDUCE_REG_LOADS` overrides.
+/// zerocopy.cu). `IPCREDUCE_REG_LOADS` overrides.
 pub const REG_LOADS_DEFAULT: usize = 16;
 
 /// Default smallest message for the cuda copy-engine path (two ranks, registered, out of
@@ -235,86 +235,8 @@ pub struct PathInfo {
     pub registered: bool,
 }
 
-/// The cuda backend's data paths (kernels, see backend/cuda/kernels/allreduce.cu).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum CudaPath {
-    /// Data and flags pushed together into every peer's LL area; no barrier.
-    OneShotLl,
-    /// [`CudaPath::OneShotLl`] with 12 data bytes per 16-byte line instead of 8.
-    OneShotLl12,
-    /// Input copied into the shared workspace, every rank's copy read.
-    OneShotStaged,
-    /// Input copied into the workspace, reduce-scatter by loads, all-gather by stores.
-    TwoShotStaged,
-    /// Registered buffers: every rank's input read where it is.
-    OneShotReg,
-    /// Registered buffers: reduce-scatter by loads, all-gather by stores into every output.
-    TwoShotReg,
-    /// [`CudaPath::OneShotReg`] with 16 packs in flight per thread (one block per SM).
-    OneShotRegDeep,
-    /// [`CudaPath::TwoShotReg`] with 16 packs in flight per thread (one block per SM).
-    TwoShotRegDeep,
-    /// Registered buffers, two ranks, out of place: copy-engine pushes, a local reduce kernel.
-    Ce,
-}
-
-impl CudaPath {
-    pub const ALL: [CudaPath; 9] = [
-        CudaPath::OneShotLl,
-        CudaPath::OneShotLl12,
-        CudaPath::OneShotStaged,
-        CudaPath::TwoShotStaged,
-        CudaPath::OneShotReg,
-        CudaPath::TwoShotReg,
-        CudaPath::OneShotRegDeep,
-        CudaPath::TwoShotRegDeep,
-        CudaPath::Ce,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            CudaPath::OneShotLl => "oneshot-ll",
-            CudaPath::OneShotLl12 => "oneshot-ll12",
-            CudaPath::OneShotStaged => "oneshot-staged",
-            CudaPath::TwoShotStaged => "twoshot-staged",
-            CudaPath::OneShotReg => "oneshot-reg",
-            CudaPath::TwoShotReg => "twoshot-reg",
-            CudaPath::OneShotRegDeep => "oneshot-reg16",
-            CudaPath::TwoShotRegDeep => "twoshot-reg16",
-            CudaPath::Ce => "ce",
-        }
-    }
-
-    pub fn registered(self) -> bool {
-        matches!(
-            self,
-            CudaPath::OneShotReg
-                | CudaPath::TwoShotReg
-                | CudaPath::OneShotRegDeep
-                | CudaPath::TwoShotRegDeep
-                | CudaPath::Ce
-        )
-    }
-
-    /// Whether the kernel is compiled for one block per SM (more registers): ranks sharing a
-    /// GPU get fewer of its CTAs ([`GridLimits::deep_cap`]).
-    pub fn one_block_per_sm(self) -> bool {
-        matches!(self, CudaPath::OneShotRegDeep | CudaPath::TwoShotRegDeep)
-    }
-
-    /// Code stamped with the call's arguments: ranks on different paths fail with a mismatch.
-    pub fn code(self) -> u32 {
-        match self {
-            CudaPath::OneShotLl | CudaPath::OneShotLl12 | CudaPath::OneShotStaged => 1,
-            CudaPath::TwoShotStaged => 2,
-            CudaPath::OneShotReg => 4,
-            CudaPath::TwoShotReg => 5,
-            CudaPath::Ce => 6,
-            CudaPath::OneShotRegDeep => 7,
-            CudaPath::TwoShotRegDeep => 8,
-        }
-    }
-}
+/// The cuda backend's data paths: one table of them in backend/cuda/paths.rs.
+pub use crate::backend::cuda::paths::CudaPath;
 
 /// The cuda backend's grid limits, agreed by every rank at init.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -340,7 +262,7 @@ pub struct GridLimits {
 /// Default CTA counts by message size. DEFAULTS, first guesses from the kernels' design (8
 /// 16-byte loads in flight per thread, 512 threads, ~65 GB/s per CTA on NVLink for zero-copy;
 /// the staged path also copies through HBM): to be replaced by the measured table.
-fn default_ctas(path: CudaPath, bytes: usize) -> usize {
+pub fn default_ctas(path: CudaPath, bytes: usize) -> usize {
     const K: usize = 1 << 10;
     const M: usize = 1 << 20;
     match path {
@@ -372,6 +294,21 @@ fn default_ctas(path: CudaPath, bytes: usize) -> usize {
             _ if bytes <= 16 * M => 32,
             _ => 64,
         },
+        // Reduce-scatter and all-gather, by the bytes of the whole: in the spirit of the
+        // all-reduce's rules, to be measured.
+        CudaPath::ReduceScatterReg | CudaPath::AllGatherReg => match bytes {
+            _ if bytes <= 256 * K => 8,
+            _ if bytes <= M => 16,
+            _ => 32,
+        },
+        CudaPath::ReduceScatterStaged | CudaPath::AllGatherStaged => match bytes {
+            _ if bytes <= 256 * K => 8,
+            _ if bytes <= 2 * M => 16,
+            _ if bytes <= 16 * M => 32,
+            _ => 64,
+        },
+        // One line of no data.
+        CudaPath::Empty => 1,
     }
 }
 
@@ -420,7 +357,7 @@ pub fn cuda_path(
 /// need not agree.
 pub fn block_threads(path: CudaPath, bytes: usize, grid: u32, full: u32) -> u32 {
     let per_thread = match path {
-        CudaPath::OneShotLl if grid == 1 => 16,
+        CudaPath::OneShotLl | CudaPath::Empty if grid == 1 => 16,
         CudaPath::OneShotLl12 if grid == 1 => 12,
         _ => return full,
     };
@@ -864,19 +801,15 @@ mod tests {
         assert_eq!(cuda_path(one, 6 << 10, false, false, &lim, None).1, 1);
         assert_eq!(block_threads(CudaPath::OneShotLl12, 12 * 33, 1, 512), 64);
         assert_eq!(block_threads(CudaPath::OneShotLl12, 12 * 32, 1, 512), 32);
-        // LL12's lines stay below its header line (the last line of the area).
+        // LL12's lines fit in the LL area (sized for 8 data bytes per line).
         let lines = crate::backend::cuda::kernels::LL_MAX_BYTES.div_ceil(12);
-        assert!(lines < crate::backend::cuda::kernels::LL_MAX_BYTES / 8 - 1);
+        assert!(lines <= crate::backend::cuda::kernels::LL_MAX_BYTES / 8);
     }
 
     #[test]
-    fn deep_and_shallow_paths_stamp_differently() {
-        let codes: std::collections::HashSet<_> = CudaPath::ALL
-            .iter()
-            .filter(|p| !matches!(p, CudaPath::OneShotLl | CudaPath::OneShotLl12))
-            .map(|p| p.code())
-            .collect();
-        assert_eq!(codes.len(), CudaPath::ALL.len() - 2);
+    fn every_path_has_its_own_code_and_name() {
+        let codes: std::collections::HashSet<_> = CudaPath::ALL.iter().map(|p| p.code()).collect();
+        assert_eq!(codes.len(), CudaPath::ALL.len());
         let names: std::collections::HashSet<_> = CudaPath::ALL.iter().map(|p| p.name()).collect();
         assert_eq!(names.len(), CudaPath::ALL.len());
     }

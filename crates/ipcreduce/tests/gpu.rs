@@ -14,12 +14,16 @@
 //! - reduce-scatter and all-gather: plain and registered buffers, in place and out of place,
 //!   eager and in CUDA graph replays, against the all-reduce (bitwise) and every rank's input;
 //! - the low-latency wrap: more than 200,000 LL one-shot calls, every result checked, built so
-//!   that a sequence number kept in 16 bits accepts a line left 65,536 calls earlier.
+//!   that a sequence number kept in 16 bits accepts a line left 65,536 calls earlier;
+//! - hostile calls: ranks that call different operations, registered buffers or offsets, or
+//!   count 0 against a real call, at LL, one-shot, two-shot and copy-engine sizes: every rank
+//!   fails promptly with a mismatch naming both calls; LL8 and LL12 stress with count-0 calls
+//!   between, eager and in graphs, every result checked.
 
 mod common;
 
 use common::chain::{self, Expect};
-use common::{say, Job, Rank, Spawn};
+use common::{say, Job, Rank, Spawn, SECRET};
 use cudarc::driver::sys;
 use ipcreduce::backend::cuda::memory::DeviceAlloc;
 use ipcreduce::{
@@ -49,6 +53,7 @@ fn play_rank_if_child() {
         "registered" => rank_registered(),
         "pointers" => rank_pointers(),
         "scatter_gather" => rank_scatter_gather(),
+        "hostile" => rank_hostile(),
         other => panic!("unknown role {other}"),
     };
     let _ = std::io::stdout().flush();
@@ -1215,6 +1220,362 @@ fn reduce_scatter_and_all_gather_plain_registered_and_in_graphs() {
         "reduce_scatter_and_all_gather_plain_registered_and_in_graphs",
         "scatter_gather",
         &[2, 4],
+        &[],
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Hostile calls
+
+/// What one rank calls in a hostile case (f32, sum; `count` elements per rank's all-reduce, the
+/// same `count` as the whole of a reduce-scatter or an all-gather).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Hostile {
+    /// All-reduce of plain buffers.
+    AllReduce,
+    /// Reduce-scatter of plain buffers (the whole is `count`).
+    ReduceScatter,
+    /// All-gather of plain buffers (the whole is `count`).
+    AllGather,
+    /// All-reduce from registered buffer `a` (or `b`) at byte `offset` into registered `c`.
+    AllReduceReg { b: bool, offset: usize },
+    /// Reduce-scatter from registered `a` into registered `c`.
+    ReduceScatterReg,
+    /// All-reduce of zero elements (null pointers).
+    Empty,
+}
+
+/// A communicator of its own for one hostile case (each case leaves its communicator dead): a
+/// socket per case, so a fast rank never meets the previous case's ranks.
+fn hostile_comm(case: &str, ll_data: Option<usize>) -> Communicator {
+    let base = ipcreduce::bootstrap::RankInfo::from_env().expect("rank info");
+    let dir = base.socket.parent().expect("socket dir").to_path_buf();
+    let info = ipcreduce::bootstrap::RankInfo::new(
+        base.rank,
+        base.world,
+        dir.join(format!("{case}.sock")),
+        case.to_string(),
+        Some(SECRET.into()),
+    )
+    .unwrap();
+    let cfg = Config {
+        timeout: Some(HOSTILE_TIMEOUT),
+        ll_data_bytes: ll_data,
+        ..config(None)
+    };
+    Communicator::with_rank_info(info, &cfg).unwrap_or_else(|e| panic!("{case}: init: {e}"))
+}
+
+/// The kernels' bound on every wait in the hostile cases: a mismatch must be named long
+/// before it (within [`HOSTILE_PROMPT`]), not found by it.
+const HOSTILE_TIMEOUT: Duration = Duration::from_millis(8000);
+/// How soon every rank must fail: the wait loops look at the peers' identities every 1024
+/// spins (microseconds) and the error record is read on the next synchronize.
+const HOSTILE_PROMPT: Duration = Duration::from_secs(2);
+
+/// Issues `what` and synchronizes; the first error, or None if the call completed.
+fn hostile_call(
+    c: &mut Communicator,
+    what: Hostile,
+    count: usize,
+    bufs: &HostileBufs,
+    stream: &Stream,
+) -> Option<ipcreduce::Error> {
+    let world = c.world();
+    let per = count / world;
+    let (a, b, cc) = (bufs.reg[0].ptr(), bufs.reg[1].ptr(), bufs.reg[2].ptr());
+    let (p, q) = (bufs.plain[0].ptr, bufs.plain[1].ptr);
+    let s = stream.ptr();
+    // SAFETY: every buffer holds `count` f32 (and 4096 bytes more); count 0 passes null.
+    let issued = unsafe {
+        match what {
+            Hostile::AllReduce => c.all_reduce_raw(
+                p as *const c_void,
+                q as *mut c_void,
+                count,
+                DType::F32,
+                ReduceOp::Sum,
+                Algorithm::Auto,
+                s,
+            ),
+            Hostile::ReduceScatter => c.reduce_scatter_raw(
+                p as *const c_void,
+                q as *mut c_void,
+                per,
+                DType::F32,
+                ReduceOp::Sum,
+                s,
+            ),
+            Hostile::AllGather => {
+                c.all_gather_raw(p as *const c_void, q as *mut c_void, per, DType::F32, s)
+            }
+            Hostile::AllReduceReg { b: other, offset } => c.all_reduce_raw(
+                ((if other { b } else { a }) + offset as u64) as *const c_void,
+                cc as *mut c_void,
+                count,
+                DType::F32,
+                ReduceOp::Sum,
+                // Two-shot: zero-copy at every size (one-shot takes LL lines when small,
+                // which never read a peer's buffer).
+                Algorithm::TwoShot,
+                s,
+            ),
+            Hostile::ReduceScatterReg => c.reduce_scatter_raw(
+                a as *const c_void,
+                cc as *mut c_void,
+                per,
+                DType::F32,
+                ReduceOp::Sum,
+                s,
+            ),
+            Hostile::Empty => c.all_reduce_raw(
+                std::ptr::null(),
+                std::ptr::null_mut(),
+                0,
+                DType::F32,
+                ReduceOp::Sum,
+                Algorithm::Auto,
+                s,
+            ),
+        }
+    };
+    issued.err().or_else(|| c.synchronize().err())
+}
+
+struct HostileBufs {
+    plain: [DeviceAlloc; 2],
+    reg: [ipcreduce::RegisteredBuffer; 3],
+}
+
+/// The words every rank's error must hold for a case where rank 1 called `odd` and every other
+/// rank `base`: both calls, by what tells them apart.
+fn hostile_words(base: Hostile, odd: Hostile) -> Vec<&'static str> {
+    let words = |h: Hostile| match h {
+        Hostile::AllReduce => vec!["all-reduce"],
+        Hostile::ReduceScatter | Hostile::ReduceScatterReg => vec!["reduce-scatter"],
+        Hostile::AllGather => vec!["all-gather"],
+        Hostile::AllReduceReg { b: true, .. } => vec!["send region 1 "],
+        Hostile::AllReduceReg { offset: 4096, .. } => vec!["send region 0 +4096"],
+        Hostile::AllReduceReg { .. } => vec!["send region 0 +0"],
+        Hostile::Empty => vec!["all-reduce empty 0 x float"],
+    };
+    let mut w = words(base);
+    w.extend(words(odd));
+    w.push("rank 1: ");
+    w
+}
+
+/// Rank 1 calls `odd`, every other rank `base`, with the same count: every rank must fail
+/// within [`HOSTILE_PROMPT`] with a mismatch (or the abort that carries one) naming both calls.
+fn hostile_case(name: &str, count: usize, base: Hostile, odd: Hostile) {
+    let mut c = hostile_comm(name, None);
+    let rank = c.rank();
+    let s = Stream::new();
+    let bytes = count * 4 + 4096;
+    let bufs = HostileBufs {
+        plain: [
+            DeviceAlloc::new(bytes, rank).unwrap(),
+            DeviceAlloc::new(bytes, rank).unwrap(),
+        ],
+        reg: [
+            c.alloc(bytes).unwrap(),
+            c.alloc(bytes).unwrap(),
+            c.alloc(bytes).unwrap(),
+        ],
+    };
+    let what = if rank == 1 { odd } else { base };
+    // Every rank starts the case together (the bootstrap's barrier, not a sleep).
+    c.bootstrap().barrier().expect("barrier");
+    let t0 = std::time::Instant::now();
+    let err = hostile_call(&mut c, what, count, &bufs, &s);
+    let took = t0.elapsed();
+    let err = err.unwrap_or_else(|| {
+        panic!("rank {rank}: {name}: {what:?} against {odd:?}/{base:?} returned Ok")
+    });
+    let text = err.to_string();
+    assert!(
+        matches!(err, ipcreduce::Error::Mismatch { .. })
+            || matches!(err, ipcreduce::Error::Aborted { .. }) && text.contains("differ in"),
+        "rank {rank}: {name}: not a mismatch: {err:?}"
+    );
+    for w in hostile_words(base, odd) {
+        assert!(
+            text.contains(w),
+            "rank {rank}: {name}: the error does not name `{w}`: {text}"
+        );
+    }
+    assert!(
+        took < HOSTILE_PROMPT,
+        "rank {rank}: {name}: failed after {took:?} (timeout {HOSTILE_TIMEOUT:?}): {text}"
+    );
+    if rank == 0 {
+        eprintln!("{name}: {took:?}: {text}");
+    }
+    // The communicator is dead: its buffers go with it.
+    drop(bufs);
+    drop(c);
+}
+
+/// LL8 and LL12 calls with changing data and sizes, count-0 calls between them (on every
+/// rank: their call numbers must stay paired), eager and in graph replays; every result
+/// against the reference. Returns the calls checked.
+fn ll_stress(ll_data: usize) -> usize {
+    let mut c = hostile_comm(&format!("llstress{ll_data}"), Some(ll_data));
+    let (rank, world) = (c.rank(), c.world());
+    let s = Stream::new();
+    let max = 64 << 10;
+    let (send, recv) = (
+        DeviceAlloc::new(max, rank).unwrap(),
+        DeviceAlloc::new(max, rank).unwrap(),
+    );
+    let dtype = DType::F32;
+    let mut input = vec![0u8; max];
+    let mut out = vec![0u8; max];
+    let mut checked = 0;
+    let empty = |c: &mut Communicator| {
+        // SAFETY: count 0 reads and writes nothing.
+        unsafe {
+            c.all_reduce_raw(
+                std::ptr::null(),
+                std::ptr::null_mut(),
+                0,
+                dtype,
+                ReduceOp::Sum,
+                Algorithm::OneShot,
+                s.ptr(),
+            )
+        }
+        .unwrap_or_else(|e| panic!("count 0: {e}"));
+    };
+    for i in 0..3000usize {
+        let count = 1 + (i.wrapping_mul(2_654_435_761) >> 5) % (max / 4);
+        let bytes = count * 4;
+        let seed = (ll_data as u64) << 32 | i as u64;
+        reference::fill_input(dtype, seed, rank, &mut input[..bytes]);
+        upload(&send, &input[..bytes], s.0);
+        if i % 3 == 0 {
+            empty(&mut c);
+        }
+        let out_ptr = if i % 2 == 0 { send.ptr } else { recv.ptr };
+        reduce(
+            &mut c,
+            send.ptr,
+            out_ptr,
+            count,
+            dtype,
+            ReduceOp::Sum,
+            Algorithm::OneShot,
+            s.ptr(),
+        );
+        let path = c.last_path().expect("a path").name;
+        assert!(path.starts_with("oneshot-ll"), "{count}: {path}");
+        download(out_ptr, &mut out[..bytes], s.0);
+        let wrong = reference::count_wrong(dtype, ReduceOp::Sum, seed, world, &out[..bytes]);
+        assert_eq!(
+            wrong, 0,
+            "rank {rank}: LL{ll_data} call {i} ({bytes} B): {wrong} wrong"
+        );
+        checked += 1;
+    }
+    // Graphs: an LL call and a count-0 call captured together, replayed with new inputs.
+    for count in [1usize, 1000, 16_384] {
+        let bytes = count * 4;
+        let g = Graph::capture(&s, || {
+            reduce(
+                &mut c,
+                send.ptr,
+                recv.ptr,
+                count,
+                dtype,
+                ReduceOp::Sum,
+                Algorithm::OneShot,
+                s.ptr(),
+            );
+            empty(&mut c);
+        });
+        for replay in 0..50u64 {
+            let seed = 1 << 48 | (count as u64) << 8 | replay;
+            reference::fill_input(dtype, seed, rank, &mut input[..bytes]);
+            upload(&send, &input[..bytes], s.0);
+            g.launch(&s);
+            download(recv.ptr, &mut out[..bytes], s.0);
+            let wrong = reference::count_wrong(dtype, ReduceOp::Sum, seed, world, &out[..bytes]);
+            assert_eq!(
+                wrong, 0,
+                "rank {rank}: LL{ll_data} graph {count} replay {replay}: {wrong} wrong"
+            );
+            checked += 1;
+        }
+    }
+    if let Some(e) = c.async_error() {
+        panic!("rank {rank}: after the LL{ll_data} stress: {e}");
+    }
+    checked
+}
+
+fn rank_hostile() -> i32 {
+    let world: usize = std::env::var("IPCREDUCE_WORLD_SIZE")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut checked = ll_stress(8) + ll_stress(12);
+    // Sizes of the LL, one-shot, two-shot and (two registered ranks) copy-engine paths; counts
+    // that every world cuts into whole shards.
+    let cases = [
+        (Hostile::AllReduce, Hostile::ReduceScatter),
+        (Hostile::AllReduce, Hostile::AllGather),
+        (Hostile::ReduceScatter, Hostile::AllGather),
+        (
+            Hostile::AllReduceReg {
+                b: false,
+                offset: 0,
+            },
+            Hostile::ReduceScatterReg,
+        ),
+        (
+            Hostile::AllReduceReg {
+                b: false,
+                offset: 0,
+            },
+            Hostile::AllReduceReg { b: true, offset: 0 },
+        ),
+        (
+            Hostile::AllReduceReg {
+                b: false,
+                offset: 0,
+            },
+            Hostile::AllReduceReg {
+                b: false,
+                offset: 4096,
+            },
+        ),
+        (Hostile::AllReduce, Hostile::Empty),
+        (
+            Hostile::AllReduceReg {
+                b: false,
+                offset: 0,
+            },
+            Hostile::Empty,
+        ),
+    ];
+    for bytes in [4usize << 10, 256 << 10, 4 << 20, 64 << 20] {
+        let count = bytes / 4 / (8 * world) * (8 * world);
+        for (k, &(base, odd)) in cases.iter().enumerate() {
+            hostile_case(&format!("hostile{world}-{bytes}-{k}"), count, base, odd);
+            checked += 1;
+        }
+    }
+    say(format!("DONE {checked}"));
+    0
+}
+
+#[test]
+fn hostile_calls_fail_promptly_on_every_rank() {
+    play_rank_if_child();
+    run_role(
+        "hostile_calls_fail_promptly_on_every_rank",
+        "hostile",
+        &[2, 4, 8],
         &[],
     );
 }

@@ -16,7 +16,7 @@
 //! stamp check), one barrier per chunk, and one "every push has landed" at the end.
 
 use super::driver::ck;
-use super::kernels::MAX_BLOCKS;
+use super::kernels::{CHECK_BEGIN, CHECK_STAMPS, MAX_BLOCKS};
 use super::{CudaComm, KernelArgs};
 use crate::error::Result;
 use crate::plan::{shard, Span};
@@ -137,10 +137,16 @@ impl CudaComm {
                 || format!("copy-engine push of {bytes} bytes ({what}) to rank {peer}"),
             )
         };
-        let barrier = |j: usize, check: bool| {
+        // `first`: the lane's first barrier of the call, which compares the call's stamps; lane
+        // 0's also starts the call (advances the call counter, posts the identity).
+        let barrier = |j: usize, first: bool| {
             let mut a = *args;
             a.lane = (FIRST_LANE_SLOT + j) as i32;
-            a.check = check as i32;
+            a.check = match (first, j) {
+                (true, 0) => CHECK_STAMPS | CHECK_BEGIN,
+                (true, _) => CHECK_STAMPS,
+                _ => 0,
+            };
             self.launch_kernel(
                 self.gpu.ce_barrier.cu_function(),
                 1,

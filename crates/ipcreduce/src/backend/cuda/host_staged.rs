@@ -6,7 +6,7 @@
 //! (SCM_RIGHTS, as the host backend's arenas), maps every rank's `MAP_SHARED`, and registers each
 //! mapping with its GPU (`cuMemHostRegister`, DEVICEMAP | PORTABLE). The device pointers from
 //! `cuMemHostGetDevicePointer` take the place of the peer-memory mappings, so the kernels of
-//! kernels/allreduce.cu run unchanged: every store to a "peer workspace" is a PCIe write into
+//! kernels run unchanged: every store to a "peer workspace" is a PCIe write into
 //! host memory and every load a PCIe read, with no peer access between GPUs at all.
 //!
 //! Why the kernels stay correct here:

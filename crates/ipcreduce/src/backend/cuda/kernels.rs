@@ -1,15 +1,26 @@
 //! The CUDA C kernels (kernels/*.cu, kept in the repository as source) compiled by NVRTC
 //! once per process for the device's compute capability, and the table of their entry points.
 
+use super::identity::IDENT_WORDS;
+use super::paths::nvrtc_defines;
 use crate::error::{Error, Result};
-use crate::plan::CudaPath;
-use crate::types::{DType, ReduceOp};
 
-/// Source of the all-reduce kernels.
-pub const ALLREDUCE_SOURCE: &str = include_str!("kernels/allreduce.cu");
-/// Source of the reduce-scatter and all-gather kernels, appended to [`ALLREDUCE_SOURCE`] (it
-/// uses that file's barriers and helpers).
-pub const SCATTER_GATHER_SOURCE: &str = include_str!("kernels/scatter_gather.cu");
+/// The kernel primitives every protocol's source is built on (layout, arguments, barriers,
+/// identity board, LL lines); first of [`KERNEL_SOURCES`].
+pub const PRIMS_SOURCE: &str = include_str!("kernels/prims.cuh");
+/// The protocols' sources, in the order they are concatenated for NVRTC (each uses only what
+/// comes before it: scatter_gather.cu uses staged.cu's slots).
+pub const KERNEL_SOURCES: [(&str, &str); 6] = [
+    ("prims.cuh", PRIMS_SOURCE),
+    ("ll.cu", include_str!("kernels/ll.cu")),
+    ("staged.cu", include_str!("kernels/staged.cu")),
+    ("zerocopy.cu", include_str!("kernels/zerocopy.cu")),
+    ("ce.cu", include_str!("kernels/ce.cu")),
+    (
+        "scatter_gather.cu",
+        include_str!("kernels/scatter_gather.cu"),
+    ),
+];
 /// Integer names and f16/bf16 conversions, prepended to every source [`compile_source`] builds.
 pub const CONVERT_SOURCE: &str = include_str!("kernels/convert.cuh");
 /// Source of the compute-bound kernel `ipcreduce overlap` runs beside the all-reduce.
@@ -22,13 +33,33 @@ pub const COMPUTE_THREADS: u32 = 256;
 pub const MAX_RANKS: usize = 8;
 pub const MAX_BLOCKS: usize = 128;
 /// Bytes of the signal area at the start of every workspace: flags (u32) and two parities of
-/// call stamps (u64) per (block, rank).
-pub const SIG_BYTES: usize = MAX_BLOCKS * MAX_RANKS * (4 + 2 * 8);
+/// call stamps (u64) per (block, rank), then the identity board (16 u64 per rank).
+pub const SIG_BYTES: usize = MAX_BLOCKS * MAX_RANKS * (4 + 2 * 8) + MAX_RANKS * BOARD_WORDS * 8;
+/// u64 words of one rank's identity board entry (`BOARD_WORDS` in prims.cuh).
+pub const BOARD_WORDS: usize = 16;
+/// Words of the host-mapped error record (`REC_*` in prims.cuh).
+pub mod rec {
+    use super::IDENT_WORDS;
+    pub const CODE: usize = 0;
+    pub const PEER: usize = 1;
+    pub const BLOCK: usize = 2;
+    pub const WHERE: usize = 3;
+    pub const CALL: usize = 4;
+    pub const SEQ: usize = 6;
+    pub const THEIRS_KNOWN: usize = 8;
+    pub const MINE: usize = 9;
+    pub const THEIRS: usize = MINE + IDENT_WORDS;
+    pub const WORDS: usize = THEIRS + IDENT_WORDS;
+}
+/// Private state words (`STATE_*` in prims.cuh): the error word, then {call number (u64),
+/// blocks done, staged chunk counter}.
+pub const STATE_ERR_WORD: usize = 2 * MAX_BLOCKS;
+pub const STATE_CALL_WORD: usize = 2 * MAX_BLOCKS + 4;
 /// Largest message the low-latency one-shot handles.
 pub const LL_MAX_BYTES: usize = 1024 * 1024;
 
 /// Bytes of the LL area after the signal area of a `world`-rank workspace: two parities of
-/// lines (16 bytes per 8 data bytes) from every rank (`LL_BYTES(world)` in allreduce.cu).
+/// lines (16 bytes per 8 data bytes) from every rank (`LL_BYTES(world)` in prims.cuh).
 pub fn ll_bytes(world: usize) -> usize {
     2 * world * (LL_MAX_BYTES / 8) * 16
 }
@@ -48,102 +79,12 @@ pub const ERR_TIMEOUT: u32 = 1;
 pub const ERR_ABORTED: u32 = 2;
 pub const ERR_MISMATCH: u32 = 3;
 
-/// The arguments a call stamps into its peers' signal area (see allreduce.cu): ranks whose
-/// stamps differ fail with a mismatch. `path` is [`CudaPath::code`].
-pub fn stamp(count: usize, dtype: DType, op: ReduceOp, path: u32) -> u64 {
-    ((count as u64 & 0xFF_FFFF_FFFF) << 24)
-        | ((path as u64 & 0xFF) << 16)
-        | ((dtype.code() as u64) << 8)
-        | op.code() as u64
-}
+/// `Args::check` bits of the copy-engine barrier kernel (`CHECK_*` in prims.cuh): compare the
+/// call's stamps; this barrier starts the call (advances the call counter, posts the identity).
+pub const CHECK_STAMPS: i32 = 1;
+pub const CHECK_BEGIN: i32 = 2;
 
-/// Describes how two stamps differ, e.g. "count 100 vs 200". `theirs == 0`: only a hash of
-/// the peer's arguments was seen (the low-latency path), so only ours can be told.
-pub fn describe_stamp_difference(mine: u64, theirs: u64) -> String {
-    let fields = |s: u64| (s >> 24, (s >> 16) & 0xFF, (s >> 8) & 0xFF, s & 0xFF);
-    let (mc, ma, md, mo) = fields(mine);
-    let (tc, ta, td, to) = fields(theirs);
-    let name = |table: &[&str], v: u64| table.get(v as usize).copied().unwrap_or("?").to_string();
-    // Indexed by CudaPath::code (0 and 3 unused by kernels).
-    let algos = [
-        "auto",
-        "oneshot",
-        "twoshot",
-        "nccl",
-        "oneshot-reg",
-        "twoshot-reg",
-        "ce",
-        // The reduce-scatter and all-gather paths (scatter_gather.rs).
-        "reduce-scatter",
-        "reduce-scatter-reg",
-        "all-gather",
-        "all-gather-reg",
-        "oneshot-reg16",
-        "twoshot-reg16",
-    ];
-    let dtypes = ["float", "half", "bfloat16"];
-    let ops = ["sum", "max", "min"];
-    if theirs == 0 {
-        return format!(
-            "the peer's count, dtype, op or algorithm differ from this rank's ({mc} x {} {}, {})",
-            name(&dtypes, md),
-            name(&ops, mo),
-            name(&algos, ma)
-        );
-    }
-    let mut parts = Vec::new();
-    if mc != tc {
-        parts.push(format!("count {mc} vs {tc}"));
-    }
-    if ma != ta {
-        parts.push(format!(
-            "algorithm {} vs {}",
-            name(&algos, ma),
-            name(&algos, ta)
-        ));
-    }
-    if md != td {
-        parts.push(format!(
-            "dtype {} vs {}",
-            name(&dtypes, md),
-            name(&dtypes, td)
-        ));
-    }
-    if mo != to {
-        parts.push(format!("op {} vs {}", name(&ops, mo), name(&ops, to)));
-    }
-    if parts.is_empty() {
-        "identical arguments".into()
-    } else {
-        parts.join(", ")
-    }
-}
-
-/// The copy-engine path's barrier kernel (one block, any dtype).
-pub const CE_BARRIER_KERNEL: &str = "ipcr_ce_barrier";
-
-/// Name of the kernel of `path` for one (dtype, op), in the module compiled for world-size
-/// class `w` (see [`world_class`]).
-pub fn kernel_name(path: CudaPath, w: usize, dtype: DType, op: ReduceOp) -> String {
-    let d = match dtype {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::Bf16 => "bf16",
-    };
-    let p = match path {
-        CudaPath::OneShotLl => return format!("ipcr_oneshotll_{d}_{}", op.name()),
-        CudaPath::OneShotLl12 => return format!("ipcr_oneshotll12_{d}_{}", op.name()),
-        CudaPath::OneShotStaged => "oneshot",
-        CudaPath::TwoShotStaged => "twoshot",
-        CudaPath::OneShotReg => "oneshotreg",
-        CudaPath::TwoShotReg => "twoshotreg",
-        CudaPath::OneShotRegDeep => "oneshotreg16",
-        CudaPath::TwoShotRegDeep => "twoshotreg16",
-        // Two ranks only: one kernel in every module.
-        CudaPath::Ce => return format!("ipcr_cereduce_{d}_{}", op.name()),
-    };
-    format!("ipcr_{p}_w{w}_{d}_{}", op.name())
-}
+pub use super::paths::CE_BARRIER_KERNEL;
 
 /// Whether NVRTC can be loaded in this process.
 pub fn nvrtc_present() -> bool {
@@ -191,16 +132,21 @@ fn options(arch: &str, extra: &[&str]) -> Vec<String> {
     options
 }
 
-/// The options of the all-reduce module for world-size class `w`.
-fn allreduce_options(w: usize) -> [String; 2] {
+/// The options of the kernel module for world-size class `w`: the path codes of the one table
+/// (paths.rs), the world class.
+fn allreduce_options(w: usize) -> Vec<String> {
     // Keep adds and multiplies separate so every build rounds the same way.
-    ["--fmad=false".into(), format!("-DIPCR_W={w}")]
+    let mut o = vec!["--fmad=false".to_string(), format!("-DIPCR_W={w}")];
+    o.extend(nvrtc_defines());
+    o
 }
 
-/// The all-reduce module's source: the all-reduce kernels, then the reduce-scatter and
-/// all-gather ones built on them.
+/// The kernel module's source: the primitives, then every protocol's kernels.
 fn all_sources() -> String {
-    format!("{ALLREDUCE_SOURCE}\n{SCATTER_GATHER_SOURCE}")
+    KERNEL_SOURCES
+        .iter()
+        .map(|(name, src)| format!("// ---- {name}\n{src}\n"))
+        .collect()
 }
 
 /// Compiles the all-reduce kernels for world-size class `w` ([`world_class`]) to PTX for `arch`
@@ -208,7 +154,7 @@ fn all_sources() -> String {
 pub fn compile(arch: &str, w: usize) -> Result<cudarc::nvrtc::Ptx> {
     let extra = allreduce_options(w);
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    compile_source("allreduce.cu", &all_sources(), arch, &extra)
+    compile_source("ipcreduce kernels", &all_sources(), arch, &extra)
 }
 
 /// Registers and spills of one kernel as ptxas reports them.
@@ -229,12 +175,12 @@ pub fn resources(arch: &str, w: usize) -> Result<Vec<Resources>> {
     require_nvrtc()?;
     let fail = |what: &str, detail: String| Error::Cuda {
         rank: 0,
-        op: format!("NVRTC {what} of allreduce.cu for {arch}"),
+        op: format!("NVRTC {what} of the ipcreduce kernels for {arch}"),
         detail,
     };
     let source = std::ffi::CString::new(format!("{CONVERT_SOURCE}\n{}", all_sources()))
         .map_err(|e| fail("source", e.to_string()))?;
-    let prog = result::create_program(&source, Some(c"allreduce.cu"))
+    let prog = result::create_program(&source, Some(c"ipcreduce.cu"))
         .map_err(|e| fail("program creation", e.to_string()))?;
     let extra = allreduce_options(w);
     let mut opts: Vec<&str> = extra.iter().map(String::as_str).collect();
@@ -308,102 +254,86 @@ pub fn nvrtc_for_tests() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::CudaPath;
+    use crate::types::{DType, ReduceOp};
 
     #[test]
     fn layout_constants_match_the_kernel_source() {
-        for (name, value) in [("MAX_RANKS", MAX_RANKS), ("MAX_BLOCKS", MAX_BLOCKS)] {
+        let src = PRIMS_SOURCE;
+        for (name, value) in [
+            ("MAX_RANKS", MAX_RANKS),
+            ("MAX_BLOCKS", MAX_BLOCKS),
+            ("IDENT_WORDS", IDENT_WORDS),
+            ("BOARD_WORDS", BOARD_WORDS),
+        ] {
             let line = format!("#define {name} {value}");
-            assert!(
-                ALLREDUCE_SOURCE.contains(&line),
-                "kernel source lacks `{line}`"
-            );
+            assert!(src.contains(&line), "kernel source lacks `{line}`");
         }
-        assert!(ALLREDUCE_SOURCE
-            .contains("#define SIG_BYTES (FLAG_BYTES + 2 * MAX_BLOCKS * MAX_RANKS * 8)"));
-        assert!(ALLREDUCE_SOURCE.contains("#define FLAG_BYTES (MAX_BLOCKS * MAX_RANKS * 4)"));
-        assert!(ALLREDUCE_SOURCE.contains(&format!(
+        assert!(src.contains("#define SIG_BYTES (FLAG_BYTES + STAMP_BYTES + BOARD_BYTES)"));
+        assert!(src.contains("#define FLAG_BYTES (MAX_BLOCKS * MAX_RANKS * 4)"));
+        assert!(src.contains("#define STAMP_BYTES (2 * MAX_BLOCKS * MAX_RANKS * 8)"));
+        assert!(src.contains("#define BOARD_BYTES (MAX_RANKS * BOARD_WORDS * 8)"));
+        assert!(src.contains(&format!(
             "#define LL_MAX_BYTES ({} * 1024)",
             LL_MAX_BYTES / 1024
         )));
-        assert!(ALLREDUCE_SOURCE.contains("#define LL_LINES (LL_MAX_BYTES / 8)"));
+        assert!(src.contains("#define LL_LINES (LL_MAX_BYTES / 8)"));
+        assert!(src.contains("#define STATE_ERR (2 * MAX_BLOCKS)"));
+        assert!(src.contains("#define STATE_CALL (2 * MAX_BLOCKS + 4)"));
+        assert_eq!(
+            (STATE_ERR_WORD, STATE_CALL_WORD),
+            (2 * MAX_BLOCKS, 2 * MAX_BLOCKS + 4)
+        );
+        for (name, value) in [
+            ("REC_CODE", rec::CODE),
+            ("REC_PEER", rec::PEER),
+            ("REC_BLOCK", rec::BLOCK),
+            ("REC_WHERE", rec::WHERE),
+            ("REC_CALL", rec::CALL),
+            ("REC_SEQ", rec::SEQ),
+            ("REC_THEIRS_KNOWN", rec::THEIRS_KNOWN),
+            ("REC_MINE", rec::MINE),
+        ] {
+            let line = format!("#define {name} {value}\n");
+            assert!(src.contains(&line), "kernel source lacks `{line}`");
+        }
+        assert!(src.contains("#define REC_THEIRS (REC_MINE + IDENT_WORDS)"));
+        assert!(src.contains("#define REC_WORDS (REC_THEIRS + IDENT_WORDS)"));
         for (name, value) in [
             ("MODE_PUSH_PASSES", crate::plan::MODE_PUSH_PASSES),
             ("MODE_LET_NEXT_LAUNCH", crate::plan::MODE_LET_NEXT_LAUNCH),
+            ("CHECK_STAMPS", CHECK_STAMPS as u32),
+            ("CHECK_BEGIN", CHECK_BEGIN as u32),
         ] {
             let line = format!("#define {name} {value}");
-            assert!(
-                ALLREDUCE_SOURCE.contains(&line),
-                "kernel source lacks `{line}`"
-            );
+            assert!(src.contains(&line), "kernel source lacks `{line}`");
         }
-        assert!(ALLREDUCE_SOURCE.contains("#define LL_BYTES(world) (2 * (world) * LL_LINES * 16)"));
+        assert!(src.contains("#define LL_BYTES(world) (2 * (world) * LL_LINES * 16)"));
         assert_eq!(ll_bytes(2), 8 << 20);
         let codes = format!("ERR_TIMEOUT = {ERR_TIMEOUT}, ERR_ABORTED = {ERR_ABORTED}, ERR_MISMATCH = {ERR_MISMATCH}");
-        assert!(
-            ALLREDUCE_SOURCE.contains(&codes),
-            "error codes differ from `{codes}`"
-        );
+        assert!(src.contains(&codes), "error codes differ from `{codes}`");
+        // The flag and digest mixers are the host's (identity.rs): same constants.
+        for c in [
+            "0xbf58476d1ce4e5b9",
+            "0x94d049bb133111eb",
+            "0x9E3779B97F4A7C15",
+        ] {
+            assert!(src.contains(c), "prims.cuh lacks {c}");
+        }
     }
 
     #[test]
-    fn stamps_tell_what_differs() {
-        let one = CudaPath::OneShotStaged.code();
-        let a = stamp(100, DType::F32, ReduceOp::Sum, one);
-        let b = stamp(200, DType::Bf16, ReduceOp::Sum, one);
-        assert_ne!(a, b);
-        assert_eq!(
-            describe_stamp_difference(a, b),
-            "count 100 vs 200, dtype float vs bfloat16"
-        );
-        let c = stamp(
-            100,
-            DType::F32,
-            ReduceOp::Max,
-            CudaPath::TwoShotStaged.code(),
-        );
-        assert_eq!(
-            describe_stamp_difference(a, c),
-            "algorithm oneshot vs twoshot, op sum vs max"
-        );
-        let d = stamp(100, DType::F32, ReduceOp::Sum, CudaPath::TwoShotReg.code());
-        assert_eq!(
-            describe_stamp_difference(a, d),
-            "algorithm oneshot vs twoshot-reg"
-        );
+    fn every_kernel_name_is_defined_in_the_sources() {
+        let all = all_sources();
         for path in CudaPath::ALL {
-            let s = stamp(100, DType::F32, ReduceOp::Sum, path.code());
-            let text = describe_stamp_difference(a, s);
-            assert!(!text.contains('?'), "{path:?}: {text}");
+            let stem = path.row().kernel.stem;
+            let entry = match path.row().kernel.per_world {
+                true => format!("ipcr_{stem}_w##W##_##DT"),
+                false => format!("ipcr_{stem}_##DT"),
+            };
+            assert!(all.contains(&entry), "{path:?}: no `{entry}` entry point");
         }
-        let unknown = describe_stamp_difference(a, 0);
-        assert!(unknown.contains("100 x float sum, oneshot"), "{unknown}");
-    }
-
-    #[test]
-    fn every_kernel_name_is_defined_in_the_source() {
-        for dtype in DType::ALL {
-            for op in ReduceOp::ALL {
-                let name = kernel_name(CudaPath::TwoShotReg, 4, dtype, op);
-                let rest = name.trim_start_matches("ipcr_twoshotreg_w4_");
-                let (d, o) = rest.split_once('_').unwrap();
-                assert!(
-                    ALLREDUCE_SOURCE.contains(&format!("KERNELS({d}, {o},")),
-                    "{name}"
-                );
-            }
-        }
-        for path in CudaPath::ALL {
-            let stem = kernel_name(path, 2, DType::F32, ReduceOp::Sum)
-                .trim_start_matches("ipcr_")
-                .split('_')
-                .next()
-                .unwrap()
-                .to_string();
-            assert!(
-                ALLREDUCE_SOURCE.contains(&format!("ipcr_{stem}_")),
-                "{path:?}: no ipcr_{stem}_ entry point"
-            );
-        }
+        assert!(all.contains(&format!("void __launch_bounds__(32) {CE_BARRIER_KERNEL}(")));
         assert_eq!([1, 2, 3, 4, 5, 8].map(world_class), [2, 2, 4, 4, 8, 8]);
     }
 
@@ -430,7 +360,7 @@ ptxas info    : Used 64 registers, used 1 barriers, 40 bytes cumulative stack si
         );
     }
 
-    /// The register budgets of allreduce.cu's invariant (5), as ptxas (through NVRTC, no GPU)
+    /// The register budgets of prims.cuh's invariant (5), as ptxas (through NVRTC, no GPU)
     /// compiles the zero-copy and LL kernels for sm_90: the two-blocks-per-SM kernels in 64
     /// registers, the deep ones in 128, none spilling at two or four ranks.
     #[test]
@@ -449,7 +379,7 @@ ptxas info    : Used 64 registers, used 1 barriers, 40 bytes cumulative stack si
                 CudaPath::TwoShotRegDeep,
             ] {
                 for dtype in DType::ALL {
-                    let name = kernel_name(path, w, dtype, ReduceOp::Sum);
+                    let name = path.kernel_name(w, dtype, ReduceOp::Sum);
                     let k = all
                         .iter()
                         .find(|k| k.kernel == name)
@@ -466,7 +396,8 @@ ptxas info    : Used 64 registers, used 1 barriers, 40 bytes cumulative stack si
         }
     }
 
-    /// Compiles every kernel with NVRTC. Needs libnvrtc but no GPU; CI installs NVRTC and sets
+    /// Compiles every kernel with NVRTC, with the path table's defines, and finds every kernel
+    /// of the table in the PTX. Needs libnvrtc but no GPU; CI installs NVRTC and sets
     /// `IPCREDUCE_REQUIRE_NVRTC=1` so a missing library fails the test instead of skipping it.
     #[test]
     fn kernels_compile_with_nvrtc() {
@@ -479,7 +410,7 @@ ptxas info    : Used 64 registers, used 1 barriers, 40 bytes cumulative stack si
             for path in CudaPath::ALL {
                 for dtype in DType::ALL {
                     for op in ReduceOp::ALL {
-                        let name = kernel_name(path, w, dtype, op);
+                        let name = path.kernel_name(w, dtype, op);
                         assert!(
                             text.contains(&format!(".entry {name}")),
                             "{arch}: {name} missing"
@@ -487,6 +418,16 @@ ptxas info    : Used 64 registers, used 1 barriers, 40 bytes cumulative stack si
                     }
                 }
             }
+            assert!(
+                text.contains(&format!(".entry {CE_BARRIER_KERNEL}(")),
+                "{arch}: {CE_BARRIER_KERNEL} missing"
+            );
+            // The LL lines: 64-bit halves of one 16-byte access.
+            assert!(
+                text.contains("ld.volatile.global.v2.u64")
+                    && text.contains("st.volatile.global.v2.u64"),
+                "{arch}: no .v2.u64 LL line accesses"
+            );
             // 16-byte accesses must be there (the whole point of the packed loads).
             assert!(
                 text.contains("ld.global.cg.v4.u32") || text.contains("ld.global.cg.v4.b32"),

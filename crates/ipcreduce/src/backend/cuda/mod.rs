@@ -4,14 +4,16 @@
 //! kernels with NVRTC, create and share the workspaces ([`workspace`]), check every pair of
 //! ranks for real (P2P query + a cross-process write/read), optionally build NCCL beside us.
 //! A call: validate, stamp nothing on the host, launch one kernel on the caller's stream. All
-//! protocol state is on the device (see kernels/allreduce.cu), so calls can be graph-captured.
+//! protocol state is on the device (see kernels/prims.cuh), so calls can be graph-captured.
 
 mod ce;
 pub mod driver;
 mod hier;
+pub mod identity;
 pub mod kernels;
 pub mod memory;
 mod nccl;
+pub mod paths;
 mod peers;
 mod pointers;
 mod registry;
@@ -36,8 +38,10 @@ use crate::plan::{CudaPath, Fabric, GridLimits, PathInfo};
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
 use cudarc::driver::{safe as cs, sys};
 use driver::ck;
+use identity::{CallIdentity, RegionAt, IDENT_WORDS};
 use kernels::{
-    ll_bytes, ERR_MISMATCH, ERR_TIMEOUT, LL_MAX_BYTES, MAX_BLOCKS, MAX_RANKS, SIG_BYTES,
+    ll_bytes, rec, ERR_MISMATCH, ERR_TIMEOUT, LL_MAX_BYTES, MAX_BLOCKS, MAX_RANKS, SIG_BYTES,
+    STATE_ERR_WORD,
 };
 use memory::{DeviceAlloc, Kept, MappedHostWords};
 use peers::device_uuid;
@@ -64,10 +68,10 @@ const DEFAULT_CTA_CAP: usize = 64;
 
 // Words of the host-mapped area shared with the kernels.
 const W_ABORT: usize = 0;
-// {code, peer, block, barrier, their stamp (2 words), ours (2 words), call number (2 words)}
+// The kernels' error record (kernels::rec, REC_* in kernels/prims.cuh).
 const W_ERR: usize = 1;
 
-/// Kernel arguments; must match `struct Args` in kernels/allreduce.cu field by field.
+/// Kernel arguments; must match `struct Args` in kernels/prims.cuh field by field.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct KernelArgs {
@@ -85,8 +89,9 @@ struct KernelArgs {
     host_err: u64,
     slot_bytes: u64,
     timeout_ns: u64,
-    stamp: u64,
+    digest: u64,
     seq: u64,
+    ident: [u32; IDENT_WORDS],
     rank: i32,
     world: i32,
     aligned: i32,
@@ -180,9 +185,8 @@ pub struct CudaComm {
 struct Loaded {
     ctx: Arc<cs::CudaContext>,
     _module: Arc<cs::CudaModule>,
+    /// Every path's kernels (paths.rs), all-reduce, reduce-scatter and all-gather.
     funcs: HashMap<(CudaPath, DType, ReduceOp), cs::CudaFunction>,
-    /// The reduce-scatter and all-gather kernels (scatter_gather.rs).
-    sg: scatter_gather::Funcs,
     /// The copy-engine path's barrier kernel.
     ce_barrier: cs::CudaFunction,
     /// Whether the GPU has programmatic dependent launch (compute capability 9.0 and up).
@@ -226,11 +230,11 @@ impl Loaded {
         for path in CudaPath::ALL {
             for dtype in DType::ALL {
                 for op in ReduceOp::ALL {
-                    let kname = kernels::kernel_name(path, w, dtype, op);
+                    let kname = path.kernel_name(w, dtype, op);
                     let f = module
                         .load_function(&kname)
                         .map_err(|e| cuda(&format!("loading kernel {kname}"), e))?;
-                    if dtype == DType::Bf16 && op == ReduceOp::Sum {
+                    if dtype == DType::Bf16 && op == ReduceOp::Sum && path != CudaPath::Empty {
                         regs.push(format!("{} {}", path.name(), kernel_resources(&f)));
                     }
                     funcs.insert((path, dtype, op), f);
@@ -246,12 +250,10 @@ impl Loaded {
         let ce_barrier = module
             .load_function(kernels::CE_BARRIER_KERNEL)
             .map_err(|e| cuda("loading the copy-engine barrier kernel", e))?;
-        let sg = scatter_gather::load(&module, w, rank)?;
         let l = Arc::new(Loaded {
             ctx,
             _module: module,
             funcs,
-            sg,
             ce_barrier,
             pdl_capable: major >= 9,
         });
@@ -393,12 +395,13 @@ impl CudaComm {
         )?;
         // Every rank takes the same fabric, so every rank adjusts the same way.
         limits.ll_max = config.ll_max_bytes(world, fabric);
+        config.check_ll_data(fabric)?;
         if fabric == Fabric::PciePeer && fixed.is_none() {
             limits.cap = limits.cap.min(crate::plan::PCIE_CTA_CAP);
             limits.deep_cap = limits.deep_cap.min(limits.cap);
         }
         let state = DeviceAlloc::new(MAX_BLOCKS * 2 * 4 + 64, rank)?;
-        let words = Arc::new(MappedHostWords::new(16, rank)?);
+        let words = Arc::new(MappedHostWords::new(W_ERR + rec::WORDS, rank)?);
         // SAFETY: zeroing memory we own (signal area of our workspace, private state).
         unsafe {
             ws.clear(rank, data_offset(world) as usize)?;
@@ -493,31 +496,43 @@ impl CudaComm {
 
     /// Fails if the communicator was aborted or a kernel recorded a failure.
     fn check_health(&self) -> Result<()> {
-        let code = self.words.get(W_ERR);
+        let code = self.words.get(W_ERR + rec::CODE);
         if code != 0 {
-            let peer = self.words.get(W_ERR + 1) as usize;
+            let word = |i| self.words.get(W_ERR + i);
+            let peer = word(rec::PEER) as usize;
             // The call that failed, as the kernel recorded it (not the latest one issued).
-            let seq = self.words.get(W_ERR + 8) as u64 | (self.words.get(W_ERR + 9) as u64) << 32;
+            let seq = word(rec::SEQ) as u64 | (word(rec::SEQ + 1) as u64) << 32;
+            let ident = |at: usize| {
+                let mut w = [0u32; IDENT_WORDS];
+                for (k, x) in w.iter_mut().enumerate() {
+                    *x = word(at + k);
+                }
+                CallIdentity::decode(&w)
+            };
+            let mine = ident(rec::MINE);
+            let op = mine.map_or("all_reduce", |m| m.op.name());
             let err = match code {
                 ERR_TIMEOUT => Error::Timeout {
                     rank: self.rank,
                     peer,
-                    op: "all_reduce (kernel barrier)".into(),
+                    op: format!("{op} (kernel wait)"),
                     seq,
                     waited: self.timeout,
                 },
                 ERR_MISMATCH => {
-                    let word64 = |i| {
-                        self.words.get(W_ERR + i) as u64
-                            | (self.words.get(W_ERR + i + 1) as u64) << 32
+                    let theirs = (word(rec::THEIRS_KNOWN) != 0)
+                        .then(|| ident(rec::THEIRS))
+                        .flatten();
+                    let detail = match &mine {
+                        Some(m) => identity::describe_mismatch(self.rank, m, peer, theirs.as_ref()),
+                        None => "the error record holds no readable call".into(),
                     };
-                    let (theirs, mine) = (word64(4), word64(6));
                     Error::Mismatch {
                         rank: self.rank,
                         peer,
-                        op: "all_reduce".into(),
+                        op: op.into(),
                         seq,
-                        detail: kernels::describe_stamp_difference(mine, theirs),
+                        detail,
                     }
                 }
                 _ => Error::Aborted {
@@ -546,7 +561,7 @@ impl CudaComm {
         send: u64,
         recv: u64,
         count: usize,
-        stamp: u64,
+        ident: &CallIdentity,
         zero_copy: Option<([u64; MAX_RANKS], [u64; MAX_RANKS])>,
     ) -> KernelArgs {
         let mut data = [0u64; MAX_RANKS];
@@ -570,12 +585,13 @@ impl CudaComm {
             rrecv,
             counters: self.state.ptr,
             abort_flag: self.words.device + 4 * W_ABORT as u64,
-            err: self.state.ptr + (MAX_BLOCKS * 2 * 4) as u64,
+            err: self.state.ptr + (STATE_ERR_WORD * 4) as u64,
             host_err: self.words.device + 4 * W_ERR as u64,
             slot_bytes: self.slot_bytes as u64,
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
-            stamp,
+            digest: ident.digest(),
             seq: self.seq,
+            ident: ident.encode(),
             rank: self.rank as i32,
             world: self.world as i32,
             aligned: all16(&rsend) as i32 | (all16(&rrecv) as i32) << 1,
@@ -589,6 +605,55 @@ impl CudaComm {
                 }) as i32,
             chunk_bytes: self.slot_bytes as u64,
         }
+    }
+
+    /// A call of zero elements of operation `what`: the LL kernel with one line of no data
+    /// ([`CudaPath::Empty`]), so it still meets the peers' calls, is compared with them (a
+    /// count-0 call against a real one is a mismatch on every rank) and advances the call
+    /// number with theirs. Its pointers are never read (they may be null).
+    fn launch_empty(
+        &mut self,
+        what: SgOp,
+        dtype: DType,
+        op: ReduceOp,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        let path = CudaPath::Empty;
+        let reduce = match what {
+            SgOp::AllGather => ReduceOp::Sum,
+            _ => op,
+        };
+        // Where nothing is read or written, pointers and placement are nobody's business.
+        let ident = CallIdentity {
+            op: what,
+            path,
+            dtype,
+            reduce,
+            count: 0,
+            in_place: false,
+            send: None,
+            recv: None,
+        };
+        let f = self.gpu.funcs[&(path, dtype, reduce)].cu_function();
+        self.last_path = Some(PathInfo {
+            name: path.name(),
+            ctas: 1,
+            registered: false,
+        });
+        let mut args = self.kernel_args(0, 0, 0, &ident, None);
+        let threads = crate::plan::block_threads(path, 0, 1, THREADS);
+        self.launch_kernel(f, 1, threads, stream, &mut args, || {
+            format!("launching the empty {} kernel", what.name())
+        })
+    }
+
+    /// The registered region holding `[ptr, ptr + bytes)` and `ptr`'s offset in it.
+    fn region_at(&self, ptr: u64, bytes: usize) -> Option<RegionAt> {
+        let (r, offset) = self.registry.lookup(ptr, bytes.max(1))?;
+        Some(RegionAt {
+            id: r.id as u32,
+            offset,
+        })
     }
 
     /// Every rank's send and recv as mapped here, when both lie in registered buffers.
@@ -748,6 +813,9 @@ impl CudaComm {
                 )
             };
         }
+        if count == 0 {
+            return self.launch_empty(SgOp::AllReduce, dtype, op, stream);
+        }
         if self.inter.is_some() {
             return self.launch_hierarchical(send, recv, count, dtype, op, stream);
         }
@@ -775,9 +843,19 @@ impl CudaComm {
             ctas: grid,
             registered: path.registered(),
         });
-        let stamp = kernels::stamp(count, dtype, op, path.code());
         let zero_copy = zero_copy.filter(|_| path.registered());
-        let mut args = self.kernel_args(send, recv, count, stamp, zero_copy);
+        let registered = |ptr| zero_copy.and_then(|_| self.region_at(ptr, bytes));
+        let ident = CallIdentity {
+            op: SgOp::AllReduce,
+            path,
+            dtype,
+            reduce: op,
+            count: count as u64,
+            in_place: send == recv,
+            send: registered(send),
+            recv: registered(recv),
+        };
+        let mut args = self.kernel_args(send, recv, count, &ident, zero_copy);
         args.chunk_bytes =
             crate::plan::staged_chunk_bytes(self.fabric, bytes, self.slot_bytes) as u64;
         if path == CudaPath::Ce {
@@ -795,7 +873,7 @@ impl CudaComm {
     /// Launches `f` on `stream` with `args` (copied at launch). With programmatic dependent
     /// launch (`self.launch_pdl`, set per call from `self.pdl`), the kernel may start while the kernel before it on `stream` finishes:
     /// every entry point waits on the device for that kernel's completion before it reads
-    /// anything (`wait_for_previous_kernel` in allreduce.cu), so stream order holds and only the
+    /// anything (`wait_for_previous_kernel` in convert.cuh), so stream order holds and only the
     /// launch gap is hidden. Stream capture turns the attribute into a programmatic edge of the
     /// graph.
     fn launch_kernel<A>(
@@ -853,9 +931,12 @@ impl BackendOps for CudaComm {
             .bind_to_thread()
             .map_err(|e| self.cuda_err("binding the context".into(), e))?;
         let bytes = count * dtype.size();
-        self.check_buffer("all_reduce", send as u64, bytes, "send")?;
-        if recv as u64 != send as u64 {
-            self.check_buffer("all_reduce", recv as u64, bytes, "recv")?;
+        // A count-0 call reads and writes nothing: its pointers may be anything, null included.
+        if count > 0 {
+            self.check_buffer("all_reduce", send as u64, bytes, "send")?;
+            if recv as u64 != send as u64 {
+                self.check_buffer("all_reduce", recv as u64, bytes, "recv")?;
+            }
         }
         // CUDA's meaning: 0 is the legacy default stream.
         let stream = stream as sys::CUstream;

@@ -1,0 +1,323 @@
+//! The identity of one call: everything the ranks must agree on before any of them touches a
+//! peer's data. It travels in the kernel's arguments as [`IDENT_WORDS`] words; the kernels
+//! post it on every peer's identity board, compare its digest in the first barrier, derive the
+//! LL lines' flag from it, and on a difference leave both ranks' words in the error record, so
+//! the host names both calls in words (see kernels/prims.cuh).
+
+use super::paths::CudaPath;
+use crate::backend::SgOp;
+use crate::types::{DType, ReduceOp};
+
+/// Words of an encoded identity (`IDENT_WORDS` in kernels/prims.cuh).
+pub const IDENT_WORDS: usize = 10;
+
+/// Where a zero-copy call's buffer lies: registered region `id` (the same on every rank for
+/// corresponding buffers), `offset` bytes into it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionAt {
+    pub id: u32,
+    pub offset: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallIdentity {
+    pub op: SgOp,
+    pub path: CudaPath,
+    pub dtype: DType,
+    pub reduce: ReduceOp,
+    /// Elements (all-reduce: of the message; reduce-scatter and all-gather: of the whole).
+    pub count: u64,
+    pub in_place: bool,
+    /// Zero-copy calls: the registered regions of send and recv (None on the staged paths,
+    /// whose buffers are private to each rank).
+    pub send: Option<RegionAt>,
+    pub recv: Option<RegionAt>,
+}
+
+fn op_code(op: SgOp) -> u32 {
+    op.code() + 1
+}
+
+fn op_words(op: SgOp) -> &'static str {
+    match op {
+        SgOp::AllReduce => "all-reduce",
+        SgOp::ReduceScatter => "reduce-scatter",
+        SgOp::AllGather => "all-gather",
+    }
+}
+
+impl CallIdentity {
+    /// The words the kernels carry: {op | path << 8 | dtype << 16 | reduce op << 24, flags
+    /// (in place, send registered, recv registered), count (2), send region, recv region,
+    /// send offset (2), recv offset (2)}.
+    pub fn encode(&self) -> [u32; IDENT_WORDS] {
+        let region = |r: Option<RegionAt>| r.map_or((0, 0), |r| (r.id, r.offset));
+        let (sid, soff) = region(self.send);
+        let (rid, roff) = region(self.recv);
+        let flags = self.in_place as u32
+            | (self.send.is_some() as u32) << 1
+            | (self.recv.is_some() as u32) << 2;
+        [
+            op_code(self.op)
+                | (self.path.code() & 0xFF) << 8
+                | (self.dtype.code() & 0xFF) << 16
+                | (self.reduce.code() & 0xFF) << 24,
+            flags,
+            self.count as u32,
+            (self.count >> 32) as u32,
+            sid,
+            rid,
+            soff as u32,
+            (soff >> 32) as u32,
+            roff as u32,
+            (roff >> 32) as u32,
+        ]
+    }
+
+    /// The identity of `w`, or None if a field holds no known value.
+    pub fn decode(w: &[u32; IDENT_WORDS]) -> Option<CallIdentity> {
+        let byte = |k: u32| (w[0] >> (8 * k)) & 0xFF;
+        let op = SgOp::ALL.into_iter().find(|o| op_code(*o) == byte(0))?;
+        let path = CudaPath::from_code(byte(1))?;
+        let dtype = DType::ALL.into_iter().find(|d| d.code() == byte(2))?;
+        let reduce = ReduceOp::ALL.into_iter().find(|o| o.code() == byte(3))?;
+        let wide = |lo: usize| w[lo] as u64 | (w[lo + 1] as u64) << 32;
+        let at = |bit: u32, id: u32, off: u64| {
+            (w[1] & (1 << bit) != 0).then_some(RegionAt { id, offset: off })
+        };
+        Some(CallIdentity {
+            op,
+            path,
+            dtype,
+            reduce,
+            count: wide(2),
+            in_place: w[1] & 1 != 0,
+            send: at(1, w[4], wide(6)),
+            recv: at(2, w[5], wide(8)),
+        })
+    }
+
+    /// 64-bit digest of the encoded words, never 0 (the barrier stamps and the LL flags).
+    pub fn digest(&self) -> u64 {
+        digest(&self.encode())
+    }
+
+    /// The call in words, e.g. "all-reduce oneshot-reg16 67108864 x float sum out of place,
+    /// send region 2 +0, recv region 3 +0".
+    pub fn describe(&self) -> String {
+        let place = if self.in_place {
+            "in place"
+        } else {
+            "out of place"
+        };
+        let mut s = format!(
+            "{} {} {} x {} {} {place}",
+            op_words(self.op),
+            self.path.name(),
+            self.count,
+            self.dtype.name(),
+            self.reduce.name()
+        );
+        for (what, r) in [("send", self.send), ("recv", self.recv)] {
+            if let Some(r) = r {
+                s += &format!(", {what} region {} +{}", r.id, r.offset);
+            } else if self.path.registered() {
+                s += &format!(", {what} not registered");
+            }
+        }
+        s
+    }
+
+    /// The fields in which `self` and `other` differ, in words ("operation, count").
+    pub fn differences(&self, other: &CallIdentity) -> Vec<&'static str> {
+        let mut d = Vec::new();
+        let mut check = |differs: bool, what| {
+            if differs {
+                d.push(what);
+            }
+        };
+        check(self.op != other.op, "operation");
+        check(self.path != other.path, "path");
+        check(self.dtype != other.dtype, "dtype");
+        check(self.reduce != other.reduce, "op");
+        check(self.count != other.count, "count");
+        check(self.in_place != other.in_place, "in place");
+        check(self.send != other.send, "send buffer");
+        check(self.recv != other.recv, "recv buffer");
+        d
+    }
+}
+
+/// FNV-1a over the words, then a 64-bit finalizer; 0 becomes 1 (0 means "no stamp").
+pub fn digest(w: &[u32; IDENT_WORDS]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for x in w {
+        h ^= *x as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    let h = mix64(h);
+    if h == 0 {
+        1
+    } else {
+        h
+    }
+}
+
+/// splitmix64's finalizer (`mix64` in kernels/prims.cuh).
+pub fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The flag of an LL line of call number `call` with identity digest `digest` (`ll_flag` in
+/// kernels/prims.cuh): never 0, which marks a line nobody wrote since its reader cleared it.
+pub fn ll_flag(digest: u64, call: u64) -> u32 {
+    let h = mix64(digest ^ call.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    ((h ^ (h >> 32)) as u32) | 1
+}
+
+/// The message of a mismatch between this rank's call and a peer's: both calls in full, then
+/// what differs. `theirs` None: the peer's identity could not be read (only its digest
+/// differed).
+pub fn describe_mismatch(
+    rank: usize,
+    mine: &CallIdentity,
+    peer: usize,
+    theirs: Option<&CallIdentity>,
+) -> String {
+    match theirs {
+        Some(t) => {
+            let d = mine.differences(t);
+            let what = if d.is_empty() {
+                "the call number (ranks out of step)".to_string()
+            } else {
+                d.join(", ")
+            };
+            format!(
+                "rank {rank}: {}; rank {peer}: {}; they differ in {what}",
+                mine.describe(),
+                t.describe()
+            )
+        }
+        None => format!(
+            "rank {rank}: {}; rank {peer}: another call (its identity was not readable in time)",
+            mine.describe()
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ar(path: CudaPath, count: u64) -> CallIdentity {
+        CallIdentity {
+            op: SgOp::AllReduce,
+            path,
+            dtype: DType::F32,
+            reduce: ReduceOp::Sum,
+            count,
+            in_place: false,
+            send: None,
+            recv: None,
+        }
+    }
+
+    #[test]
+    fn encode_decode_round_trip() {
+        let mut cases = vec![
+            ar(CudaPath::OneShotLl, 0),
+            ar(CudaPath::TwoShotStaged, 1 << 40),
+        ];
+        for path in CudaPath::ALL {
+            for op in SgOp::ALL {
+                for dtype in DType::ALL {
+                    cases.push(CallIdentity {
+                        op,
+                        path,
+                        dtype,
+                        reduce: ReduceOp::Min,
+                        count: 123_456_789_012,
+                        in_place: true,
+                        send: Some(RegionAt {
+                            id: 7,
+                            offset: (5 << 32) + 4096,
+                        }),
+                        recv: path.registered().then_some(RegionAt { id: 0, offset: 0 }),
+                    });
+                }
+            }
+        }
+        for id in cases {
+            let w = id.encode();
+            assert_eq!(CallIdentity::decode(&w), Some(id), "{w:?}");
+            assert_ne!(id.digest(), 0);
+        }
+        assert_eq!(CallIdentity::decode(&[0; IDENT_WORDS]), None);
+    }
+
+    #[test]
+    fn both_calls_are_described_in_words() {
+        let reg = |id, offset| Some(RegionAt { id, offset });
+        let mine = CallIdentity {
+            path: CudaPath::OneShotRegDeep,
+            count: 67_108_864,
+            send: reg(2, 0),
+            recv: reg(3, 0),
+            ..ar(CudaPath::OneShotLl, 0)
+        };
+        let theirs = CallIdentity {
+            op: SgOp::ReduceScatter,
+            path: CudaPath::ReduceScatterReg,
+            send: reg(2, 4096),
+            recv: None,
+            ..mine
+        };
+        let text = describe_mismatch(0, &mine, 1, Some(&theirs));
+        assert_eq!(
+            text,
+            "rank 0: all-reduce oneshot-reg16 67108864 x float sum out of place, send region 2 +0, \
+             recv region 3 +0; rank 1: reduce-scatter reduce-scatter-reg 67108864 x float sum out \
+             of place, send region 2 +4096, recv not registered; they differ in operation, path, \
+             send buffer, recv buffer"
+        );
+        let empty = CallIdentity {
+            path: CudaPath::Empty,
+            count: 0,
+            ..ar(CudaPath::OneShotLl, 0)
+        };
+        let text = describe_mismatch(1, &empty, 0, Some(&ar(CudaPath::OneShotLl, 4096)));
+        assert!(
+            text.starts_with("rank 1: all-reduce empty 0 x float sum"),
+            "{text}"
+        );
+        assert!(
+            text.contains("rank 0: all-reduce oneshot-ll 4096 x float sum"),
+            "{text}"
+        );
+        assert!(text.ends_with("they differ in path, count"), "{text}");
+        let unknown = describe_mismatch(1, &empty, 0, None);
+        assert!(unknown.contains("rank 0: another call"), "{unknown}");
+    }
+
+    #[test]
+    fn digests_and_flags_tell_calls_apart_and_are_never_zero() {
+        let a = ar(CudaPath::OneShotLl, 100).digest();
+        let b = ar(CudaPath::OneShotLl, 101).digest();
+        assert_ne!(a, b);
+        let mut seen = std::collections::HashSet::new();
+        for d in [a, b, 0, 1, u64::MAX] {
+            for call in (0..100_000u64).chain([u32::MAX as u64, u64::MAX]) {
+                let f = ll_flag(d, call);
+                assert_ne!(f, 0, "digest {d:#x} call {call}");
+                if d == a {
+                    seen.insert(f);
+                }
+            }
+        }
+        // Consecutive calls of one identity get (almost always) different flags.
+        assert!(seen.len() > 99_000, "{}", seen.len());
+        assert_ne!(ll_flag(a, 5), ll_flag(b, 5));
+    }
+}
