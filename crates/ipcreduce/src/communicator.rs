@@ -789,3 +789,49 @@ impl Communicator {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn single_rank(tag: &str) -> Communicator {
+        let dir = std::env::temp_dir().join(format!("ipcreduce-comm-{tag}-{}", std::process::id()));
+        let info = RankInfo::new(0, 1, dir.join("s.sock"), "comm-test", None).unwrap();
+        let config = Config {
+            backend: BackendChoice::Host,
+            ..Config::default()
+        };
+        Communicator::with_rank_info(info, &config).unwrap()
+    }
+
+    #[test]
+    fn free_refuses_a_buffer_of_another_communicator() {
+        let (mut a, b) = (single_rank("a"), single_rank("b"));
+        assert_ne!(a.token, b.token);
+        // Same small id as one of `a`'s would have: only the token tells them apart.
+        let theirs = crate::RegisteredBuffer::new(0x10000, 4096, 1).owned_by(b.token);
+        match a.free(theirs) {
+            Err(Error::InvalidArgument { rank: 0, op, detail }) => {
+                assert_eq!(op, "free");
+                assert!(
+                    detail.contains("0x10000")
+                        && detail.contains("4096 bytes")
+                        && detail.contains("belongs to another communicator"),
+                    "{detail}"
+                );
+            }
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+        // Ours gets past the ownership check to the backend (which has no registered buffers
+        // on host, and says so).
+        let ours = crate::RegisteredBuffer::new(0x10000, 4096, 1).owned_by(a.token);
+        match a.free(ours) {
+            Err(Error::InvalidArgument { detail, .. }) => {
+                assert!(detail.contains("need the cuda backend"), "{detail}")
+            }
+            other => panic!("expected the host backend's refusal, got {other:?}"),
+        }
+        // Neither aborted it: nothing collective starts on the host backend.
+        assert!(!a.is_aborted());
+    }
+}
