@@ -811,7 +811,11 @@ mod tests {
         // Same small id as one of `a`'s would have: only the token tells them apart.
         let theirs = crate::RegisteredBuffer::new(0x10000, 4096, 1).owned_by(b.token);
         match a.free(theirs) {
-            Err(Error::InvalidArgument { rank: 0, op, detail }) => {
+            Err(Error::InvalidArgument {
+                rank: 0,
+                op,
+                detail,
+            }) => {
                 assert_eq!(op, "free");
                 assert!(
                     detail.contains("0x10000")

@@ -23,7 +23,12 @@ fn invalid(res: ipcreduce::Result<()>) -> String {
 }
 
 /// A raw all-reduce of f32 with `Auto`.
-fn call(comm: &mut Communicator, s: *const c_void, r: *mut c_void, n: usize) -> ipcreduce::Result<()> {
+fn call(
+    comm: &mut Communicator,
+    s: *const c_void,
+    r: *mut c_void,
+    n: usize,
+) -> ipcreduce::Result<()> {
     // SAFETY: the tests pass pointers the checks refuse, or live buffers of `n` f32.
     unsafe {
         comm.all_reduce_raw(
@@ -107,7 +112,8 @@ fn count_zero_is_a_call_that_needs_no_buffer() {
     call(&mut comm, std::ptr::null(), std::ptr::null_mut(), 0).unwrap();
     call(&mut comm, src.as_ptr().cast(), out.as_mut_ptr().cast(), 0).unwrap();
     let mut none: [f32; 0] = [];
-    comm.reduce_scatter_host(&[], &mut none, ReduceOp::Sum).unwrap();
+    comm.reduce_scatter_host(&[], &mut none, ReduceOp::Sum)
+        .unwrap();
     comm.all_gather_host(&[], &mut none).unwrap();
     assert!(out.iter().all(|v| *v == 7.0));
     // With one rank the all-reduce is a copy; the communicator is still usable.
