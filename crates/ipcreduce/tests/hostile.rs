@@ -208,9 +208,10 @@ fn rank_hostile() -> i32 {
     for i in 0..4u64 {
         let spec = if i == 1 { hostile } else { good };
         let t0 = Instant::now();
-        let r = if i == 1 && case.ends_with("abort") && rank == world - 1 {
-            // Aborts instead of making the call, and stays in the job: the peers, waiting in
-            // it, must hear of the abort now, not when this rank leaves.
+        let r = if i >= 1 && case.ends_with("abort") && rank == world - 1 {
+            // Aborts instead of making the call and makes no call after it, but stays in the
+            // job: the peers, waiting in it, must hear of the abort now, not when this rank
+            // leaves or happens to call again.
             c.abort("hostile: given up by the caller");
             Err(c.async_error().expect("aborted"))
         } else {
