@@ -22,7 +22,13 @@ pub struct Communicator {
     reg_oneshot_max: Option<usize>,
     /// Rank 0's tuning table (see [`crate::tune`]), consulted by `Auto`.
     tune: crate::tune::Table,
+    /// Process-unique: marks the registered buffers this communicator made, so that `free`
+    /// can refuse another communicator's (their own ids are small integers per communicator).
+    token: u64,
 }
+
+/// The next communicator's [`Communicator::token`] (0 is never handed out: no owner).
+static NEXT_TOKEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl Communicator {
     /// Joins the job described by the environment (see [`RankInfo::from_env`]); `config`'s
@@ -56,6 +62,7 @@ impl Communicator {
             algo_env,
             reg_oneshot_max,
             tune,
+            token: NEXT_TOKEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
 
@@ -63,11 +70,52 @@ impl Communicator {
         self.boot.rank()
     }
 
-    /// Makes the communicator unusable at once: calls in flight stop (kernels poll the flag),
-    /// later calls fail with [`Error::Aborted`], and peers learn it when this rank leaves. May
-    /// be called from another thread through [`Communicator::abort_handle`].
+    /// Makes the communicator unusable on every rank at once: calls in flight stop (kernels and
+    /// host waits poll the flag), later calls fail with [`Error::Aborted`] carrying `reason`,
+    /// and every peer is told within milliseconds (the liveness connections). May be called
+    /// from another thread through [`Communicator::abort_handle`].
     pub fn abort(&self, reason: impl Into<String>) {
         self.boot.abort_state().abort(reason);
+    }
+
+    /// Whether the communicator is aborted (here or on any rank that told us): every call
+    /// then fails with [`Error::Aborted`]; only a new communicator can go on.
+    pub fn is_aborted(&self) -> bool {
+        self.boot.abort_state().is_aborted()
+    }
+
+    /// Runs one call that peers take part in, under the rule that makes errors seen by every
+    /// rank:
+    /// - on an aborted communicator it is refused at once with [`Error::Aborted`] (the first
+    ///   reason, naming the rank that failed and why);
+    /// - if it fails on this rank for any reason (a bad argument, a buffer the backend refuses,
+    ///   an unavailable algorithm, a failed step), it returns that error unchanged and aborts
+    ///   the communicator with it, which every peer learns at once: they are, or will be,
+    ///   waiting in the same call, and a rank that returned alone would leave them waiting for
+    ///   the full timeout and pair every later call off by one. That includes calls that
+    ///   cannot even be described (slices of different lengths, a count that overflows): peers
+    ///   cannot tell a call never made from a late one.
+    ///
+    /// Not under this rule, since no peer waits on them: queries (`unavailable`, `resolve`,
+    /// `async_error`, ...), [`Communicator::host_buffer`] (a local allocation; the caller may
+    /// free memory and retry) and the registered-buffer calls on the host backend, which
+    /// refuse alike on every rank before anything collective starts. Ask
+    /// [`Communicator::unavailable`] before requesting an algorithm that may be missing.
+    fn collective<R>(&mut self, call: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
+        let state = self.boot.abort_state();
+        if let Some(reason) = state.reason() {
+            return Err(Error::Aborted {
+                rank: self.rank(),
+                reason,
+            });
+        }
+        let r = call(self);
+        if let Err(e) = &r {
+            // A failure the backend already turned into an abort (mismatch, timeout, a peer's
+            // abort) keeps its first reason: this is a no-op then.
+            state.abort(e.to_string());
+        }
+        r
     }
 
     /// The error that made the communicator unusable, or one a kernel recorded, if any; does
@@ -197,15 +245,19 @@ impl Communicator {
         algo: Algorithm,
         stream: *mut c_void,
     ) -> Result<()> {
-        self.check_args(send, recv, count, dtype)?;
-        if count == 0 {
-            return Ok(());
-        }
-        let bytes = count * dtype.size();
-        let zero_copy = self.backend.zero_copy_call(send as u64, recv as u64, bytes);
-        let algo = self.resolve_call(algo, dtype, bytes, zero_copy);
-        self.backend
-            .all_reduce_raw(send, recv, count, dtype, op, algo, stream)
+        self.collective(|c| {
+            c.check_args(send, recv, count, dtype)?;
+            // Count 0 goes to the backend too: it is a call like any other, whose identity
+            // every rank compares (a count-0 call against a real one is a mismatch).
+            let bytes = count * dtype.size();
+            let zero_copy = c.backend.zero_copy_call(send as u64, recv as u64, bytes);
+            let algo = c.resolve_call(algo, dtype, bytes, zero_copy);
+            // SAFETY: checked above; the caller vouches for the memory.
+            unsafe {
+                c.backend
+                    .all_reduce_raw(send, recv, count, dtype, op, algo, stream)
+            }
+        })
     }
 
     /// All-reduce of host slices (host backend).
@@ -216,27 +268,29 @@ impl Communicator {
         op: ReduceOp,
         algo: Algorithm,
     ) -> Result<()> {
-        self.require_host("all_reduce_host")?;
-        if send.len() != recv.len() {
-            return Err(Error::invalid(
-                self.rank(),
-                "all_reduce_host",
-                format!("send has {} elements, recv {}", send.len(), recv.len()),
-            ));
-        }
-        let (s, r) = (as_bytes(send), as_bytes_mut(recv));
-        // SAFETY: both are live slices of the right length; &/&mut guarantee no overlap.
-        unsafe {
-            self.all_reduce_raw(
-                s.as_ptr().cast(),
-                r.as_mut_ptr().cast(),
-                send.len(),
-                T::DTYPE,
-                op,
-                algo,
-                std::ptr::null_mut(),
-            )
-        }
+        self.collective(|c| {
+            c.require_host("all_reduce_host")?;
+            if send.len() != recv.len() {
+                return Err(Error::invalid(
+                    c.rank(),
+                    "all_reduce_host",
+                    format!("send has {} elements, recv {}", send.len(), recv.len()),
+                ));
+            }
+            let (s, r) = (as_bytes(send), as_bytes_mut(recv));
+            // SAFETY: both are live slices of the right length; &/&mut guarantee no overlap.
+            unsafe {
+                c.all_reduce_raw(
+                    s.as_ptr().cast(),
+                    r.as_mut_ptr().cast(),
+                    send.len(),
+                    T::DTYPE,
+                    op,
+                    algo,
+                    std::ptr::null_mut(),
+                )
+            }
+        })
     }
 
     /// In-place all-reduce of a host slice (host backend).
@@ -246,17 +300,21 @@ impl Communicator {
         op: ReduceOp,
         algo: Algorithm,
     ) -> Result<()> {
-        self.require_host("all_reduce_host_in_place")?;
-        let b = as_bytes_mut(buf);
-        let p = b.as_mut_ptr().cast::<c_void>();
-        // SAFETY: one live slice used as both input and output.
-        unsafe { self.all_reduce_raw(p, p, buf.len(), T::DTYPE, op, algo, std::ptr::null_mut()) }
+        self.collective(|c| {
+            c.require_host("all_reduce_host_in_place")?;
+            let b = as_bytes_mut(buf);
+            let p = b.as_mut_ptr().cast::<c_void>();
+            // SAFETY: one live slice used as both input and output.
+            unsafe { c.all_reduce_raw(p, p, buf.len(), T::DTYPE, op, algo, std::ptr::null_mut()) }
+        })
     }
 
     /// `len` zeroed elements in this rank's shared arena (host backend). An all-reduce whose
     /// send buffer lies there (out of place, or in place) skips the copy into the workspace:
     /// peers read it directly. Allocate like a collective (same lengths, same order on every
-    /// rank). The buffer stays valid after the communicator is dropped.
+    /// rank): a call's input must lie at the same offset on every rank, or in the arena on
+    /// none, else it fails with a mismatch on every rank. The buffer stays valid after the
+    /// communicator is dropped.
     pub fn host_buffer<T: Element>(&mut self, len: usize) -> Result<backend::host::HostBuffer<T>> {
         self.require_host("host_buffer")?;
         let rank = self.rank();
@@ -294,6 +352,7 @@ impl Communicator {
     ) -> Result<()> {
         let rank = self.rank();
         if count == 0 {
+            // No buffer is touched: any pointers (null included) will do.
             return Ok(());
         }
         if send.is_null() || recv.is_null() {
@@ -335,7 +394,8 @@ impl Communicator {
     /// Waits until the work this communicator enqueued is finished (cuda), and reports an
     /// error a kernel recorded.
     pub fn synchronize(&mut self) -> Result<()> {
-        self.backend.synchronize()
+        // A kernel's error is a failed call: every rank learns it (see `collective`).
+        self.collective(|c| c.backend.synchronize())
     }
 }
 
@@ -449,7 +509,9 @@ impl Communicator {
     /// every rank) reads and writes them directly, with no staging copy; this also holds inside
     /// CUDA graphs. cuda backend only (the host backend's zero-copy buffers: [`Self::host_buffer`]).
     pub fn alloc(&mut self, bytes: usize) -> Result<crate::RegisteredBuffer> {
-        self.backend.alloc_registered(&mut self.boot, bytes)
+        let token = self.token;
+        self.registered_call(|c| c.backend.alloc_registered(&mut c.boot, bytes))
+            .map(|b| b.owned_by(token))
     }
 
     /// Collective: registers `[ptr, ptr + bytes)` of memory the caller allocated with
@@ -460,13 +522,42 @@ impl Communicator {
     /// The memory must stay allocated and mapped until the buffer is freed or the communicator
     /// is dropped.
     pub unsafe fn register(&mut self, ptr: u64, bytes: usize) -> Result<crate::RegisteredBuffer> {
-        self.backend.register(&mut self.boot, ptr, bytes)
+        let token = self.token;
+        // SAFETY: forwarded contract.
+        self.registered_call(|c| unsafe { c.backend.register(&mut c.boot, ptr, bytes) })
+            .map(|b| b.owned_by(token))
     }
 
     /// Collective: waits for this rank's work and for every rank (bounded), then unmaps. Buffers
     /// not freed are released when the communicator is dropped.
+    /// A buffer another communicator made is refused with [`Error::InvalidArgument`] (its id
+    /// would name one of ours).
     pub fn free(&mut self, buf: crate::RegisteredBuffer) -> Result<()> {
-        self.backend.free_registered(&mut self.boot, buf)
+        self.registered_call(|c| {
+            if !buf.is_owned_by(c.token) {
+                return Err(Error::invalid(
+                    c.rank(),
+                    "free",
+                    format!(
+                        "the registered buffer at {:#x} ({} bytes) belongs to another \
+                         communicator; free it with the one whose alloc or register made it",
+                        buf.ptr(),
+                        buf.bytes()
+                    ),
+                ));
+            }
+            c.backend.free_registered(&mut c.boot, buf)
+        })
+    }
+
+    /// A registered-buffer call: collective on cuda (see `collective`); on the host backend,
+    /// which has none, refused alike on every rank before anything collective starts, so the
+    /// communicator stays usable.
+    fn registered_call<R>(&mut self, call: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
+        if self.backend() == BackendKind::Host {
+            return call(self);
+        }
+        self.collective(call)
     }
 
     /// What the last all-reduce issued by this rank ran: path, CTAs, zero-copy or not.
@@ -544,15 +635,15 @@ impl Communicator {
     ) -> Result<()> {
         let what = backend::SgOp::ReduceScatter;
         let shards = crate::shards::Shards::even(recvcount, self.world());
-        self.check_sg_args(what, send, recv, shards, dtype)?;
-        if recvcount == 0 {
-            return Ok(());
-        }
-        // SAFETY: checked above; the caller vouches for the memory.
-        unsafe {
-            self.backend
-                .scatter_gather_raw(what, send, recv, shards, dtype, op, stream)
-        }
+        self.collective(|c| {
+            c.check_sg_args(what, send, recv, shards, dtype)?;
+            // Count 0 included: see `all_reduce_raw`.
+            // SAFETY: checked above; the caller vouches for the memory.
+            unsafe {
+                c.backend
+                    .scatter_gather_raw(what, send, recv, shards, dtype, op, stream)
+            }
+        })
     }
 
     /// All-gather: `send` holds `sendcount` elements; every rank's `recv` gets
@@ -572,15 +663,15 @@ impl Communicator {
     ) -> Result<()> {
         let what = backend::SgOp::AllGather;
         let shards = crate::shards::Shards::even(sendcount, self.world());
-        self.check_sg_args(what, send, recv, shards, dtype)?;
-        if sendcount == 0 {
-            return Ok(());
-        }
-        // SAFETY: checked above; the caller vouches for the memory.
-        unsafe {
-            self.backend
-                .scatter_gather_raw(what, send, recv, shards, dtype, ReduceOp::Sum, stream)
-        }
+        self.collective(|c| {
+            c.check_sg_args(what, send, recv, shards, dtype)?;
+            // Count 0 included: see `all_reduce_raw`.
+            // SAFETY: checked above; the caller vouches for the memory.
+            unsafe {
+                c.backend
+                    .scatter_gather_raw(what, send, recv, shards, dtype, ReduceOp::Sum, stream)
+            }
+        })
     }
 
     /// Reduce-scatter of host slices (host backend): `recv.len() * world == send.len()`.
@@ -590,37 +681,41 @@ impl Communicator {
         recv: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        self.require_host("reduce_scatter_host")?;
-        self.require_len("reduce_scatter", send.len(), recv.len() * self.world())?;
-        let (s, r) = (as_bytes(send), as_bytes_mut(recv));
-        // SAFETY: live slices of the checked lengths; &/&mut guarantee no overlap.
-        unsafe {
-            self.reduce_scatter_raw(
-                s.as_ptr().cast(),
-                r.as_mut_ptr().cast(),
-                recv.len(),
-                T::DTYPE,
-                op,
-                std::ptr::null_mut(),
-            )
-        }
+        self.collective(|c| {
+            c.require_host("reduce_scatter_host")?;
+            c.require_len("reduce_scatter", send.len(), recv.len() * c.world())?;
+            let (s, r) = (as_bytes(send), as_bytes_mut(recv));
+            // SAFETY: live slices of the checked lengths; &/&mut guarantee no overlap.
+            unsafe {
+                c.reduce_scatter_raw(
+                    s.as_ptr().cast(),
+                    r.as_mut_ptr().cast(),
+                    recv.len(),
+                    T::DTYPE,
+                    op,
+                    std::ptr::null_mut(),
+                )
+            }
+        })
     }
 
     /// All-gather of host slices (host backend): `send.len() * world == recv.len()`.
     pub fn all_gather_host<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<()> {
-        self.require_host("all_gather_host")?;
-        self.require_len("all_gather", recv.len(), send.len() * self.world())?;
-        let (s, r) = (as_bytes(send), as_bytes_mut(recv));
-        // SAFETY: live slices of the checked lengths; &/&mut guarantee no overlap.
-        unsafe {
-            self.all_gather_raw(
-                s.as_ptr().cast(),
-                r.as_mut_ptr().cast(),
-                send.len(),
-                T::DTYPE,
-                std::ptr::null_mut(),
-            )
-        }
+        self.collective(|c| {
+            c.require_host("all_gather_host")?;
+            c.require_len("all_gather", recv.len(), send.len() * c.world())?;
+            let (s, r) = (as_bytes(send), as_bytes_mut(recv));
+            // SAFETY: live slices of the checked lengths; &/&mut guarantee no overlap.
+            unsafe {
+                c.all_gather_raw(
+                    s.as_ptr().cast(),
+                    r.as_mut_ptr().cast(),
+                    send.len(),
+                    T::DTYPE,
+                    std::ptr::null_mut(),
+                )
+            }
+        })
     }
 
     fn require_len(&self, op: &'static str, got: usize, want: usize) -> Result<()> {
@@ -649,6 +744,7 @@ impl Communicator {
     ) -> Result<()> {
         let (rank, op) = (self.rank(), what.name());
         if shards.per == 0 {
+            // No buffer is touched: any pointers (null included) will do.
             return Ok(());
         }
         if send.is_null() || recv.is_null() {
@@ -691,5 +787,55 @@ impl Communicator {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn single_rank(tag: &str) -> Communicator {
+        let dir = std::env::temp_dir().join(format!("ipcreduce-comm-{tag}-{}", std::process::id()));
+        let info = RankInfo::new(0, 1, dir.join("s.sock"), "comm-test", None).unwrap();
+        let config = Config {
+            backend: BackendChoice::Host,
+            ..Config::default()
+        };
+        Communicator::with_rank_info(info, &config).unwrap()
+    }
+
+    #[test]
+    fn free_refuses_a_buffer_of_another_communicator() {
+        let (mut a, b) = (single_rank("a"), single_rank("b"));
+        assert_ne!(a.token, b.token);
+        // Same small id as one of `a`'s would have: only the token tells them apart.
+        let theirs = crate::RegisteredBuffer::new(0x10000, 4096, 1).owned_by(b.token);
+        match a.free(theirs) {
+            Err(Error::InvalidArgument {
+                rank: 0,
+                op,
+                detail,
+            }) => {
+                assert_eq!(op, "free");
+                assert!(
+                    detail.contains("0x10000")
+                        && detail.contains("4096 bytes")
+                        && detail.contains("belongs to another communicator"),
+                    "{detail}"
+                );
+            }
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+        // Ours gets past the ownership check to the backend (which has no registered buffers
+        // on host, and says so).
+        let ours = crate::RegisteredBuffer::new(0x10000, 4096, 1).owned_by(a.token);
+        match a.free(ours) {
+            Err(Error::InvalidArgument { detail, .. }) => {
+                assert!(detail.contains("need the cuda backend"), "{detail}")
+            }
+            other => panic!("expected the host backend's refusal, got {other:?}"),
+        }
+        // Neither aborted it: nothing collective starts on the host backend.
+        assert!(!a.is_aborted());
     }
 }

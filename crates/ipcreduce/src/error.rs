@@ -130,8 +130,11 @@ impl Error {
         self.cuda_code() == Some(cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)
     }
 
-    /// Whether the communicator is dead after this error (timeout, peer lost, mismatch,
-    /// abort): only a new communicator can go on. Argument errors leave it usable.
+    /// Whether this kind of error means the communicator is dead wherever it arises (timeout,
+    /// peer lost, mismatch, abort): only a new communicator can go on. Note that any error of
+    /// a call the ranks make together (an argument error included) aborts the communicator on
+    /// every rank (see `Communicator::is_aborted`); errors of calls no peer takes part in
+    /// (`Communicator::host_buffer`, say) leave it usable.
     pub fn is_fatal(&self) -> bool {
         matches!(
             self,

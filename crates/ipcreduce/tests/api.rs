@@ -22,60 +22,105 @@ fn invalid(res: ipcreduce::Result<()>) -> String {
     }
 }
 
+/// A raw all-reduce of f32 with `Auto`.
+fn call(
+    comm: &mut Communicator,
+    s: *const c_void,
+    r: *mut c_void,
+    n: usize,
+) -> ipcreduce::Result<()> {
+    // SAFETY: the tests pass pointers the checks refuse, or live buffers of `n` f32.
+    unsafe {
+        comm.all_reduce_raw(
+            s,
+            r,
+            n,
+            DType::F32,
+            ReduceOp::Sum,
+            Algorithm::Auto,
+            std::ptr::null_mut(),
+        )
+    }
+}
+
+/// After a refused call, the communicator is aborted with that error as the reason: later
+/// calls fail at once with `Aborted` naming it (every rank would see the same).
+fn assert_dead_with(comm: &mut Communicator, first: &str) {
+    assert!(comm.is_aborted(), "not aborted after: {first}");
+    let mut buf = vec![1.0f32; 8];
+    match comm.all_reduce_host_in_place(&mut buf, ReduceOp::Sum, Algorithm::Auto) {
+        Err(e @ Error::Aborted { rank: 0, .. }) => {
+            assert!(e.to_string().contains(first), "{e} lacks '{first}'")
+        }
+        other => panic!("expected Aborted after '{first}', got {other:?}"),
+    }
+    assert!(buf.iter().all(|v| *v == 1.0), "a refused call wrote");
+    match comm.async_error() {
+        Some(Error::Aborted { reason, .. }) => assert!(reason.contains(first), "{reason}"),
+        other => panic!("expected the abort as the async error, got {other:?}"),
+    }
+}
+
 #[test]
-fn bad_pointers_and_counts_are_refused_and_nothing_is_written() {
-    let mut comm = single_rank();
+fn bad_pointers_and_counts_are_refused_write_nothing_and_abort() {
     let mut out = vec![7.0f32; 64];
     let src = vec![1.0f32; 64];
     let (s, r) = (
         src.as_ptr().cast::<c_void>(),
         out.as_mut_ptr().cast::<c_void>(),
     );
-    let call = |comm: &mut Communicator, s: *const c_void, r: *mut c_void, n: usize, d: DType| unsafe {
-        comm.all_reduce_raw(
-            s,
-            r,
-            n,
-            d,
-            ReduceOp::Sum,
-            Algorithm::Auto,
-            std::ptr::null_mut(),
-        )
-    };
-
-    let e = invalid(call(&mut comm, std::ptr::null(), r, 64, DType::F32));
-    assert!(e.contains("null"), "{e}");
-    let e = invalid(call(&mut comm, s, std::ptr::null_mut(), 64, DType::F32));
-    assert!(e.contains("null"), "{e}");
     // A float pointer one byte off is not aligned to its element size.
-    let odd = unsafe { r.cast::<u8>().add(1).cast::<c_void>() };
-    let e = invalid(call(&mut comm, s, odd, 16, DType::F32));
-    assert!(e.contains("aligned"), "{e}");
+    let odd = r.cast::<u8>().wrapping_add(1).cast::<c_void>();
     // Overlapping but different buffers.
-    let shifted = unsafe { r.cast::<f32>().add(4).cast::<c_void>() };
-    let e = invalid(call(&mut comm, r, shifted, 32, DType::F32));
-    assert!(e.contains("overlap"), "{e}");
-    // A count whose byte size overflows.
-    let e = invalid(call(&mut comm, s, r, usize::MAX / 2, DType::F32));
-    assert!(e.contains("overflows"), "{e}");
+    let shifted = r.cast::<f32>().wrapping_add(4).cast::<c_void>();
+    let cases: [(*const c_void, *mut c_void, usize, &str); 5] = [
+        (std::ptr::null(), r, 64, "null buffer pointer"),
+        (s, std::ptr::null_mut(), 64, "null buffer pointer"),
+        (s, odd, 16, "aligned to the float element size"),
+        (r, shifted, 32, "send and recv overlap"),
+        // A count whose byte size overflows.
+        (s, r, usize::MAX / 2, "overflows the address space"),
+    ];
+    for (send, recv, n, why) in cases {
+        let mut comm = single_rank();
+        let e = invalid(call(&mut comm, send, recv, n));
+        assert!(
+            e.starts_with("rank 0: invalid argument to all_reduce: ") && e.contains(why),
+            "{e} lacks '{why}'"
+        );
+        assert_dead_with(&mut comm, why);
+    }
     assert!(
         out.iter().all(|v| *v == 7.0),
         "a refused call wrote to the output"
     );
 
-    // Zero elements is a valid no-op, as in NCCL.
-    call(&mut comm, s, r, 0, DType::F32).unwrap();
-    assert!(out.iter().all(|v| *v == 7.0));
-
-    // Slices of different lengths.
+    // Slices of different lengths: a call that cannot even be described aborts too.
+    let mut comm = single_rank();
     let e =
         invalid(comm.all_reduce_host(&src[..10], &mut out[..11], ReduceOp::Sum, Algorithm::Auto));
-    assert!(e.contains("10") && e.contains("11"), "{e}");
+    assert!(e.contains("send has 10 elements, recv 11"), "{e}");
+    assert_dead_with(&mut comm, "send has 10 elements, recv 11");
+}
 
-    // With one rank the all-reduce is a copy; the communicator still works after the refusals.
+#[test]
+fn count_zero_is_a_call_that_needs_no_buffer() {
+    let mut comm = single_rank();
+    let mut out = vec![7.0f32; 64];
+    let src = vec![1.0f32; 64];
+    // Any pointers, null included: nothing is read or written.
+    call(&mut comm, std::ptr::null(), std::ptr::null_mut(), 0).unwrap();
+    call(&mut comm, src.as_ptr().cast(), out.as_mut_ptr().cast(), 0).unwrap();
+    let mut none: [f32; 0] = [];
+    comm.reduce_scatter_host(&[], &mut none, ReduceOp::Sum)
+        .unwrap();
+    comm.all_gather_host(&[], &mut none).unwrap();
+    assert!(out.iter().all(|v| *v == 7.0));
+    // With one rank the all-reduce is a copy; the communicator is still usable.
     comm.all_reduce_host(&src, &mut out, ReduceOp::Sum, Algorithm::Auto)
         .unwrap();
     assert!(out.iter().all(|v| *v == 1.0));
+    assert!(!comm.is_aborted());
 }
 
 #[test]
@@ -84,11 +129,19 @@ fn nccl_is_refused_on_the_host_backend_with_a_reason() {
     let why = comm
         .unavailable(Algorithm::Nccl)
         .expect("NCCL must be unavailable on host");
-    assert!(why.to_lowercase().contains("cuda"), "{why}");
+    assert!(why.contains("NCCL is cuda-only"), "{why}");
+    // Asking anyway is a failed call like any other: refused, and the communicator aborted
+    // (a peer would be waiting in the same call). `unavailable` is the way to ask first.
     let mut buf = vec![1.0f32; 8];
     let res = comm.all_reduce_host_in_place(&mut buf, ReduceOp::Sum, Algorithm::Nccl);
-    assert!(res.is_err(), "NCCL on host must fail");
+    let e = invalid(res);
+    assert!(
+        e.starts_with("rank 0: invalid argument to all_reduce")
+            && e.contains("runs oneshot or twoshot, not nccl"),
+        "{e}"
+    );
     assert!(buf.iter().all(|v| *v == 1.0));
+    assert_dead_with(&mut comm, "not nccl");
 }
 
 #[test]
@@ -124,7 +177,13 @@ fn abort_makes_the_communicator_unusable_and_is_reported_asynchronously() {
         other => panic!("expected an abort, got {other:?}"),
     }
     let res = comm.all_reduce_host_in_place(&mut buf, ReduceOp::Sum, Algorithm::Auto);
-    assert!(matches!(res, Err(Error::Aborted { .. })), "{res:?}");
+    match res {
+        Err(e @ Error::Aborted { rank: 0, .. }) => assert!(
+            e.to_string().contains("watchdog: step took too long"),
+            "{e}"
+        ),
+        other => panic!("expected Aborted naming the watchdog, got {other:?}"),
+    }
     // Dropping an aborted communicator is quick and quiet.
     let t0 = std::time::Instant::now();
     drop(comm);
@@ -191,4 +250,9 @@ fn registered_buffers_are_refused_on_the_host_backend_with_a_reason() {
     let err = invalid(unsafe { comm.register(0x1000, 4096) }.map(drop));
     assert!(err.contains("register"), "{err}");
     assert_eq!(comm.last_path(), None);
+    // Refused alike on every rank before anything collective starts: still usable.
+    assert!(!comm.is_aborted());
+    let mut buf = vec![1.0f32; 8];
+    comm.all_reduce_host_in_place(&mut buf, ReduceOp::Sum, Algorithm::Auto)
+        .unwrap();
 }

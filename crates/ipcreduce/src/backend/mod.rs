@@ -60,17 +60,33 @@ pub struct Call {
 /// A buffer every rank registered together ([`crate::Communicator::alloc`] or `register`):
 /// all-reduce calls whose send and recv lie in registered buffers read and write them directly,
 /// with no staging copy. Freed by [`crate::Communicator::free`] (collective) or when the
-/// communicator is dropped.
+/// communicator is dropped. It carries the identity of the communicator that made it, so
+/// another communicator refuses to free it.
 #[derive(Debug, PartialEq, Eq)]
 pub struct RegisteredBuffer {
     ptr: u64,
     bytes: usize,
     id: u64,
+    /// The making communicator's process-unique token (0 until the communicator sets it).
+    owner: u64,
 }
 
 impl RegisteredBuffer {
     pub(crate) fn new(ptr: u64, bytes: usize, id: u64) -> Self {
-        RegisteredBuffer { ptr, bytes, id }
+        RegisteredBuffer {
+            ptr,
+            bytes,
+            id,
+            owner: 0,
+        }
+    }
+    /// The buffer marked as made by the communicator with `token`.
+    pub(crate) fn owned_by(mut self, token: u64) -> Self {
+        self.owner = token;
+        self
+    }
+    pub(crate) fn is_owned_by(&self, token: u64) -> bool {
+        self.owner == token
     }
     /// Device address of the buffer in this process.
     pub fn ptr(&self) -> u64 {

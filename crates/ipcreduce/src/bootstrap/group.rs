@@ -67,13 +67,18 @@ fn link(job: &Arc<AbortState>, group: &Arc<AbortState>, group_name: String) {
     let (j, g) = pair();
     job.on_abort(Box::new(move || {
         if let (Some(j), Some(g)) = (up(&j), up(&g)) {
-            g.abort(j.reason().unwrap_or_default());
+            // The origin travels along: a local abort is news for the group's ranks too.
+            if let Some((why, origin)) = j.first() {
+                g.abort_from(why, origin);
+            }
         }
     }));
     let (j, g) = pair();
     group.on_abort(Box::new(move || {
         if let (Some(j), Some(g)) = (up(&j), up(&g)) {
-            j.abort(format!("{group_name}: {}", g.reason().unwrap_or_default()));
+            if let Some((why, origin)) = g.first() {
+                j.abort_from(format!("{group_name}: {why}"), origin);
+            }
         }
     }));
 }

@@ -7,13 +7,20 @@
 //! - A non-zero rank watches its connection to rank 0: DIED(k) or end-of-stream without BYE
 //!   from rank 0 aborts its communicator.
 //!
+//! - An abort raised on this rank (an argument error, a failed call, `Communicator::abort`)
+//!   is news: an abort hook wakes the watcher, which sends DIED(itself, why) at once (a
+//!   non-zero rank to rank 0, which relays it to every other rank as it does for deaths; rank 0
+//!   to every rank). Every rank's calls then stop with the root cause within milliseconds,
+//!   rather than at their timeout or when the failing rank leaves. An abort learnt from a peer
+//!   is not sent on again, so nothing loops.
+//!
 //! Stopping: the owner writes one byte into a socketpair the watcher polls; the watcher says
-//! BYE and returns. If the communicator is aborted it says DIED(itself, why) instead, so the
-//! others abort too and learn the root cause (say, a mismatched call) rather than only that a
-//! rank left. The owner waits for it, bounded.
+//! BYE and returns. If the communicator was aborted here and that was not yet told, it says
+//! DIED(itself, why) instead, so the others abort too and learn the root cause (say, a
+//! mismatched call) rather than only that a rank left. The owner waits for it, bounded.
 
 use super::wire::{poll_timeout, Conn, Deadline, Kind, Reader, WireError, Writer};
-use crate::abort::AbortState;
+use crate::abort::{AbortState, Origin};
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags};
 use std::io::{Read, Write};
@@ -36,34 +43,59 @@ pub(crate) struct Watcher {
     handle: Option<JoinHandle<()>>,
 }
 
+/// The watcher's two wake-up sockets: the owner's stop request, and the abort hook's news.
+struct Wakes {
+    stop: UnixStream,
+    aborted: UnixStream,
+}
+
 impl Watcher {
     /// Rank 0's watcher over `(rank, connection)` pairs.
     pub fn spawn_root(
         conns: Vec<(usize, Conn)>,
         abort: Arc<AbortState>,
     ) -> std::io::Result<Watcher> {
-        Self::spawn("ipcreduce-live0", move |wake| {
-            root_loop(conns, wake, &abort)
+        let a = abort.clone();
+        Self::spawn("ipcreduce-live0", &a, move |wakes| {
+            root_loop(conns, wakes, &abort)
         })
     }
 
     /// A non-zero rank's watcher over its connection to rank 0.
     pub fn spawn_leaf(rank: usize, conn: Conn, abort: Arc<AbortState>) -> std::io::Result<Watcher> {
-        Self::spawn("ipcreduce-live", move |wake| {
-            leaf_loop(rank, conn, wake, &abort)
+        let a = abort.clone();
+        Self::spawn("ipcreduce-live", &a, move |wakes| {
+            leaf_loop(rank, conn, wakes, &abort)
         })
     }
 
     fn spawn(
         name: &str,
-        body: impl FnOnce(UnixStream) + Send + 'static,
+        abort: &AbortState,
+        body: impl FnOnce(Wakes) + Send + 'static,
     ) -> std::io::Result<Watcher> {
         let (tx, rx) = UnixStream::pair()?;
-        rx.set_nonblocking(true)?;
-        tx.set_nonblocking(true)?;
+        let (news_tx, news_rx) = UnixStream::pair()?;
+        for s in [&tx, &rx, &news_tx, &news_rx] {
+            s.set_nonblocking(true)?;
+        }
+        let wakes = Wakes {
+            stop: rx,
+            aborted: news_rx,
+        };
         let handle = std::thread::Builder::new()
             .name(name.into())
-            .spawn(move || body(rx))?;
+            .spawn(move || body(wakes))?;
+        // The hook only pokes the watcher (one non-blocking byte): it runs on whatever thread
+        // aborts, maybe inside a call. MSG_NOSIGNAL: after the watcher ended, the write fails
+        // quietly instead of raising SIGPIPE in a process that did not ignore it.
+        abort.on_abort(Box::new(move || {
+            let _ = nix::sys::socket::send(
+                std::os::fd::AsRawFd::as_raw_fd(&news_tx),
+                &[1],
+                nix::sys::socket::MsgFlags::MSG_NOSIGNAL | nix::sys::socket::MsgFlags::MSG_DONTWAIT,
+            );
+        }));
         Ok(Watcher {
             wake: Some(tx),
             handle: Some(handle),
@@ -101,10 +133,12 @@ impl Drop for Watcher {
     }
 }
 
-/// Polls the wake socket plus `conns`; returns (wake fired, which conns are ready).
-fn poll_set(wake: &UnixStream, conns: &[&Conn]) -> (bool, Vec<bool>) {
-    let mut pfds = Vec::with_capacity(1 + conns.len());
-    pfds.push(PollFd::new(wake.as_fd(), PollFlags::POLLIN));
+/// Polls the wake sockets plus `conns`; returns (stop fired, abort news fired, which conns
+/// are ready).
+fn poll_set(wakes: &Wakes, conns: &[&Conn]) -> (bool, bool, Vec<bool>) {
+    let mut pfds = Vec::with_capacity(2 + conns.len());
+    pfds.push(PollFd::new(wakes.stop.as_fd(), PollFlags::POLLIN));
+    pfds.push(PollFd::new(wakes.aborted.as_fd(), PollFlags::POLLIN));
     for c in conns {
         pfds.push(PollFd::new(c.sock.as_fd(), PollFlags::POLLIN));
     }
@@ -114,7 +148,22 @@ fn poll_set(wake: &UnixStream, conns: &[&Conn]) -> (bool, Vec<bool>) {
         Err(_) => std::thread::sleep(Duration::from_millis(10)),
     }
     let ready = |p: &PollFd| p.revents().is_some_and(|r| !r.is_empty());
-    (ready(&pfds[0]), pfds[1..].iter().map(ready).collect())
+    (
+        ready(&pfds[0]),
+        ready(&pfds[1]),
+        pfds[2..].iter().map(ready).collect(),
+    )
+}
+
+/// Empties the abort-news socket (the bytes carry nothing; the state says what happened).
+fn drain(mut news: &UnixStream) {
+    let mut b = [0u8; 64];
+    while matches!(news.read(&mut b), Ok(n) if n > 0) {}
+}
+
+/// Whether this rank has an abort of its own that its peers have not been told of.
+fn untold(abort: &AbortState, told: bool) -> bool {
+    !told && abort.origin() == Some(Origin::Local)
 }
 
 /// Drains the wake socket; true when the owner asked us to stop.
@@ -130,12 +179,17 @@ fn say_bye(conn: &mut Conn) {
     let _ = conn.send(Kind::Bye, 0, &[], &[], &Deadline::after(SEND_BOUND));
 }
 
-/// Leaving an aborted communicator: tell the other end why, as a DIED about ourselves.
-fn say_failed(conn: &mut Conn, rank: usize, abort: &AbortState) {
+/// An abort raised here: tell the other end why, as a DIED about ourselves (`leaving`: we
+/// are stopping, rather than telling the news as it happens).
+fn say_failed(conn: &mut Conn, rank: usize, abort: &AbortState, leaving: bool) {
     let why = abort.reason().unwrap_or_else(|| "aborted".into());
+    let text = if leaving {
+        format!("rank {rank} left after an error: {why}")
+    } else {
+        format!("rank {rank} aborted: {why}")
+    };
     let mut msg = Writer::new();
-    msg.u32(rank as u32)
-        .bytes(format!("rank {rank} left after an error: {why}").as_bytes());
+    msg.u32(rank as u32).bytes(text.as_bytes());
     let _ = conn.send(Kind::Died, 0, &msg.0, &[], &Deadline::after(SEND_BOUND));
 }
 
@@ -170,12 +224,17 @@ fn next_event(conn: &mut Conn) -> Event {
     }
 }
 
-fn root_loop(mut conns: Vec<(usize, Conn)>, wake: UnixStream, abort: &AbortState) {
+fn root_loop(mut conns: Vec<(usize, Conn)>, wakes: Wakes, abort: &AbortState) {
+    // Whether every rank was told of this rank's own abort.
+    let mut told = false;
     loop {
-        let (stop, ready) = {
+        let (stop, news, ready) = {
             let refs: Vec<&Conn> = conns.iter().map(|(_, c)| c).collect();
-            poll_set(&wake, &refs)
+            poll_set(&wakes, &refs)
         };
+        if news {
+            drain(&wakes.aborted);
+        }
         let mut dead = Vec::new();
         // Downwards so removals do not shift the entries still to visit.
         for i in (0..conns.len()).rev() {
@@ -184,7 +243,8 @@ fn root_loop(mut conns: Vec<(usize, Conn)>, wake: UnixStream, abort: &AbortState
             }
             match next_event(&mut conns[i].1) {
                 Event::Nothing => {}
-                // A rank leaving after an error says why (see say_failed).
+                // A rank that aborted (at once, or when leaving) says why (see say_failed);
+                // it needs no relay back, and nothing more comes from it that matters.
                 Event::Died(_, why) => {
                     dead.push((conns[i].0, why));
                     conns.swap_remove(i);
@@ -212,7 +272,8 @@ fn root_loop(mut conns: Vec<(usize, Conn)>, wake: UnixStream, abort: &AbortState
             } else {
                 tracing::warn!("rank 0: {reason}");
             }
-            abort.abort(reason.clone());
+            // Relayed below, to everyone: not news of our own to broadcast again.
+            abort.abort_from_peer(reason.clone());
             let mut msg = Writer::new();
             msg.u32(k as u32).bytes(reason.as_bytes());
             let dl = Deadline::after(SEND_BOUND);
@@ -221,10 +282,16 @@ fn root_loop(mut conns: Vec<(usize, Conn)>, wake: UnixStream, abort: &AbortState
                 let _ = c.send(Kind::Died, 0, &msg.0, &[], &dl);
             }
         }
-        if stop && woken(&wake) {
+        if untold(abort, told) {
             for (_, c) in conns.iter_mut() {
-                if abort.is_aborted() {
-                    say_failed(c, 0, abort);
+                say_failed(c, 0, abort, false);
+            }
+            told = true;
+        }
+        if stop && woken(&wakes.stop) {
+            for (_, c) in conns.iter_mut() {
+                if untold(abort, told) {
+                    say_failed(c, 0, abort, true);
                 } else {
                     say_bye(c);
                 }
@@ -234,9 +301,14 @@ fn root_loop(mut conns: Vec<(usize, Conn)>, wake: UnixStream, abort: &AbortState
     }
 }
 
-fn leaf_loop(rank: usize, mut conn: Conn, wake: UnixStream, abort: &AbortState) {
+fn leaf_loop(rank: usize, mut conn: Conn, wakes: Wakes, abort: &AbortState) {
+    // Whether rank 0 was told of this rank's own abort.
+    let mut told = false;
     loop {
-        let (stop, ready) = poll_set(&wake, &[&conn]);
+        let (stop, news, ready) = poll_set(&wakes, &[&conn]);
+        if news {
+            drain(&wakes.aborted);
+        }
         if ready[0] {
             match next_event(&mut conn) {
                 Event::Nothing => {}
@@ -246,8 +318,12 @@ fn leaf_loop(rank: usize, mut conn: Conn, wake: UnixStream, abort: &AbortState) 
                     } else {
                         format!("{why} [reported by rank 0]")
                     };
-                    tracing::warn!("rank {rank}: {reason}");
-                    abort.abort(reason);
+                    if abort.is_aborted() {
+                        tracing::debug!("rank {rank}: {reason}");
+                    } else {
+                        tracing::warn!("rank {rank}: {reason}");
+                    }
+                    abort.abort_from_peer(reason);
                 }
                 Event::Bye => {
                     tracing::debug!("rank {rank}: rank 0 left");
@@ -263,14 +339,18 @@ fn leaf_loop(rank: usize, mut conn: Conn, wake: UnixStream, abort: &AbortState) 
                     } else {
                         tracing::warn!("rank {rank}: {reason}");
                     }
-                    abort.abort(reason);
+                    abort.abort_from_peer(reason);
                     return;
                 }
             }
         }
-        if stop && woken(&wake) {
-            if abort.is_aborted() {
-                say_failed(&mut conn, rank, abort);
+        if untold(abort, told) {
+            say_failed(&mut conn, rank, abort, false);
+            told = true;
+        }
+        if stop && woken(&wakes.stop) {
+            if untold(abort, told) {
+                say_failed(&mut conn, rank, abort, true);
             } else {
                 say_bye(&mut conn);
             }

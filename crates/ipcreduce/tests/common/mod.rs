@@ -83,6 +83,9 @@ pub struct Rank {
     lines: mpsc::Receiver<String>,
     stdout: Arc<Mutex<String>>,
     stderr: Arc<Mutex<String>>,
+    /// The stdout and stderr readers: joined (after the process exited) before their text
+    /// is read, so nothing the process wrote last is missed.
+    readers: Vec<std::thread::JoinHandle<()>>,
     status: Option<ExitStatus>,
 }
 
@@ -122,7 +125,7 @@ impl Rank {
         let stdout = Arc::new(Mutex::new(String::new()));
         let stderr = Arc::new(Mutex::new(String::new()));
         let (out, all) = (child.stdout.take().unwrap(), stdout.clone());
-        std::thread::spawn(move || {
+        let out_reader = std::thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
                 all.lock().unwrap().push_str(&format!("{line}\n"));
                 // libtest's "test name ... " may precede our message on the same line.
@@ -132,7 +135,7 @@ impl Rank {
             }
         });
         let (mut err, all) = (child.stderr.take().unwrap(), stderr.clone());
-        std::thread::spawn(move || {
+        let err_reader = std::thread::spawn(move || {
             let mut s = String::new();
             let _ = err.read_to_string(&mut s);
             all.lock().unwrap().push_str(&s);
@@ -145,14 +148,25 @@ impl Rank {
             lines,
             stdout,
             stderr,
+            readers: vec![out_reader, err_reader],
             status: None,
         }
     }
 
+    /// Once the process has exited, waits for the readers to collect the last of what it
+    /// wrote (they end at end-of-file). While it runs, the text so far is what there is.
+    fn settle(&mut self) {
+        if self.status.is_none() && !self.has_exited() {
+            return;
+        }
+        for r in self.readers.drain(..) {
+            let _ = r.join();
+        }
+    }
+
     /// What the rank printed, for failure messages.
-    pub fn diag(&self) -> String {
-        // Give the reader threads a moment to collect what the process wrote last.
-        std::thread::sleep(Duration::from_millis(50));
+    pub fn diag(&mut self) -> String {
+        self.settle();
         format!(
             "rank {} (status {:?})\n--- stdout ---\n{}--- stderr ---\n{}",
             self.rank,
@@ -218,10 +232,17 @@ impl Rank {
         assert!(st.success(), "failed: {}", self.diag());
     }
 
-    /// Everything the rank wrote to stderr so far.
-    pub fn stderr(&self) -> String {
-        std::thread::sleep(Duration::from_millis(50));
+    /// Everything the rank wrote to stderr: all of it once the process exited.
+    pub fn stderr(&mut self) -> String {
+        self.settle();
         self.stderr.lock().unwrap().clone()
+    }
+
+    /// Writes `line` to a held rank's stdin (a go-ahead the rank waits for).
+    pub fn send_line(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().expect("a held rank (Spawn::hold)");
+        writeln!(stdin, "{line}").expect("write to the rank's stdin");
+        stdin.flush().expect("flush the rank's stdin");
     }
 }
 

@@ -24,13 +24,15 @@ pub(crate) const LINE: usize = 64;
 /// Bytes reserved for [`Control`] at the start of every arena.
 pub(crate) const CONTROL_BYTES: usize = 4096;
 /// Data of a one-shot chunk this small travels inside the ready line itself, so a peer
-/// fetches one cache line per call instead of two.
-pub(crate) const INLINE_BYTES: usize = 20;
+/// fetches one cache line per call instead of two. (What is left of the line after the
+/// stamp: three f32 or six 16-bit elements.)
+pub(crate) const INLINE_BYTES: usize = 12;
 /// `src_off` value meaning "the data is in the ready line's inline bytes".
 pub(crate) const SRC_INLINE: u64 = u64::MAX;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"IPCRHOST");
-const VERSION: u32 = 1;
+/// 2: the ready line's stamp carries where the call's input lies (`place`).
+const VERSION: u32 = 2;
 const PAGE: usize = 4096;
 
 /// Sizes of the areas of an arena; every rank of a communicator must use the same.
@@ -86,7 +88,9 @@ pub(crate) struct ReadyLine {
     pub count: AtomicU64,
     /// Offset in the owner's arena of this chunk's input, or [`SRC_INLINE`].
     pub src_off: AtomicU64,
-    /// dtype | op << 8 | algo << 16 (codes from `types.rs`).
+    /// In place or not, and where the call's input lies in the owner's heap (`stamp.rs`).
+    pub place: AtomicU64,
+    /// dtype | op << 8 | algo << 16 | operation << 24 (codes from `types.rs`, `SgOp`).
     pub codes: AtomicU32,
     /// Data of tiny one-shot calls. Written before the epoch's release store and read after
     /// its acquire load; the protocol never lets the owner rewrite it while a peer reads it.

@@ -85,14 +85,13 @@ impl HostComm {
         }
     }
 
-    /// Our own abort state, then every peer's abort word. At the start of a call
+    /// Every peer's abort word, then our own abort state. At the start of a call
     /// (`entering`), a peer's mismatch verdict is not yet ours: the peer published its stamp
     /// for this call before giving up, so going on lets this rank find the mismatch itself
-    /// and report it as such.
+    /// and report it as such. The words come first because they say more: a peer that timed
+    /// out on the rank we wait for makes that our timeout too, even when the same news has
+    /// already reached our own state through the liveness connections.
     fn poll_aborts(&self, entering: bool) -> Option<Fail> {
-        if self.abort.is_aborted() {
-            return Some(Fail::Local);
-        }
         for q in self.peers() {
             let line = &self.ctrl(q).abort;
             match AbortWord::decode(line.word()) {
@@ -109,7 +108,7 @@ impl HostComm {
                 }
             }
         }
-        None
+        self.abort.is_aborted().then_some(Fail::Local)
     }
 
     /// Fails fast when the communicator is already dead.

@@ -174,8 +174,9 @@ impl HostComm {
     }
 
     /// Allocates `bytes` in our symmetric heap. Call it like a collective (same sizes, same
-    /// order on every rank) and the buffers get the same offsets everywhere; correctness does
-    /// not depend on it, since every call publishes where its input lies.
+    /// order on every rank) and the buffers get the same offsets everywhere, as calls require:
+    /// every call's stamp says where its input lies, and ranks whose inputs lie at different
+    /// offsets (or one in the heap, one not) fail with a mismatch, as on cuda.
     pub fn alloc_symmetric(&mut self, bytes: usize) -> Result<SymmetricBuffer> {
         SymmetricBuffer::new(self.arenas[self.rank].clone(), self.heap.clone(), bytes)
     }
@@ -257,13 +258,19 @@ impl HostComm {
         bytes: usize,
     ) -> Result<*const u8, Fail> {
         let line = &self.ctrl(q).ready[slot];
-        self.wait_signal(q, &line.sig, epoch)?;
+        if let Err(f) = self.wait_signal(q, &line.sig, epoch) {
+            // Stopped by an abort: when it is a peer's verdict on this very call (a mismatch
+            // found first elsewhere), the stamps are there to report it as such on this rank
+            // too, whichever rank it waited for.
+            let stopped = matches!(f, Fail::Local | Fail::Peer { .. });
+            return Err(match self.published_mismatch(slot, epoch, stamp) {
+                Some(m) if stopped => m,
+                _ => f,
+            });
+        }
         let theirs = Stamp::read(line);
         if theirs != *stamp {
-            return Err(Fail::Mismatch {
-                peer: q,
-                detail: stamp.diff(&theirs),
-            });
+            return Err(self.mismatch(q, stamp, &theirs));
         }
         let off = line.src_off.load(Ordering::Relaxed);
         if off == SRC_INLINE && bytes <= arena::INLINE_BYTES {
@@ -277,6 +284,44 @@ impl HostComm {
         }
         // SAFETY: checked to lie inside peer q's mapping.
         Ok(unsafe { self.bases[q].add(off as usize) }.cast_const())
+    }
+
+    /// The mismatch with peer `q`'s stamp `theirs`: what differs, then both calls in words.
+    fn mismatch(&self, q: usize, ours: &Stamp, theirs: &Stamp) -> Fail {
+        Fail::Mismatch {
+            peer: q,
+            detail: format!(
+                "{} (rank {}: {}; rank {q}: {})",
+                ours.diff(theirs),
+                self.rank,
+                ours.describe(),
+                theirs.describe()
+            ),
+        }
+    }
+
+    /// The first peer whose stamp for `epoch` is published and differs from ours, if any.
+    fn published_mismatch(&self, slot: usize, epoch: u64, stamp: &Stamp) -> Option<Fail> {
+        self.peers().find_map(|q| {
+            let line = &self.ctrl(q).ready[slot];
+            if line.sig.get() < epoch {
+                return None;
+            }
+            let theirs = Stamp::read(line);
+            (theirs != *stamp).then(|| self.mismatch(q, stamp, &theirs))
+        })
+    }
+
+    /// The call's identity on its own (no data): one epoch whose stamp every rank compares.
+    /// A count-0 call is a call like any other, so a rank making one while a peer makes
+    /// another call fails with a mismatch on both, instead of pairing later calls off by one.
+    fn handshake(&mut self, stamp: &Stamp) -> Result<(), Fail> {
+        let (epoch, slot) = self.next_epoch();
+        self.publish_ready(slot, epoch, stamp, SRC_INLINE);
+        for q in self.peers() {
+            self.wait_ready(q, slot, epoch, stamp, 0)?;
+        }
+        Ok(())
     }
 
     /// Runs one all-reduce (algorithm resolved).
@@ -322,31 +367,35 @@ impl HostComm {
             ));
         }
         self.check_alive(name, self.seq + 1)?;
-        if count == 0 {
-            return Ok(());
-        }
         self.seq += 1;
         let seq = self.seq;
         let bytes = count * dtype.size();
         if self.world == 1 {
-            if send != recv.cast_const() {
+            if send != recv.cast_const() && count > 0 {
                 // SAFETY: caller guarantees both valid and non-overlapping when different.
                 unsafe { std::ptr::copy_nonoverlapping(send, recv, bytes) };
             }
             return Ok(());
         }
+        // A count-0 call has no buffers (its pointers may be null or dangling): nothing to
+        // place, only its identity to compare.
+        let heap_off = (count > 0).then(|| self.heap_offset(send, bytes)).flatten();
+        let in_place = count > 0 && send == recv.cast_const();
         let job = Job {
             send,
             recv,
             count,
             dtype,
             op,
-            stamp: Stamp::new(seq, count, dtype, op, algo).of(what),
-            heap_off: self.heap_offset(send, bytes),
+            stamp: Stamp::new(seq, count, dtype, op, algo)
+                .of(what)
+                .placed(in_place, heap_off),
+            heap_off,
         };
         // SAFETY: forwarded contract.
         let r = unsafe {
             match algo {
+                _ if count == 0 => self.handshake(&job.stamp).map(|()| false),
                 Algorithm::OneShot => oneshot::run(self, &job),
                 _ => twoshot::run(self, &job),
             }

@@ -14,7 +14,13 @@ pub(super) struct Stamp {
     count: u64,
     /// dtype | op << 8 | algo << 16 | operation << 24.
     codes: u32,
+    /// [`IN_PLACE`] | (1 + offset in the owner's arena of the call's input, when it lies in
+    /// the symmetric heap; 0 when it does not).
+    place: u64,
 }
+
+/// `Stamp::place` bit of an in-place call.
+const IN_PLACE: u64 = 1 << 63;
 
 impl Stamp {
     pub fn new(seq: u64, count: usize, dtype: DType, op: ReduceOp, algo: Algorithm) -> Stamp {
@@ -22,6 +28,7 @@ impl Stamp {
             seq,
             count: count as u64,
             codes: dtype.code() | op.code() << 8 | algo.code() << 16,
+            place: 0,
         }
     }
 
@@ -31,12 +38,24 @@ impl Stamp {
         self
     }
 
+    /// The stamp of a call in place or not whose input lies at `heap` (its offset in the
+    /// owner's arena) when it lies in the symmetric heap. Ranks must agree on both, as on a
+    /// registered buffer's offset on cuda: heap buffers are allocated like a collective, so a
+    /// rank whose input lies elsewhere is running another call than its peers.
+    pub fn placed(mut self, in_place: bool, heap: Option<usize>) -> Stamp {
+        self.place = heap.map_or(0, |h| (1 + h as u64) & !IN_PLACE);
+        if in_place {
+            self.place |= IN_PLACE;
+        }
+        self
+    }
     /// Reads a peer's stamp (after acquiring its epoch, which orders these loads).
     pub fn read(line: &ReadyLine) -> Stamp {
         Stamp {
             seq: line.seq.load(Ordering::Relaxed),
             count: line.count.load(Ordering::Relaxed),
             codes: line.codes.load(Ordering::Relaxed),
+            place: line.place.load(Ordering::Relaxed),
         }
     }
 
@@ -45,6 +64,7 @@ impl Stamp {
         line.seq.store(self.seq, Ordering::Relaxed);
         line.count.store(self.count, Ordering::Relaxed);
         line.codes.store(self.codes, Ordering::Relaxed);
+        line.place.store(self.place, Ordering::Relaxed);
     }
 
     /// What differs, in words ("count 100 vs 200").
@@ -62,7 +82,55 @@ impl Stamp {
                 parts.push(format!("{what} {a} vs {b}"));
             }
         }
+        if (self.place ^ peer.place) & IN_PLACE != 0 {
+            parts.push(format!(
+                "{} vs {}",
+                in_place_name(self.place),
+                in_place_name(peer.place)
+            ));
+        }
+        let (a, b) = (self.place & !IN_PLACE, peer.place & !IN_PLACE);
+        if a != b {
+            parts.push(format!("input {} vs {}", heap_name(a), heap_name(b)));
+        }
         parts.join(", ")
+    }
+
+    /// The call in words ("all_reduce #3 of 100 float, sum, oneshot, out of place"), for
+    /// errors that name both ranks' calls.
+    pub fn describe(&self) -> String {
+        let name = |field| code_name(self.codes, field);
+        let mut s = format!(
+            "{} #{} of {} {}, {}, {}, {}",
+            name(3),
+            self.seq,
+            self.count,
+            name(0),
+            name(1),
+            name(2),
+            in_place_name(self.place)
+        );
+        let heap = self.place & !IN_PLACE;
+        if heap != 0 {
+            s.push_str(&format!(", input {}", heap_name(heap)));
+        }
+        s
+    }
+}
+
+fn in_place_name(place: u64) -> &'static str {
+    if place & IN_PLACE != 0 {
+        "in place"
+    } else {
+        "out of place"
+    }
+}
+
+/// Where the input lies, from a `place` without its in-place bit.
+fn heap_name(heap: u64) -> String {
+    match heap {
+        0 => "not in the arena".into(),
+        h => format!("in the arena at offset {}", h - 1),
     }
 }
 
@@ -103,5 +171,33 @@ mod tests {
         assert_eq!(a.diff(&a), "");
         let rs = a.of(SgOp::ReduceScatter);
         assert_eq!(a.diff(&rs), "operation all_reduce vs reduce_scatter");
+    }
+
+    #[test]
+    fn diff_and_describe_name_the_placement() {
+        let a = Stamp::new(3, 100, DType::F32, ReduceOp::Sum, Algorithm::OneShot);
+        let plain = a.placed(false, None);
+        let at = |off| a.placed(false, Some(off));
+        assert_eq!(
+            plain.diff(&a.placed(true, None)),
+            "out of place vs in place"
+        );
+        assert_eq!(
+            at(8192).diff(&at(12288)),
+            "input in the arena at offset 8192 vs in the arena at offset 12288"
+        );
+        assert_eq!(
+            at(0).diff(&plain),
+            "input in the arena at offset 0 vs not in the arena"
+        );
+        assert_eq!(at(8192).diff(&at(8192)), "");
+        assert_eq!(
+            a.of(SgOp::AllGather).placed(true, Some(64)).describe(),
+            "all_gather #3 of 100 float, sum, oneshot, in place, input in the arena at offset 64"
+        );
+        assert_eq!(
+            plain.describe(),
+            "all_reduce #3 of 100 float, sum, oneshot, out of place"
+        );
     }
 }

@@ -192,7 +192,7 @@ fn many_back_to_back_calls_of_changing_shape() {
 }
 
 #[test]
-fn zero_copy_buffers_in_and_out_of_place_mixed_with_plain_ones() {
+fn zero_copy_buffers_in_and_out_of_place_match_plain_ones() {
     let world = 3;
     let mut w = World::new(world);
     w.workspace = 2 * 4096;
@@ -202,49 +202,107 @@ fn zero_copy_buffers_in_and_out_of_place_mixed_with_plain_ones() {
             for algo in ALGOS {
                 let seed = count as u64;
                 let want = all_reduce(c, dtype, ReduceOp::Sum, algo, count, seed, false).unwrap();
+                assert_eq!(
+                    reference::count_wrong(dtype, ReduceOp::Sum, seed, world, &want),
+                    0
+                );
+                // Allocated like a collective: the same offset on every rank, as the stamp
+                // requires.
                 let mut buf = c.host_buffer::<f32>(count).unwrap();
                 let inp = input(dtype, seed, r, count);
                 crate::element::as_bytes_mut(&mut buf[..]).copy_from_slice(&inp);
-                // Rank 2 keeps using plain buffers: mixing must work.
-                let got = if r == 2 {
-                    all_reduce(c, dtype, ReduceOp::Sum, algo, count, seed, true).unwrap()
-                } else {
-                    let mut out = vec![0u8; count * 4];
-                    // SAFETY: buffers of count f32.
-                    unsafe {
-                        c.all_reduce(
-                            buf.as_ptr().cast(),
-                            out.as_mut_ptr(),
-                            count,
-                            dtype,
-                            ReduceOp::Sum,
-                            algo,
-                        )
-                    }
-                    .unwrap();
-                    assert_eq!(
-                        crate::element::as_bytes(&buf[..]),
-                        &inp[..],
-                        "input untouched"
-                    );
-                    out
-                };
-                assert!(got == want, "out-of-place zero-copy {algo} n={count}");
+                let mut out = vec![0u8; count * 4];
+                // SAFETY: buffers of count f32.
+                unsafe {
+                    c.all_reduce(
+                        buf.as_ptr().cast(),
+                        out.as_mut_ptr(),
+                        count,
+                        dtype,
+                        ReduceOp::Sum,
+                        algo,
+                    )
+                }
+                .unwrap();
+                assert_eq!(
+                    crate::element::as_bytes(&buf[..]),
+                    &inp[..],
+                    "input untouched"
+                );
+                assert!(out == want, "out-of-place zero-copy {algo} n={count}");
                 // In place in the heap.
-                let got = if r == 2 {
-                    all_reduce(c, dtype, ReduceOp::Sum, algo, count, seed, true).unwrap()
-                } else {
-                    let p = buf.as_mut_ptr().cast::<u8>();
-                    // SAFETY: one buffer of count f32.
-                    unsafe { c.all_reduce(p, p, count, dtype, ReduceOp::Sum, algo) }.unwrap();
-                    crate::element::as_bytes(&buf[..]).to_vec()
-                };
-                assert!(got == want, "in-place zero-copy {algo} n={count}");
+                let p = buf.as_mut_ptr().cast::<u8>();
+                // SAFETY: one buffer of count f32.
+                unsafe { c.all_reduce(p, p, count, dtype, ReduceOp::Sum, algo) }.unwrap();
+                assert!(
+                    crate::element::as_bytes(&buf[..]) == &want[..],
+                    "in-place zero-copy {algo} n={count}"
+                );
                 // The caller may overwrite its buffer as soon as the call returns.
                 buf.fill(f32::NAN);
             }
         }
     });
+}
+
+#[test]
+fn an_arena_buffer_against_a_plain_one_or_another_offset_is_a_mismatch() {
+    // What each rank's error says differs, rank 0's view first.
+    for (case, want) in [
+        (
+            "plain",
+            [
+                " vs not in the arena (",
+                ": input not in the arena vs in the arena at offset ",
+            ],
+        ),
+        (
+            "offset",
+            [" vs in the arena at offset ", " vs in the arena at offset "],
+        ),
+        (
+            "in place",
+            [
+                ": out of place vs in place (",
+                ": in place vs out of place (",
+            ],
+        ),
+    ] {
+        let world = 2;
+        let res = World::new(world).run(|r, c| {
+            let count = 1000;
+            let mut a = c.host_buffer::<f32>(count).unwrap();
+            let mut b = c.host_buffer::<f32>(count).unwrap();
+            let mut out = vec![0u8; count * 4];
+            let plain = vec![0u8; count * 4];
+            let (send, recv) = match (case, r) {
+                ("plain", 1) => (plain.as_ptr(), out.as_mut_ptr()),
+                ("offset", 1) => (b.as_ptr().cast::<u8>(), out.as_mut_ptr()),
+                ("in place", 1) => (a.as_ptr().cast::<u8>(), a.as_mut_ptr().cast::<u8>()),
+                _ => (a.as_ptr().cast::<u8>(), out.as_mut_ptr()),
+            };
+            let _ = &mut b;
+            // SAFETY: buffers of count f32, live to the end of the closure.
+            let e = unsafe {
+                c.all_reduce(
+                    send,
+                    recv,
+                    count,
+                    DType::F32,
+                    ReduceOp::Sum,
+                    Algorithm::OneShot,
+                )
+            };
+            e.expect_err("mismatched placement must fail").to_string()
+        });
+        for (r, e) in res.iter().enumerate() {
+            assert!(
+                e.contains("does not match peer rank"),
+                "{case}, rank {r}: {e}"
+            );
+            assert!(e.contains(want[r]), "{case}, rank {r}: {e}");
+        }
+    }
 }
 
 #[test]
