@@ -320,7 +320,7 @@ impl Communicator {
             buf,
             me.live.clone(),
             me.rank,
-            slf.clone().unbind(),
+            slf.clone().into_any().unbind(),
         ))
     }
 
@@ -329,7 +329,7 @@ impl Communicator {
     fn free(slf: &Bound<'_, Self>, buf: &Bound<'_, RegisteredBuffer>) -> PyResult<()> {
         let me = slf.get();
         let b = buf.get();
-        if !b.owner().is(slf) {
+        if !b.owned_by(slf.as_any()) {
             return Err(me.invalid("free", "the buffer belongs to another communicator"));
         }
         let Some((inner, _token)) = b.take() else {
