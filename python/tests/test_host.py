@@ -70,6 +70,21 @@ def test_many_small_calls_stay_in_step(comm):
         assert (x == want).all(), (step, x[:3], want)
 
 
+def test_empty_arrays_on_every_rank_keep_the_ranks_in_step(comm):
+    # Count 0 on every rank, in place and out of place: nothing to reduce, and the next call
+    # still meets the same call of every peer (each rank's value differs, so a call paired
+    # with another would show as a wrong sum).
+    empty = np.zeros(0, np.float32)
+    assert comm.all_reduce(empty) is empty
+    out = np.zeros(0, np.float32)
+    assert comm.all_reduce(empty, out=out) is out
+    for step in range(3):
+        x = np.full(5, 10.0 * step + comm.rank, np.float32)
+        comm.all_reduce(x)
+        want = sum(10.0 * step + r for r in range(comm.world_size))
+        assert (x == want).all(), (step, x, want)
+
+
 @pytest.mark.parametrize("bad, why", [
     (lambda: np.zeros(8, np.float64), "is not reduced"),
     (lambda: np.zeros(8, np.int32), "is not reduced"),
