@@ -195,7 +195,7 @@ comm.check()
 del reused
 
 # A mismatch (the last rank passes one element more) must reach every rank as MismatchError
-# or AbortedError naming the culprit and both counts, and quickly; then a new communicator works.
+# or AbortedError naming the culprit and the counts, and quickly; then a new communicator works.
 dist.barrier()
 culprit = world - 1
 n = 1000 + (1 if rank == culprit else 0)
@@ -210,18 +210,25 @@ except ipcreduce.Error as e:
     mismatch = f"{type(e).__name__}: {e}"
 waited = time.monotonic() - t0
 # The rank that finds it raises MismatchError naming the peer it compared with; one that learns
-# it from a peer first raises AbortedError naming the pair of ranks that differ.
-peer = re.search(r"does not match peer rank (\d+)", mismatch)
-pair = re.search(r"differ between ranks (\d+) and (\d+)", mismatch)
-if mismatch.startswith("MismatchError") and peer:
-    named = {rank, int(peer.group(1))}
-elif mismatch.startswith("AbortedError") and pair:
-    named = {int(pair.group(1)), int(pair.group(2))}
-else:
-    named = set()
-ctx.expect(culprit in named and len(named) == 2, f"mismatch does not name rank {culprit}: {mismatch}")
-ctx.expect(f"rank {rank}:" in mismatch and "1001" in mismatch and "1000" in mismatch,
-           f"mismatch without this rank or both counts: {mismatch}")
+# it first from a peer raises AbortedError carrying that report ("rank A: ... does not match
+# peer rank B", or the host form "differ between ranks A and B"). Either way the pair named
+# must be this rank's view of the culprit. The counts: "count 1001 vs 1000" where both ranks'
+# arguments were compared, else (the low-latency path sees only a hash of the peer's) the
+# reporting rank's own count, "(1001 x float ...)" or "(1000 x float ...)".
+pair = (re.search(r"rank (\d+): all_reduce #\d+ does not match peer rank (\d+)", mismatch)
+        or re.search(r"differ between ranks (\d+) and (\d+)", mismatch))
+named = {int(pair.group(1)), int(pair.group(2))} if pair else set()
+kind_ok = mismatch.startswith("MismatchError") or mismatch.startswith("AbortedError")
+ctx.expect(kind_ok and culprit in named and len(named) == 2,
+           f"mismatch does not name rank {culprit} and a peer: {mismatch}")
+if mismatch.startswith("MismatchError") and pair:
+    ctx.expect(mismatch.startswith(f"MismatchError: rank {rank}: all_reduce"),
+               f"mismatch not reported as this rank's: {mismatch}")
+    ctx.expect(culprit != rank or int(pair.group(2)) != rank, f"culprit names itself: {mismatch}")
+counts = set(re.findall(r"\b(1000|1001)\b", mismatch))
+both = "count 1001 vs 1000" in mismatch or "count 1000 vs 1001" in mismatch
+ctx.expect(both or (len(counts) == 1 and re.search(r"\((1000|1001) x ", mismatch)),
+           f"mismatch without the counts: {mismatch}")
 ctx.expect(waited < 2.0, f"mismatch took {waited:.2f} s to raise")
 ctx.log(f"mismatch after {waited * 1000:.0f} ms: {mismatch}")
 dist.barrier()
