@@ -1,6 +1,7 @@
 """The Python package on the host backend with numpy arrays, run as every rank of a job:
 `ipcreduce launch -n 4 -- python -m pytest -q python/tests`."""
 
+import json
 import os
 import re
 import subprocess
@@ -203,6 +204,48 @@ def test_absent_rank_times_out_naming_it(files):
                 assert waited < timeout + 1.5, waited
     finally:
         c.close()
+
+
+PEER_DIES = """
+import json, os, sys, time
+import numpy as np
+import ipcreduce
+rank, job = int(sys.argv[1]), sys.argv[2]
+c = ipcreduce.init(backend="host", rank=rank, world_size=2, job_id=job, timeout=5.0)
+x = np.ones(4, np.float32)
+c.all_reduce(x)
+assert (x == 2).all(), x
+if rank == 1:
+    os._exit(7)  # dies without leaving: no close, no goodbye
+t0 = time.monotonic()
+try:
+    c.all_reduce(np.ones(4, np.float32))
+    out = dict(kind=None)
+except ipcreduce.Error as e:
+    out = dict(kind=type(e).__name__, msg=str(e))
+out["waited"] = time.monotonic() - t0
+print(json.dumps(out))
+"""
+
+
+def test_a_dead_peer_is_named_before_the_timeout(comm, tmp_path):
+    # A job of two processes of this rank's own (its job id keyed by this rank): rank 1 exits
+    # after one call, rank 0's next call must fail naming it, through the closed connection,
+    # long before its 5 s timeout.
+    script = tmp_path / "peer_dies.py"
+    script.write_text(PEER_DIES)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IPCREDUCE_")}
+    job = f"{os.environ['IPCREDUCE_JOB_ID']}-dies-{comm.rank}"
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), job], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert procs[1].returncode == 7, outs[1]
+    assert procs[0].returncode == 0, outs[0]
+    got = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert got["kind"] in ("PeerLostError", "AbortedError"), got
+    assert got["msg"].startswith("rank 0:") and "rank 1 died" in got["msg"], got
+    assert got["waited"] < 2.5, got
 
 
 def test_calls_release_the_gil(comm, files):
