@@ -267,7 +267,9 @@ def test_calls_release_the_gil(comm, files):
 
     if comm.rank == 0:
         files.wait("ticked", range(1, comm.world_size), timeout=5.0)
-        comm.all_reduce(np.ones(8, np.float32))
+        x = np.ones(8, np.float32)
+        comm.all_reduce(x)
+        assert (x == comm.world_size).all()
         return
     t = threading.Thread(target=count)
     t.start()
