@@ -79,6 +79,20 @@ class Communicator:
         """"cuda" or "host"."""
         return self._native.backend
 
+    @property
+    def fabric(self) -> str:
+        """What the data crosses, as every rank agreed at init: "peer" (peer memory; also the
+        host backend's shared memory), "pcie-peer" (peer memory under the PCIe policy) or
+        "host-staged" (cuda workspaces in host memory: IPCREDUCE_TRANSPORT=host, or peer
+        access failed at start)."""
+        return self._native.fabric
+
+    @property
+    def can_register(self) -> bool:
+        """Whether `alloc` can register memory: the cuda backend over peer memory. The same on
+        every rank."""
+        return self.backend == "cuda" and self.fabric != "host-staged"
+
     def all_reduce(self, x: Any, op: str = "sum", *, out: Any = None, stream: Any = None,
                    algo: str = "auto") -> Any:
         """All-reduces `x` into `out` (default: `x` itself, in place) and returns the result.

@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from . import _BY_HANDLE, Communicator, InvalidArgumentError
+from . import _BY_HANDLE, Communicator
 
 _log = logging.getLogger("ipcreduce")
 
@@ -108,8 +108,9 @@ class HookState:
     cuda backend. The staging buffers (one per bucket, as large as the gradients) are allocated
     collectively at the bucket's first call, which every rank makes in the same order. Where the
     communicator cannot register memory (it stages through host memory: IPCREDUCE_TRANSPORT=host,
-    or peer access failed at start, on every rank alike), the hook says so once in the log
-    and all-reduces the buckets in place instead, as with registered=False.
+    or peer access failed at start: `comm.can_register` is False on every rank alike), the
+    hook says so once in the log and all-reduces the buckets in place instead, as with
+    registered=False.
     """
 
     def __init__(self, comm: Communicator, side_stream: bool = True,
@@ -136,6 +137,14 @@ class HookState:
         """The registered staging tensor of bucket `index`, shaped like `t`, or None where the
         communicator cannot register memory. A bucket that grew (DDP rebuilds its buckets after
         the first step) gets a new buffer, on every rank alike."""
+        if self.unregistered_reason is None and not self.comm.can_register:
+            # Decided by the fabric every rank agreed on at init: every rank takes this branch
+            # at the same bucket, so no rank waits in an alloc the others skip.
+            self.unregistered_reason = (
+                f"the communicator's fabric is {self.comm.fabric} on the {self.comm.backend} "
+                f"backend")
+            _log.warning("ipcreduce DDP hook: registered staging is unavailable (%s): the "
+                         "buckets are all-reduced in place", self.unregistered_reason)
         if self.unregistered_reason is not None:
             return None
         nbytes = t.numel() * t.element_size()
@@ -147,18 +156,7 @@ class HookState:
                 _synchronize(t.device)
                 self.comm.free(have[0])
                 del self._staging[index]
-            try:
-                buf = self.comm.alloc(nbytes)
-            except InvalidArgumentError as e:
-                # The refusal comes from this rank's own transport, before any exchange, and
-                # the transport is the same on every rank: every rank takes this branch at the
-                # same bucket, so the job stays in step.
-                if "need peer memory" not in str(e):
-                    raise
-                self.unregistered_reason = str(e)
-                _log.warning("ipcreduce DDP hook: registered staging is unavailable, the "
-                             "buckets are all-reduced in place (%s)", e)
-                return None
+            buf = self.comm.alloc(nbytes)
             have = self._staging[index] = (buf, torch.as_tensor(buf, device=t.device))
         return have[1][:nbytes].view(t.dtype).view(t.shape)
 

@@ -384,6 +384,11 @@ def test_cuda_backend_unavailable_without_a_driver():
         assert (x == c.world_size).all()
 
 
+def test_fabric_and_registration_of_the_host_backend(comm):
+    assert comm.fabric == "peer", comm.fabric  # shared memory: the library's "peer"
+    assert comm.can_register is False  # registration is the cuda backend's
+
+
 def test_registered_buffers_need_the_cuda_backend(comm):
     with pytest.raises(ipcreduce.InvalidArgumentError, match="cuda backend"):
         comm.alloc(4096)
