@@ -238,7 +238,53 @@ ok = torch.ones(3, device=dev)
 comm.all_reduce(ok)
 torch.cuda.synchronize()
 ctx.expect(bool((ok == world).all()), "a new communicator after the mismatch does not work")
+ctx.expect(comm.can_register and comm.fabric in ("peer", "pcie-peer"),
+           f"peer-memory communicator: fabric {comm.fabric}, can_register {comm.can_register}")
+
+# The DDP hook where registration is unavailable (host-staged transport): it must not ask for
+# registered staging (alloc would refuse), say so once, and still average the bucket, checked
+# against the closed form: rank r's bucket is base * (r + 1), its average base * (world + 1) / 2.
+dist.barrier()
+comm.close()
+os.environ["IPCREDUCE_TRANSPORT"] = "host"
+try:
+    comm = ctx.comm = ipcreduce.init(backend="cuda")
+finally:
+    del os.environ["IPCREDUCE_TRANSPORT"]
+ctx.expect(comm.fabric == "host-staged" and not comm.can_register,
+           f"IPCREDUCE_TRANSPORT=host: fabric {comm.fabric}, can_register {comm.can_register}")
+
+
+class Bucket:
+    def __init__(self, t):
+        self.t = t
+
+    def index(self):
+        return 0
+
+    def buffer(self):
+        return self.t
+
+
+hs = itorch.HookState(comm)
+base = torch.arange(1 << 16, device=dev, dtype=torch.float32) - 1000.0
+bucket = base * (rank + 1)
+try:
+    hooked = itorch.hook(hs, Bucket(bucket)).wait()
+    torch.cuda.synchronize()
+    comm.check()
+    want = base.double() * (world + 1) / 2
+    hook_err = (hooked.double() - want).abs().max().item()
+    ctx.expect(hook_err <= 4 * world * EPS[torch.float32] * want.abs().max().item(),
+               f"hook on the host-staged transport: off by {hook_err}")
+    hook_staged = hs.unregistered_reason
+except ipcreduce.Error as e:
+    hook_staged = f"{type(e).__name__}: {e}"
+    ctx.expect(False, f"hook on the host-staged transport raised {hook_staged}")
+ctx.expect(hs.unregistered_reason is not None and "host-staged" in hs.unregistered_reason,
+           f"hook on the host-staged transport: staging reason {hs.unregistered_reason}")
+ctx.log(f"hook on the host-staged transport: {hook_staged}")
 
 ctx.report("correctness", dict(cases=cases, registered=registered, compiled=compiled, errors=errors, mismatch=mismatch,
-                               mismatch_s=waited))
+                               mismatch_s=waited, hook_host_staged=hook_staged))
 ctx.finish()
