@@ -37,6 +37,8 @@ class Ctx:
         self.comm = ipcreduce.init(backend="cuda")
         assert self.comm.backend == "cuda", self.comm.backend
         assert (self.comm.rank, self.comm.world_size) == (self.rank, self.world)
+        # Read now: a report may be written after the CUDA context broke (graph.py's last step).
+        self.device_name = torch.cuda.get_device_name(self.device)
         self.out = env.get("IPCREDUCE_PY_OUT", ".")
         self.failures: list = []
 
@@ -53,7 +55,7 @@ class Ctx:
 
     def report(self, name: str, data: dict) -> None:
         data = dict(data, rank=self.rank, world=self.world, failures=self.failures,
-                    device=torch.cuda.get_device_name(self.device), torch=torch.__version__,
+                    device=self.device_name, torch=torch.__version__,
                     shared_gpu=self.shared_gpu, date=time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                     time.gmtime()))
         path = os.path.join(self.out, f"{name}-rank{self.rank}.json")

@@ -4,7 +4,9 @@ replay latency with ipcreduce, with NCCL in the same graph and with no communica
 graph-captured all-reduces of 8-64 KB against NCCL's.
 Run: torchrun --standalone --nproc_per_node=2 graph.py"""
 
+import faulthandler
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -113,12 +115,18 @@ for name, body in (("ipcreduce", tp_ipcreduce), ("ipcreduce_op", tp_op),
 
 # Graph-captured all-reduce alone, 8-64 KB bf16: CALLS in-place calls per graph. After the
 # first call every rank holds the same values, so each further call multiplies them by the
-# world size exactly: the result is checked after every timing run.
+# world size exactly: the result is checked after every timing run. The first call's result
+# is itself checked against the float64 sum of the ranks' inputs (gathered through NCCL).
 CALLS = 20
 sizes = {}
 for kb in (8, 16, 32, 64):
     n = kb * 1024 // 2
     x0 = torch.randn(n, device=dev, generator=torch.Generator(device=dev).manual_seed(rank)).to(bf16)
+    x_all = torch.empty(world, n, device=dev, dtype=bf16)
+    dist.all_gather_into_tensor(x_all, x0)
+    first_ref = x_all.double().sum(0)
+    first_tol = EPS[bf16] * first_ref.abs() + world * EPS[torch.float32] * x_all.double().abs().sum(0)
+    del x_all
     row = {}
     reg = itorch.empty(n, bf16, comm)
     for name, call in (("ipcreduce", lambda b: comm.all_reduce(b)),
@@ -128,6 +136,8 @@ for kb in (8, 16, 32, 64):
         first.copy_(x0)
         call(first)  # eager: the first call's rounding, then exact doublings
         torch.cuda.synchronize()
+        ctx.expect(bool(((first.double() - first_ref).abs() <= first_tol).all()),
+                   f"{name} {kb} KB: eager call beyond rounding of the float64 reference")
         want = first.float() * float(world) ** (CALLS - 1)
         buf = reg if name == "ipcreduce_registered" else x0.clone()
         buf.copy_(x0)
@@ -159,7 +169,38 @@ for kb in (8, 16, 32, 64):
             f"x{row['speedup']:.2f} (registered x{row['speedup_registered']:.2f})")
 
 itorch.free(y_reg, comm)
+
+# A graph replayed after comm.close(): the captured kernels point at the communicator's
+# workspace, which close() unmapped. The outcome must be an error (the replay or the next
+# synchronize raises), never a replay that returns as if it had reduced; nor a hang: the
+# process dumps its stacks and exits non-zero if it is not over within the bound. This
+# leaves the CUDA context unusable, so it comes last, and the process exits right after it.
+stale = torch.full((4096,), float(rank + 1), device=dev, dtype=bf16)
+g_stale, _ = capture(lambda b: comm.all_reduce(b), stale)
+torch.cuda.synchronize()
+comm.check()
+dist.barrier()
+comm.close()
+dist.barrier()  # every rank closed before any replays
+after_close = "returned without an error"
+faulthandler.dump_traceback_later(float(os.environ.get("IPCREDUCE_TIMEOUT_MS", 10000)) / 1000 + 60,
+                                  exit=True)
+try:
+    stale.fill_(float(rank + 1))
+    g_stale.replay()
+    torch.cuda.synchronize()
+except Exception as e:  # the CUDA error torch raises (illegal address, launch failure)
+    after_close = f"{type(e).__name__}: {e}".splitlines()[0]
+faulthandler.cancel_dump_traceback_later()
+ctx.expect(after_close != "returned without an error",
+           "a graph replayed after comm.close() returned as if it had run")
+ctx.log(f"replay after close: {after_close}")
+
 ctx.report("graph", dict(tp_layer=results, tp_shape=[T, H], replays=REPLAYS,
-                         graph_all_reduce_us=sizes, calls_per_graph=CALLS))
-# NCCL was captured in CUDA graphs: its process group is left to the exit (see finish).
-ctx.finish(destroy_nccl=False)
+                         graph_all_reduce_us=sizes, calls_per_graph=CALLS,
+                         replay_after_close=after_close))
+# The CUDA context is gone (and NCCL was captured in CUDA graphs, see Ctx.finish): nothing of
+# the teardown can run, the process ends here with its report written.
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(1 if ctx.failures else 0)

@@ -79,6 +79,20 @@ class Communicator:
         """"cuda" or "host"."""
         return self._native.backend
 
+    @property
+    def fabric(self) -> str:
+        """What the data crosses, as every rank agreed at init: "peer" (peer memory; also the
+        host backend's shared memory), "pcie-peer" (peer memory under the PCIe policy) or
+        "host-staged" (cuda workspaces in host memory: IPCREDUCE_TRANSPORT=host, or peer
+        access failed at start)."""
+        return self._native.fabric
+
+    @property
+    def can_register(self) -> bool:
+        """Whether `alloc` can register memory: the cuda backend over peer memory. The same on
+        every rank."""
+        return self.backend == "cuda" and self.fabric != "host-staged"
+
     def all_reduce(self, x: Any, op: str = "sum", *, out: Any = None, stream: Any = None,
                    algo: str = "auto") -> Any:
         """All-reduces `x` into `out` (default: `x` itself, in place) and returns the result.
@@ -116,13 +130,22 @@ class Communicator:
             raise self._invalid(f"tensors on {x.device} are not supported (cpu or cuda)")
         handle = 0
         if on_device:
-            if stream is None:
-                import torch
+            import torch
 
+            if stream is None:
                 stream = torch.cuda.current_stream(x.device)
-            handle = stream if isinstance(stream, int) else stream.cuda_stream
+            elif isinstance(stream, int):
+                stream = torch.cuda.ExternalStream(stream, device=x.device)
+            handle = stream.cuda_stream
         self._native.all_reduce_ptr(x.data_ptr(), out.data_ptr(), x.numel(), dtype, on_device,
                                     op, algo, handle)
+        if on_device:
+            # The call is enqueued, not done: the caching allocator must not hand this memory
+            # to another tensor until `stream` has passed it, even where the caller drops the
+            # tensors at once or they were allocated on another stream (as torch.distributed
+            # does). On the tensors' own allocation stream, and for memory the allocator does
+            # not own (registered buffers), this records nothing.
+            _record_stream((x, out), stream)
 
     def synchronize(self) -> None:
         """Waits for the work enqueued on the communicator's own stream; raises an error a
@@ -178,6 +201,16 @@ class Communicator:
     def _invalid(self, detail: str) -> InvalidArgumentError:
         # Worded as the library's own argument errors.
         return InvalidArgumentError(f"rank {self.rank}: invalid argument to all_reduce: {detail}")
+
+
+def _record_stream(tensors, stream) -> None:
+    """Marks each tensor's memory as in use on `stream` until the work enqueued there so far
+    is done (`Tensor.record_stream`); a tensor given twice is marked once."""
+    seen = set()
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            t.record_stream(stream)
 
 
 def _is_torch_tensor(x: Any) -> bool:

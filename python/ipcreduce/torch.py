@@ -14,6 +14,7 @@ CUDA tensors need a communicator on the cuda backend, CPU tensors one on the hos
 """
 
 import contextlib
+import logging
 import math
 import weakref
 from typing import Any, Optional, Sequence, Union
@@ -22,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from . import _BY_HANDLE, Communicator
+
+_log = logging.getLogger("ipcreduce")
 
 __all__ = ["all_reduce", "all_reduce_", "empty", "free", "hook", "HookState"]
 
@@ -103,7 +106,11 @@ class HookState:
     the backward pass as NCCL's do (else on the backward pass's stream).
     registered: stage each bucket in registered memory (zero-copy all-reduce); default: on the
     cuda backend. The staging buffers (one per bucket, as large as the gradients) are allocated
-    collectively at the bucket's first call, which every rank makes in the same order.
+    collectively at the bucket's first call, which every rank makes in the same order. Where the
+    communicator cannot register memory (it stages through host memory: IPCREDUCE_TRANSPORT=host,
+    or peer access failed at start: `comm.can_register` is False on every rank alike), the
+    hook says so once in the log and all-reduces the buckets in place instead, as with
+    registered=False.
     """
 
     def __init__(self, comm: Communicator, side_stream: bool = True,
@@ -113,6 +120,8 @@ class HookState:
         self.registered = comm.backend == "cuda" if registered is None else registered
         self._streams: dict = {}
         self._staging: dict = {}  # bucket index -> (registered buffer, flat uint8 tensor)
+        # Why registered staging is off although asked for (None: not found unavailable).
+        self.unregistered_reason: Optional[str] = None
         # Kept with the communicator, whose close() frees the staging buffers.
         comm._torch_state.setdefault("hooks", []).append(self)
 
@@ -124,23 +133,47 @@ class HookState:
             s = self._streams[device] = torch.cuda.Stream(device)
         return s
 
-    def staging(self, index: int, t: torch.Tensor) -> torch.Tensor:
-        """The registered staging tensor of bucket `index`, shaped like `t`. A bucket that grew
-        (DDP rebuilds its buckets after the first step) gets a new buffer, on every rank alike."""
+    def staging(self, index: int, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """The registered staging tensor of bucket `index`, shaped like `t`, or None where the
+        communicator cannot register memory. A bucket that grew (DDP rebuilds its buckets after
+        the first step) gets a new buffer, on every rank alike."""
+        if self.unregistered_reason is None and not self.comm.can_register:
+            # Decided by the fabric every rank agreed on at init: every rank takes this branch
+            # at the same bucket, so no rank waits in an alloc the others skip.
+            self.unregistered_reason = (
+                f"the communicator's fabric is {self.comm.fabric} on the {self.comm.backend} "
+                f"backend")
+            _log.warning("ipcreduce DDP hook: registered staging is unavailable (%s): the "
+                         "buckets are all-reduced in place", self.unregistered_reason)
+        if self.unregistered_reason is not None:
+            return None
         nbytes = t.numel() * t.element_size()
         have = self._staging.get(index)
         if have is None or have[0].bytes < nbytes:
             if have is not None:
+                # Unmapping is not ordered by any stream: work still reading the old buffer
+                # (DDP's copy of the last result) must be done first.
+                _synchronize(t.device)
                 self.comm.free(have[0])
+                del self._staging[index]
             buf = self.comm.alloc(nbytes)
             have = self._staging[index] = (buf, torch.as_tensor(buf, device=t.device))
         return have[1][:nbytes].view(t.dtype).view(t.shape)
 
     def release(self) -> None:
         """Collective: frees the staging buffers (`Communicator.close` calls it)."""
+        if self._staging:
+            # As in staging(): nothing may still read or write them once unmapped.
+            for device in {tensor.device for _, tensor in self._staging.values()}:
+                _synchronize(device)
         for buf, _ in self._staging.values():
             self.comm.free(buf)
         self._staging.clear()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _hook_state(state: Any) -> HookState:
@@ -170,12 +203,17 @@ def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tens
     side = hs.stream(t.device)
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(t.device))
+        # The bucket was allocated on DDP's stream and is read (and, in place, written) on
+        # ours: its memory must not be reused before our work on it is done, even if DDP
+        # drops the bucket first. (The all-reduce records what it touches; the division
+        # below reads the bucket before it.)
+        t.record_stream(side)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        if hs.registered and t.is_cuda:
+        staging = hs.staging(bucket.index(), t) if hs.registered and t.is_cuda else None
+        if staging is not None:
             # The division DDP needs anyway writes the staging tensor: the all-reduce is then
             # in place in registered memory, with no copy of its own.
-            result = hs.staging(bucket.index(), t)
-            torch.div(t, comm.world_size, out=result)
+            result = torch.div(t, comm.world_size, out=staging)
         else:
             result = t.div_(comm.world_size)
         comm.all_reduce(result)

@@ -5,7 +5,7 @@ use crate::errors::{to_py, InvalidArgumentError};
 use crate::hostbuf::HostBuf;
 use crate::registered::RegisteredBuffer;
 use ipcreduce::bootstrap::RankInfo;
-use ipcreduce::{Algorithm, BackendChoice, BackendKind, Config, DType, ReduceOp};
+use ipcreduce::{Algorithm, BackendChoice, BackendKind, Config, DType, Fabric, ReduceOp};
 use pyo3::prelude::*;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -20,6 +20,8 @@ pub struct Communicator {
     rank: usize,
     world: usize,
     backend: BackendKind,
+    /// What the data crosses, as every rank agreed at init (host-staged: no registration).
+    fabric: Fabric,
     /// Aborts and reports without the lock, which a call in flight holds.
     abort: ipcreduce::AbortHandle,
     /// One clone per registered buffer not yet freed: close() refuses while any exists, since
@@ -149,6 +151,7 @@ impl Communicator {
             rank: comm.rank(),
             world: comm.world(),
             backend: comm.backend(),
+            fabric: comm.fabric(),
             abort: comm.abort_handle(),
             inner: Mutex::new(Some(comm)),
             live: Arc::new(()),
@@ -169,6 +172,18 @@ impl Communicator {
     #[getter]
     fn backend(&self) -> &'static str {
         self.backend.name()
+    }
+
+    /// What the data crosses, as every rank agreed at init: "peer" (peer memory; also the
+    /// host backend's shared memory), "pcie-peer" (peer memory under the PCIe policy) or
+    /// "host-staged" (the cuda backend's workspaces in host memory: no registered buffers).
+    #[getter]
+    fn fabric(&self) -> &'static str {
+        match self.fabric {
+            Fabric::Peer => "peer",
+            Fabric::PciePeer => "pcie-peer",
+            Fabric::HostStaged => "host-staged",
+        }
     }
 
     /// All-reduce of host buffers (numpy arrays): in place when `recv` is None. Host backend.
@@ -320,7 +335,7 @@ impl Communicator {
             buf,
             me.live.clone(),
             me.rank,
-            slf.clone().unbind(),
+            slf.clone().into_any().unbind(),
         ))
     }
 
@@ -329,7 +344,7 @@ impl Communicator {
     fn free(slf: &Bound<'_, Self>, buf: &Bound<'_, RegisteredBuffer>) -> PyResult<()> {
         let me = slf.get();
         let b = buf.get();
-        if !b.owner().is(slf) {
+        if !b.owned_by(slf.as_any()) {
             return Err(me.invalid("free", "the buffer belongs to another communicator"));
         }
         let Some((inner, _token)) = b.take() else {

@@ -1,8 +1,10 @@
 //! Registered (zero-copy) device buffers: memory every rank maps, so that all-reduces inside it
 //! need no staging copy. Exported to torch through `__cuda_array_interface__`; the tensor keeps
 //! the buffer object alive, and the buffer keeps its communicator alive.
+//!
+//! The communicator is held as a plain Python object: this module needs nothing of `comm.rs`
+//! (which makes these buffers), so the two stay a one-way dependency.
 
-use crate::comm::Communicator;
 use crate::errors::to_py;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -18,8 +20,9 @@ pub struct RegisteredBuffer {
     ptr: u64,
     bytes: usize,
     rank: usize,
-    /// The communicator stays alive (and mapped) while a tensor over this buffer exists.
-    owner: Py<Communicator>,
+    /// The `Communicator` that made it: it stays alive (and mapped) while a tensor over this
+    /// buffer exists, and `free` checks by identity that it is the one freeing it.
+    owner: Py<PyAny>,
 }
 
 impl RegisteredBuffer {
@@ -27,7 +30,7 @@ impl RegisteredBuffer {
         buf: ipcreduce::RegisteredBuffer,
         token: Arc<()>,
         rank: usize,
-        owner: Py<Communicator>,
+        owner: Py<PyAny>,
     ) -> Self {
         RegisteredBuffer {
             ptr: buf.ptr(),
@@ -50,8 +53,9 @@ impl RegisteredBuffer {
             .is_some()
     }
 
-    pub fn owner(&self) -> &Py<Communicator> {
-        &self.owner
+    /// Whether `comm` is the communicator that made this buffer.
+    pub fn owned_by(&self, comm: &Bound<'_, PyAny>) -> bool {
+        self.owner.is(comm)
     }
 }
 

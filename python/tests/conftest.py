@@ -1,23 +1,73 @@
 """Shared fixtures. Every rank of `ipcreduce launch -n N -- python -m pytest` runs the same tests
-in the same order, so each test's collectives meet their peers'."""
+in the same order, so each test's collectives meet their peers'.
+
+IPCREDUCE_REQUIRE_TORCH=1 (CI sets it) makes the torch tests fail where torch is missing
+instead of skipping, and fails the run if any of them is skipped all the same."""
 
 import os
 
 import pytest
 
 import ipcreduce
+from jobfiles import JobFiles
+
+TORCH_TESTS = "test_torch_cpu.py"
 
 
 def launched() -> bool:
     return bool(os.environ.get("IPCREDUCE_RANK") or os.environ.get("RANK"))
 
 
+def torch_required() -> bool:
+    return os.environ.get("IPCREDUCE_REQUIRE_TORCH") == "1"
+
+
+def rank_and_world():
+    if not launched():
+        pytest.fail("run these tests as ranks: ipcreduce launch -n 4 -- python -m pytest ...")
+    return int(os.environ["IPCREDUCE_RANK"]), int(os.environ["IPCREDUCE_WORLD_SIZE"])
+
+
 @pytest.fixture
 def comm():
     """A fresh host-backend communicator per test: a test that kills one (mismatch, timeout)
     leaves the next a working one."""
-    if not launched():
-        pytest.fail("run these tests as ranks: ipcreduce launch -n 4 -- python -m pytest ...")
+    rank_and_world()
     c = ipcreduce.init(backend="host")
     yield c
     c.close()
+
+
+@pytest.fixture
+def files(request):
+    """This test's channel between the ranks that bypasses ipcreduce (jobfiles.JobFiles)."""
+    rank, world = rank_and_world()
+    return JobFiles(request.node.nodeid.split("/")[-1], rank, world)
+
+
+_torch_skips = []
+
+
+def _note_skip(report) -> None:
+    if report.skipped and TORCH_TESTS in report.nodeid:
+        _torch_skips.append(report.nodeid)
+
+
+def pytest_collectreport(report):
+    _note_skip(report)
+
+
+def pytest_runtest_logreport(report):
+    _note_skip(report)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if torch_required() and _torch_skips and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if torch_required() and _torch_skips:
+        terminalreporter.write_line(
+            f"IPCREDUCE_REQUIRE_TORCH=1 and {len(_torch_skips)} torch test(s) skipped: "
+            + ", ".join(_torch_skips), red=True)

@@ -1,8 +1,6 @@
 """Deterministic inputs of every rank and the float64 reference of their reduction: each rank
 computes every rank's input, so it can check its own result without exchanging data."""
 
-import hashlib
-
 import numpy as np
 
 EPS = {np.float32: np.finfo(np.float32).eps, np.float16: np.finfo(np.float16).eps}
@@ -29,10 +27,3 @@ def check_close(got: np.ndarray, ref: np.ndarray, mag: np.ndarray, world: int, d
         f"{bad.size} of {got.size} elements off; first at {bad[0]}: got {got[bad[0]]}, "
         f"reference {ref[bad[0]]}, tolerance {tol[bad[0]]}")
 
-
-def digest_words(a: np.ndarray) -> np.ndarray:
-    """The array's bytes hashed into 8 float32 integers below 2**24 (exact in float32), so
-    that max and min all-reduces of them tell whether every rank holds the same bytes."""
-    d = hashlib.sha256(np.ascontiguousarray(a).tobytes()).digest()
-    return np.array([int.from_bytes(d[i:i + 3], "little") for i in range(0, 24, 3)],
-                    dtype=np.float32)
