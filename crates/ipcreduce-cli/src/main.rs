@@ -99,13 +99,20 @@ fn init_logging() {
     let filter = EnvFilter::try_from_env("IPCREDUCE_LOG")
         .or_else(|_| EnvFilter::try_from_default_env())
         .unwrap_or_else(|_| EnvFilter::new("warn"));
-    let colour = std::io::stderr().is_terminal()
-        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let colour = colour(
+        std::io::stderr().is_terminal(),
+        std::env::var_os("NO_COLOR").as_deref(),
+    );
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(colour)
         .with_writer(std::io::stderr)
         .init();
+}
+
+/// Colour on a terminal unless NO_COLOR is set to anything but the empty string.
+fn colour(terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    terminal && no_color.is_none_or(|v| v.is_empty())
 }
 
 fn exit(code: i32) -> ExitCode {
@@ -176,5 +183,19 @@ fn main() -> ExitCode {
         Cmd::Model(args) => exit(crate::model::run(args)),
         Cmd::Topo(args) => exit(crate::topo::run(args)),
         Cmd::Split(args) => exit(crate::split::run(args)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsStr;
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(super::colour(true, None));
+        assert!(super::colour(true, Some(OsStr::new(""))));
+        assert!(!super::colour(true, Some(OsStr::new("1"))));
+        assert!(!super::colour(false, None));
+        assert!(!super::colour(false, Some(OsStr::new("1"))));
     }
 }
