@@ -411,10 +411,10 @@ impl Logs {
             let mut err = std::io::stderr().lock();
             let _ = writeln!(
                 err,
-                "ipcreduce launch: rank {} {}; its output ({}):",
+                "ipcreduce launch: rank {}'s output ({}; it {}):",
                 rank.global,
-                describe(st),
-                path.display()
+                path.display(),
+                describe(st)
             );
             // Tagged always: these lines come after the other ranks' and must say whose they are.
             for line in String::from_utf8_lossy(&text).lines() {
