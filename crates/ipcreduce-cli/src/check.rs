@@ -7,7 +7,7 @@
 //! outputs are bitwise equal, and (for messages up to 16 MiB) one-shot and two-shot give
 //! bitwise the same result. The last line is `N passed, N failed`.
 
-use crate::cli::{join, parse_size, relaunch_unless_rank, RankArgs};
+use crate::cli::{join, parse_size, refuse, relaunch_unless_rank, typed_flag, RankArgs, Usage};
 use crate::harness::{gather_u64, run_checked, Buffers};
 use ipcreduce::backend::Call;
 use ipcreduce::error::Result;
@@ -53,6 +53,9 @@ struct Case {
 }
 
 pub fn run(args: CheckArgs) -> i32 {
+    if let Err(e) = check_args(&args) {
+        return refuse(&e);
+    }
     if let Some(code) = relaunch_unless_rank(&args.ranks) {
         return code;
     }
@@ -119,19 +122,42 @@ fn draw(
     }
 }
 
-/// Returns (passed, failed).
-fn check(args: &CheckArgs) -> Result<(usize, usize)> {
-    let algos: Vec<Algorithm> = args
-        .algos
+/// The algorithms of `-a`: auto, oneshot, twoshot (NCCL's results are not ours to check).
+fn parse_algos(list: &str) -> Result<Vec<Algorithm>, Usage> {
+    let flag = typed_flag(Some('a'), "algo");
+    let algos: Vec<Algorithm> = list
         .split(',')
         .map(|s| s.trim().parse())
         .collect::<std::result::Result<_, String>>()
-        .map_err(ipcreduce::Error::Config)?;
+        .map_err(|e| format!("{flag} {list}: {e}"))?;
     if algos.is_empty() || algos.contains(&Algorithm::Nccl) {
-        return Err(ipcreduce::Error::Config(
-            "check draws from auto, oneshot and twoshot".into(),
+        return Err(format!(
+            "{flag} {list}: check draws from auto, oneshot and twoshot"
         ));
     }
+    Ok(algos)
+}
+
+/// Refuses, before any rank starts, a command line that would check nothing or fail in every
+/// rank.
+fn check_args(args: &CheckArgs) -> Result<(), Usage> {
+    parse_algos(&args.algos)?;
+    if args.cases == 0 {
+        return Err("--cases 0: nothing to check (at least one case)".into());
+    }
+    let widest = DType::ALL.iter().map(|d| d.size()).max().unwrap_or(4);
+    if let Some(b) = args.max_bytes.filter(|b| *b < widest) {
+        return Err(format!(
+            "--max-bytes {b}: the cases draw every dtype, so it must hold one element of \
+             {widest} bytes"
+        ));
+    }
+    Ok(())
+}
+
+/// Returns (passed, failed).
+fn check(args: &CheckArgs) -> Result<(usize, usize)> {
+    let algos = parse_algos(&args.algos).map_err(ipcreduce::Error::Config)?;
     let mut comm = join(&args.ranks, false)?;
     let rank = comm.rank();
     let max_bytes = args.max_bytes.unwrap_or(match comm.backend() {

@@ -2,6 +2,7 @@
 
 use crate::launch;
 use ipcreduce::backend;
+use ipcreduce::bootstrap::MAX_WORLD;
 use ipcreduce::types::{BackendChoice, BackendKind};
 use ipcreduce::{Communicator, Config};
 
@@ -12,8 +13,8 @@ pub struct RankArgs {
     /// auto (cuda when every rank can use a GPU, host otherwise).
     #[arg(long, default_value = "auto", value_parser = parse_backend)]
     pub backend: BackendChoice,
-    /// Number of ranks to start (default: one per GPU on cuda, 4 on host). More ranks than
-    /// GPUs share GPUs round-robin (run MPS for that).
+    /// Number of ranks to start (default: one per GPU on cuda; on host one per core, at most
+    /// 4). More ranks than GPUs share GPUs round-robin (run MPS for that).
     #[arg(long)]
     pub ranks: Option<usize>,
 }
@@ -22,28 +23,130 @@ fn parse_backend(s: &str) -> Result<BackendChoice, String> {
     s.parse()
 }
 
-/// Default world size for a backend choice on this machine.
-pub fn default_ranks(choice: BackendChoice) -> usize {
+/// A command line the ranks must not start with: the message names the flag as typed; the
+/// command prints it once and exits with [`USAGE`].
+pub type Usage = String;
+
+/// Exit status of a refused command line (as clap's own parse errors).
+pub const USAGE: i32 = 2;
+
+/// Prints a refused command line once and returns [`USAGE`].
+pub fn refuse(msg: &str) -> i32 {
+    eprintln!("error: {msg}");
+    USAGE
+}
+
+/// How the user spelled an option on this command line: `--long` when typed so, else `-s`
+/// (or `--long` for options without a short form), so that errors quote what was typed.
+pub fn typed_flag(short: Option<char>, long: &str) -> String {
+    let long_flag = format!("--{long}");
+    for a in std::env::args().skip(1) {
+        if a == "--" {
+            break;
+        }
+        if a == long_flag || a.starts_with(&format!("{long_flag}=")) {
+            return long_flag;
+        }
+        if let Some(s) = short {
+            if !a.starts_with("--") && a.starts_with(&format!("-{s}")) {
+                return format!("-{s}");
+            }
+        }
+    }
+    short.map_or(long_flag, |s| format!("-{s}"))
+}
+
+/// Cores this process may run on (what `launch` binds ranks to).
+pub fn usable_cores() -> usize {
+    launch::usable_cores().len().max(1)
+}
+
+/// Ranks on the host backend when `--ranks` is not given: one per core, at most 4. More ranks
+/// than cores would make every wait yield its core to a peer, and times meaningless.
+pub fn host_default_ranks(cores: usize) -> usize {
+    cores.clamp(1, 4)
+}
+
+/// Default world size for a backend choice on this machine, and why, in words.
+pub fn default_ranks(choice: BackendChoice) -> (usize, String) {
     let gpus = || {
         backend::cuda::usable()
             .ok()
             .and_then(|_| cudarc::driver::safe::CudaContext::device_count().ok())
             .map(|n| n.max(1) as usize)
     };
+    let host = || {
+        let cores = usable_cores();
+        let n = host_default_ranks(cores);
+        (
+            n,
+            format!(
+                "the host backend's default: one rank per core, at most 4 ({cores} core{} here)",
+                if cores == 1 { "" } else { "s" }
+            ),
+        )
+    };
+    let per_gpu = |n: usize| (n, format!("one rank per GPU ({n} here)"));
     match choice {
-        BackendChoice::Host => 4,
-        BackendChoice::Cuda => gpus().unwrap_or(1),
-        _ => gpus().unwrap_or(4),
+        BackendChoice::Host => host(),
+        BackendChoice::Cuda => per_gpu(gpus().unwrap_or(1)),
+        _ => gpus().map_or_else(host, per_gpu),
     }
 }
 
+/// Checks what every command that starts ranks takes, before any rank starts: the rank count,
+/// and that `--backend cuda` has a GPU.
+pub fn check_rank_args(args: &RankArgs) -> Result<(), Usage> {
+    if let Some(n) = args.ranks {
+        if n == 0 {
+            return Err("--ranks 0: a job needs at least one rank".into());
+        }
+        if n > MAX_WORLD {
+            return Err(format!("--ranks {n}: at most {MAX_WORLD} ranks"));
+        }
+    }
+    if args.backend == BackendChoice::Cuda {
+        if let Err(e) = backend::cuda::usable() {
+            return Err(format!(
+                "--backend cuda: {e}; --backend host runs the same collectives between \
+                 processes through shared memory"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// When not already a rank, starts the ranks (this same command, N times) and returns their
-/// exit status; when a rank, returns None and the caller goes on.
+/// exit status; when a rank, returns None and the caller goes on. The rank arguments are
+/// checked first (a refused one exits with [`USAGE`] before any rank starts); without
+/// `--ranks`, rank 0's header says how many ranks the default gave and why, and a job with
+/// more ranks than cores says its times are not representative.
 pub fn relaunch_unless_rank(args: &RankArgs) -> Option<i32> {
     if launch::in_rank() {
         return None;
     }
-    let n = args.ranks.unwrap_or_else(|| default_ranks(args.backend));
+    if let Err(e) = check_rank_args(args) {
+        return Some(refuse(&e));
+    }
+    let n = match args.ranks {
+        Some(n) => n,
+        None => {
+            let (n, why) = default_ranks(args.backend);
+            println!(
+                "# {n} rank{}: {why}; --ranks N for another count",
+                plural(n)
+            );
+            n
+        }
+    };
+    let cores = usable_cores();
+    if n > cores {
+        println!(
+            "# {n} ranks on {cores} core{}: waiting ranks yield their core to the others, so \
+             times are not representative (--ranks {cores} or fewer for timing)",
+            plural(cores)
+        );
+    }
     let exe = match std::env::current_exe() {
         Ok(e) => e,
         Err(e) => {
@@ -58,6 +161,14 @@ pub fn relaunch_unless_rank(args: &RankArgs) -> Option<i32> {
             eprintln!("error: {e}");
             Some(2)
         }
+    }
+}
+
+fn plural(n: usize) -> &'static str {
+    if n == 1 {
+        ""
+    } else {
+        "s"
     }
 }
 

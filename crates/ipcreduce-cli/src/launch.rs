@@ -10,6 +10,10 @@
 //! master. Those launchers cannot agree on a random secret, so it comes from the
 //! environment (`IPCREDUCE_SECRET`, the same on every host), and the job id is derived
 //! from the master unless `IPCREDUCE_JOB_ID` is set.
+//!
+//! The ranks' output passes through the launcher a whole line at a time (optionally tagged
+//! with the rank, as `mpirun --tag-output`), so the lines of several ranks never mix; ranks
+//! left out of `--show` write to per-rank logs instead, printed when that rank fails.
 
 use ipcreduce::bootstrap::{Master, MAX_WORLD};
 use ipcreduce::error::{Error, Result};
@@ -17,12 +21,13 @@ use nix::sys::signal::{self, SaFlags, SigAction, SigHandler, SigSet, Signal};
 use nix::unistd::Pid;
 use rand::RngCore;
 use std::ffi::{OsStr, OsString};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::Mutex;
+use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How long the other ranks may take to stop on their own after one failed.
@@ -31,6 +36,27 @@ pub const DEFAULT_GRACE: Duration = Duration::from_secs(5);
 const TERM_GRACE: Duration = Duration::from_secs(2);
 /// Child status polling period.
 const TICK: Duration = Duration::from_millis(10);
+/// How long the last lines of the ranks' output may take to arrive after they exited (a
+/// process the rank left behind may hold its pipe open for ever).
+const DRAIN: Duration = Duration::from_secs(2);
+
+/// Where the ranks' output goes.
+#[derive(Clone, Debug, Default)]
+pub struct Output {
+    /// Prefix every line with `[rank N] `.
+    pub tag: bool,
+    /// The (global) ranks whose output reaches the launcher's stdout and stderr; None: all.
+    /// The others write to `rank-N.log`, printed when that rank fails.
+    pub show: Option<Vec<usize>>,
+    /// Where the per-rank logs go (kept); None: a private directory removed at the end.
+    pub log_dir: Option<PathBuf>,
+}
+
+impl Output {
+    fn shows(&self, rank: usize) -> bool {
+        self.show.as_ref().is_none_or(|s| s.contains(&rank))
+    }
+}
 
 /// True inside a rank started by `ipcreduce launch` or torchrun: `bench`/`check` use it to
 /// decide whether to re-launch themselves.
@@ -159,11 +185,19 @@ pub fn spawn_ranks_with(
     extra_env: &[(String, String)],
     grace: Duration,
 ) -> Result<i32> {
-    spawn_ranks_on(&Nodes::single(), n, program, args, extra_env, grace)
+    spawn_ranks_on(
+        &Nodes::single(),
+        n,
+        program,
+        args,
+        extra_env,
+        grace,
+        &Output::default(),
+    )
 }
 
 /// [`spawn_ranks_with`] for node `nodes.node_rank` of a job of `nodes.nnodes` hosts with `n`
-/// ranks each.
+/// ranks each, their output going where `output` says.
 pub fn spawn_ranks_on(
     nodes: &Nodes,
     n: usize,
@@ -171,15 +205,16 @@ pub fn spawn_ranks_on(
     args: &[OsString],
     extra_env: &[(String, String)],
     grace: Duration,
+    output: &Output,
 ) -> Result<i32> {
     if n == 0 {
         return Err(Error::Config(
-            "launch needs at least one rank (-n 0)".into(),
+            "a job needs at least one rank (0 asked)".into(),
         ));
     }
     if n > MAX_WORLD {
         return Err(Error::Config(format!(
-            "launch supports at most {MAX_WORLD} ranks (-n {n})"
+            "a job has at most {MAX_WORLD} ranks ({n} asked)"
         )));
     }
     nodes.check(n)?;
@@ -191,10 +226,17 @@ pub fn spawn_ranks_on(
     let nccl_shared_gpu = ipcreduce::Config::default().resolve()?.nccl_shared_gpu();
     let _signals = SignalGuard::install();
     let cores = core_binding(n);
+    let logs = Logs::new(nodes, n, output)?;
+    let (done_tx, done_rx) = mpsc::channel();
+    let mut forwarders = 0;
     let mut ranks: Vec<Rank> = Vec::with_capacity(n);
     for r in 0..n {
         let global = nodes.node_rank * n + r;
         let mut cmd = Command::new(program);
+        match logs.file(global)? {
+            Some((out, err)) => cmd.stdout(out).stderr(err),
+            None => cmd.stdout(Stdio::piped()).stderr(Stdio::piped()),
+        };
         cmd.args(args)
             .stdin(Stdio::null())
             .env("IPCREDUCE_RANK", global.to_string())
@@ -223,10 +265,22 @@ pub fn spawn_ranks_on(
             bind_to_core(&mut cmd, cores[r]);
         }
         match cmd.spawn() {
-            Ok(child) => ranks.push(Rank {
-                child,
-                status: None,
-            }),
+            Ok(mut child) => {
+                let tag = output.tag.then(|| format!("[rank {global}] "));
+                if let Some(out) = child.stdout.take() {
+                    forward(out, false, tag.clone(), done_tx.clone());
+                    forwarders += 1;
+                }
+                if let Some(err) = child.stderr.take() {
+                    forward(err, true, tag, done_tx.clone());
+                    forwarders += 1;
+                }
+                ranks.push(Rank {
+                    child,
+                    global,
+                    status: None,
+                });
+            }
             Err(e) => {
                 kill_all(&mut ranks, Signal::SIGKILL);
                 reap_all(&mut ranks);
@@ -239,12 +293,135 @@ pub fn spawn_ranks_on(
             }
         }
     }
-    Ok(supervise(&mut ranks, grace))
+    let code = supervise(&mut ranks, grace);
+    // The ranks are gone: their last lines are in the pipes (bounded: see DRAIN).
+    let until = Instant::now() + DRAIN;
+    for _ in 0..forwarders {
+        let left = until.saturating_duration_since(Instant::now());
+        if done_rx.recv_timeout(left).is_err() {
+            break;
+        }
+    }
+    logs.print_failed(&ranks);
+    Ok(code)
 }
 
 struct Rank {
     child: Child,
+    /// The rank in the whole job.
+    global: usize,
     status: Option<ExitStatus>,
+}
+
+/// Copies a rank's stdout or stderr to ours a whole line at a time (one write under the
+/// stream's lock, so lines of different ranks never mix), optionally tagged; says on `done`
+/// when the rank's end closed.
+fn forward(
+    from: impl Read + Send + 'static,
+    to_stderr: bool,
+    tag: Option<String>,
+    done: mpsc::Sender<()>,
+) {
+    std::thread::spawn(move || {
+        let mut from = BufReader::new(from);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            line.extend_from_slice(tag.as_deref().unwrap_or("").as_bytes());
+            let start = line.len();
+            match from.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+            if line.len() > start && !line.ends_with(b"\n") {
+                line.push(b'\n');
+            }
+            // A closed stdout of ours (e.g. `| head`) must not stop the rank: drop the line.
+            let _ = if to_stderr {
+                std::io::stderr().lock().write_all(&line)
+            } else {
+                let mut out = std::io::stdout().lock();
+                out.write_all(&line).and_then(|()| out.flush())
+            };
+        }
+        let _ = done.send(());
+    });
+}
+
+/// The per-rank logs of the ranks left out of `Output::show`.
+struct Logs {
+    /// Where they are; None when every rank is shown.
+    dir: Option<PathBuf>,
+    /// The private directory holding them when no log directory was given.
+    _private: Option<PrivateDir>,
+    show: Output,
+}
+
+impl Logs {
+    fn new(nodes: &Nodes, n: usize, output: &Output) -> Result<Logs> {
+        let first = nodes.node_rank * n;
+        let hidden = (first..first + n).any(|g| !output.shows(g));
+        let (dir, private) = match (&output.log_dir, hidden) {
+            (_, false) => (None, None),
+            (Some(d), true) => {
+                std::fs::create_dir_all(d)
+                    .map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
+                (Some(d.clone()), None)
+            }
+            (None, true) => {
+                let p = PrivateDir::create()?;
+                (Some(p.path.clone()), Some(p))
+            }
+        };
+        Ok(Logs {
+            dir,
+            _private: private,
+            show: output.clone(),
+        })
+    }
+
+    fn path(&self, global: usize) -> Option<PathBuf> {
+        self.dir
+            .as_ref()
+            .filter(|_| !self.show.shows(global))
+            .map(|d| d.join(format!("rank-{global}.log")))
+    }
+
+    /// The rank's stdout and stderr (one file: its lines stay in order), if it is not shown.
+    fn file(&self, global: usize) -> Result<Option<(std::fs::File, std::fs::File)>> {
+        let Some(path) = self.path(global) else {
+            return Ok(None);
+        };
+        let what = || format!("creating {}", path.display());
+        let out = std::fs::File::create(&path).map_err(|e| Error::io(what(), e))?;
+        let err = out.try_clone().map_err(|e| Error::io(what(), e))?;
+        Ok(Some((out, err)))
+    }
+
+    /// Prints the log of every hidden rank that failed, tagged with its rank.
+    fn print_failed(&self, ranks: &[Rank]) {
+        for rank in ranks {
+            let Some(st) = rank.status.filter(|s| !s.success()) else {
+                continue;
+            };
+            let Some(path) = self.path(rank.global) else {
+                continue;
+            };
+            let text = std::fs::read(&path).unwrap_or_default();
+            let mut err = std::io::stderr().lock();
+            let _ = writeln!(
+                err,
+                "ipcreduce launch: rank {}'s output ({}; it {}):",
+                rank.global,
+                path.display(),
+                describe(st)
+            );
+            // Tagged always: these lines come after the other ranks' and must say whose they are.
+            for line in String::from_utf8_lossy(&text).lines() {
+                let _ = writeln!(err, "[rank {}] {line}", rank.global);
+            }
+        }
+    }
 }
 
 /// Exit code as a shell reports it.
@@ -279,7 +456,7 @@ fn supervise(ranks: &mut [Rank], grace: Duration) -> i32 {
     let mut phase = Phase::Running;
     let mut first_failure: Option<i32> = None;
     loop {
-        for (r, rank) in ranks.iter_mut().enumerate() {
+        for rank in ranks.iter_mut() {
             if rank.status.is_some() {
                 continue;
             }
@@ -291,7 +468,7 @@ fn supervise(ranks: &mut [Rank], grace: Duration) -> i32 {
             };
             rank.status = Some(st);
             if !st.success() && first_failure.is_none() {
-                eprintln!("ipcreduce launch: rank {r} {}", describe(st));
+                eprintln!("ipcreduce launch: rank {} {}", rank.global, describe(st));
                 first_failure = Some(exit_code(st));
             }
         }
@@ -350,11 +527,18 @@ fn core_binding(n: usize) -> Option<Vec<usize>> {
     if std::env::var("IPCREDUCE_BIND").is_ok_and(|v| v == "none" || v == "0") {
         return None;
     }
-    let allowed = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).ok()?;
-    let cores: Vec<usize> = (0..nix::sched::CpuSet::count())
-        .filter(|&c| allowed.is_set(c).unwrap_or(false))
-        .collect();
+    let cores = usable_cores();
     (cores.len() >= n).then(|| cores[..n].to_vec())
+}
+
+/// The cores this process may run on (its affinity mask); empty when it cannot be read.
+pub fn usable_cores() -> Vec<usize> {
+    let Ok(allowed) = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)) else {
+        return Vec::new();
+    };
+    (0..nix::sched::CpuSet::count())
+        .filter(|&c| allowed.is_set(c).unwrap_or(false))
+        .collect()
 }
 
 fn bind_to_core(cmd: &mut Command, core: usize) {
@@ -526,7 +710,7 @@ mod tests {
         let e = spawn_ranks(0, OsStr::new("true"), &[], &[]).unwrap_err();
         assert!(e.to_string().contains("at least one rank"), "{e}");
         let e = spawn_ranks(65, OsStr::new("true"), &[], &[]).unwrap_err();
-        assert!(e.to_string().contains("at most 64"), "{e}");
+        assert!(e.to_string().contains("at most 64 ranks (65 asked)"), "{e}");
         let e = spawn_ranks(2, OsStr::new("/no/such/ipcreduce-prog"), &[], &[]).unwrap_err();
         assert!(e.to_string().contains("not found"), "{e}");
     }

@@ -50,6 +50,17 @@ enum Cmd {
         /// Seconds the other ranks get to stop by themselves after one failed.
         #[arg(long, default_value_t = 5.0)]
         grace: f64,
+        /// Prefix every line of the ranks' output with `[rank N] ` (as mpirun's --tag-output).
+        #[arg(long)]
+        tag_output: bool,
+        /// Ranks whose output reaches the terminal, comma separated (e.g. 0); the others write
+        /// to per-rank logs (rank-N.log), printed only when that rank fails. Default: all.
+        #[arg(long, value_delimiter = ',')]
+        show: Option<Vec<usize>>,
+        /// Keep the per-rank logs of the ranks left out of --show in this directory (default:
+        /// a private directory removed at the end).
+        #[arg(long)]
+        log_dir: Option<std::path::PathBuf>,
         /// The command and its arguments.
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         cmd: Vec<OsString>,
@@ -79,16 +90,29 @@ enum Cmd {
     Faults(crate::faults::FaultArgs),
 }
 
-/// Logs go to stderr, filtered by IPCREDUCE_LOG, else RUST_LOG, else warnings only.
+/// Logs go to stderr, filtered by IPCREDUCE_LOG, else RUST_LOG, else warnings only; in colour
+/// only on a terminal and without NO_COLOR (https://no-color.org), so that redirected logs
+/// hold no escape codes.
 fn init_logging() {
+    use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_env("IPCREDUCE_LOG")
         .or_else(|_| EnvFilter::try_from_default_env())
         .unwrap_or_else(|_| EnvFilter::new("warn"));
+    let colour = colour(
+        std::io::stderr().is_terminal(),
+        std::env::var_os("NO_COLOR").as_deref(),
+    );
     tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colour)
         .with_writer(std::io::stderr)
         .init();
+}
+
+/// Colour on a terminal unless NO_COLOR is set to anything but the empty string.
+fn colour(terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    terminal && no_color.is_none_or(|v| v.is_empty())
 }
 
 fn exit(code: i32) -> ExitCode {
@@ -105,11 +129,24 @@ fn main() -> ExitCode {
             node_rank,
             master,
             grace,
+            tag_output,
+            show,
+            log_dir,
             cmd,
         } => {
             let Some((program, args)) = cmd.split_first() else {
                 eprintln!("error: launch needs a command");
                 return ExitCode::from(2);
+            };
+            if n == 0 {
+                let flag = crate::cli::typed_flag(Some('n'), "nproc");
+                eprintln!("error: {flag} 0: a job needs at least one rank");
+                return ExitCode::from(2);
+            }
+            let output = crate::launch::Output {
+                tag: tag_output,
+                show,
+                log_dir,
             };
             if !grace.is_finite() || grace < 0.0 {
                 eprintln!("error: --grace must be a non-negative number of seconds");
@@ -128,7 +165,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            match crate::launch::spawn_ranks_on(&nodes, n, program, args, &[], grace) {
+            match crate::launch::spawn_ranks_on(&nodes, n, program, args, &[], grace, &output) {
                 Ok(code) => exit(code),
                 Err(e) => {
                     eprintln!("error: {e}");
@@ -146,5 +183,19 @@ fn main() -> ExitCode {
         Cmd::Model(args) => exit(crate::model::run(args)),
         Cmd::Topo(args) => exit(crate::topo::run(args)),
         Cmd::Split(args) => exit(crate::split::run(args)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsStr;
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(super::colour(true, None));
+        assert!(super::colour(true, Some(OsStr::new(""))));
+        assert!(!super::colour(true, Some(OsStr::new("1"))));
+        assert!(!super::colour(false, None));
+        assert!(!super::colour(false, Some(OsStr::new("1"))));
     }
 }

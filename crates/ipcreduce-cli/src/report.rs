@@ -7,6 +7,12 @@
 //! - 256 KiB - 2 MiB: 2x NCCL; 8 - 32 MiB: 1.5x NCCL; from 128 MiB: 370 GB/s bus bandwidth;
 //! - plain buffers never slower than NCCL; at most 16 CTAs from 32 MiB;
 //! - `auto` within 5% of the best path; the training step 1.25x faster than NCCL's.
+//!
+//! Host-backend JSON (`meta.backend` = "host") has the goals of the comparison with OpenMPI
+//! (BENCHMARKS.md, `scripts/host/mpi-compare.sh`), judged against MPI's CSV given beside it
+//! (`bytes,us,algbw,busbw,wrong` per line): at two ranks no slower than MPI up to 4 KiB and
+//! 1.5x MPI's bus bandwidth from 512 KiB to 8 MiB; at more ranks no slower than MPI from
+//! 512 KiB to 8 MiB.
 
 use serde_json::Value;
 use std::collections::BTreeSet;
@@ -15,7 +21,8 @@ use std::path::PathBuf;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ReportArgs {
-    /// JSON files of `bench` (any number, e.g. one per dtype or size range) and of `overlap`.
+    /// JSON files of `bench` (any number, e.g. one per dtype or size range) and of `overlap`;
+    /// for host-backend runs, MPI's CSV of the same sizes (`scripts/host/mpi-compare.sh`).
     #[arg(required = true)]
     pub inputs: Vec<PathBuf>,
 }
@@ -161,7 +168,7 @@ fn judge(goal: Option<Goal>, ours: [Option<&Row>; 2], nccl: [Option<&Row>; 2]) -
 }
 
 /// The Markdown report of every (dtype, op) in the bench rows, then the training loop.
-pub fn render(benches: &[Value], overlaps: &[Value]) -> String {
+pub fn render(benches: &[Value], overlaps: &[Value], mpi: &[MpiRow]) -> String {
     let rows: Vec<Row> = benches
         .iter()
         .filter_map(|d| d.get("rows").and_then(Value::as_array))
@@ -169,19 +176,31 @@ pub fn render(benches: &[Value], overlaps: &[Value]) -> String {
         .filter_map(bench_row)
         .collect();
     let mut out = String::new();
+    let host = benches
+        .first()
+        .is_some_and(|d| d["meta"]["backend"].as_str() == Some("host"));
     if let Some(meta) = benches.first().map(|d| &d["meta"]) {
+        let field = |k: &str| meta[k].as_str().unwrap_or("not recorded").to_string();
+        let device = meta["devices"]
+            .get(0)
+            .and_then(Value::as_str)
+            .unwrap_or("not recorded");
+        // The host backend has no driver and no NCCL: nothing to say about them.
+        let gpu = if host {
+            String::new()
+        } else {
+            format!(
+                ", driver {}, NCCL {}",
+                field("driver"),
+                field("nccl_version")
+            )
+        };
         let _ = writeln!(
             out,
-            "Run: {} (world {}), driver {}, NCCL {}, commit `{}`, {}.\n",
-            meta["devices"]
-                .get(0)
-                .and_then(Value::as_str)
-                .unwrap_or("?"),
+            "Run: {device} (world {}){gpu}, commit `{}`, {}.\n",
             meta["world"],
-            meta["driver"].as_str().unwrap_or("?"),
-            meta["nccl_version"].as_str().unwrap_or("?"),
-            meta["commit"].as_str().unwrap_or("?"),
-            meta["date"].as_str().unwrap_or("?"),
+            field("commit"),
+            field("date"),
         );
     }
     let kinds: BTreeSet<(String, String)> = rows
@@ -195,7 +214,12 @@ pub fn render(benches: &[Value], overlaps: &[Value]) -> String {
                 .filter(|r| r.dtype == dtype && r.op == op)
                 .collect(),
         };
-        render_sweep(&mut out, &dtype, &op, &sweep);
+        if host {
+            let world = benches[0]["meta"]["world"].as_u64().unwrap_or(0);
+            render_host_sweep(&mut out, &dtype, &op, world, &sweep, mpi);
+        } else {
+            render_sweep(&mut out, &dtype, &op, &sweep);
+        }
     }
     if !overlaps.is_empty() {
         render_overlap(&mut out, overlaps);
@@ -324,6 +348,129 @@ fn render_sweep(out: &mut String, dtype: &str, op: &str, sweep: &Sweep) {
     let _ = writeln!(out, "- Wrong elements in these rows: {wrong}.\n");
 }
 
+/// One line of MPI's CSV (`bench/mpi/mpi_allreduce.c`): bytes, us, algbw, busbw, wrong.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MpiRow {
+    pub bytes: u64,
+    pub time_us: f64,
+    pub busbw: f64,
+    pub wrong: u64,
+}
+
+/// Parses MPI's CSV; the error names the line.
+pub fn parse_mpi_csv(text: &str) -> Result<Vec<MpiRow>, String> {
+    let mut rows = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let f: Vec<&str> = line.split(',').map(str::trim).collect();
+        let bad = || {
+            format!(
+                "line {}: expected bytes,us,algbw,busbw,wrong: {line:?}",
+                i + 1
+            )
+        };
+        let [bytes, us, _, busbw, wrong] = f[..] else {
+            return Err(bad());
+        };
+        rows.push(MpiRow {
+            bytes: bytes.parse().map_err(|_| bad())?,
+            time_us: us.parse().map_err(|_| bad())?,
+            busbw: busbw.parse().map_err(|_| bad())?,
+            wrong: wrong.parse().map_err(|_| bad())?,
+        });
+    }
+    Ok(rows)
+}
+
+/// A host goal against MPI at a size: the least speed-up (MPI time / ours) or busbw ratio.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum HostGoal {
+    /// ipcreduce's time at most MPI's.
+    NoSlower,
+    /// ipcreduce's bus bandwidth at least this many times MPI's.
+    Busbw(f64),
+}
+
+fn host_goal_of(world: u64, bytes: u64) -> Option<HostGoal> {
+    match (world, bytes) {
+        (2, b) if b <= 4 * KIB => Some(HostGoal::NoSlower),
+        (2, b) if (512 * KIB..=8 * MIB).contains(&b) => Some(HostGoal::Busbw(1.5)),
+        (w, b) if w > 2 && (512 * KIB..=8 * MIB).contains(&b) => Some(HostGoal::NoSlower),
+        _ => None,
+    }
+}
+
+/// The host backend's sweep against MPI's figures of the same sizes.
+fn render_host_sweep(
+    out: &mut String,
+    dtype: &str,
+    op: &str,
+    world: u64,
+    sweep: &Sweep,
+    mpi: &[MpiRow],
+) {
+    let _ = writeln!(
+        out,
+        "### {dtype} {op}, host backend `auto` against OpenMPI, world {world}\n"
+    );
+    let _ = writeln!(
+        out,
+        "| size | goal | ipcreduce (us) | MPI (us) | speed-up | busbw ipcreduce / MPI (GB/s) | met |"
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|");
+    let sizes: BTreeSet<u64> = sweep.rows.iter().map(|r| r.bytes).collect();
+    let mut wrong = 0;
+    for &bytes in &sizes {
+        let ours = sweep.get("auto", "eager", false, bytes);
+        let theirs = mpi.iter().find(|m| m.bytes == bytes);
+        wrong += sweep
+            .rows
+            .iter()
+            .filter(|r| r.bytes == bytes)
+            .map(|r| r.wrong)
+            .sum::<u64>();
+        let goal = host_goal_of(world, bytes);
+        let met = match (goal, ours, theirs) {
+            (Some(HostGoal::NoSlower), Some(o), Some(m)) => Some(o.time_us <= m.time_us),
+            (Some(HostGoal::Busbw(x)), Some(o), Some(m)) => Some(o.busbw >= x * m.busbw),
+            _ => None,
+        };
+        let goal_text = match goal {
+            Some(HostGoal::NoSlower) => "no slower than MPI".to_string(),
+            Some(HostGoal::Busbw(x)) => format!(">= {x}x MPI's busbw"),
+            None => "-".into(),
+        };
+        let f2 = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+        let speed = match (ours, theirs) {
+            (Some(o), Some(m)) => format!("{:.2}x", m.time_us / o.time_us),
+            _ => "-".into(),
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {goal_text} | {} | {} | {speed} | {} | {} |",
+            size_text(bytes),
+            f2(ours.map(|r| r.time_us)),
+            f2(theirs.map(|m| m.time_us)),
+            pair(ours.map(|r| r.busbw), theirs.map(|m| m.busbw), 2),
+            verdict(met),
+        );
+    }
+    let _ = writeln!(out);
+    if mpi.is_empty() {
+        let _ = writeln!(
+            out,
+            "- No MPI figures given: pass MPI's CSV of the same run (`scripts/host/mpi-compare.sh`) \
+             beside the JSON to judge the goals."
+        );
+    } else {
+        let mpi_wrong: u64 = mpi.iter().map(|m| m.wrong).sum();
+        let _ = writeln!(out, "- Wrong elements in MPI's rows: {mpi_wrong}.");
+    }
+    let _ = writeln!(out, "- Wrong elements in these rows: {wrong}.\n");
+}
+
 fn render_overlap(out: &mut String, docs: &[Value]) {
     let _ = writeln!(out, "### Training loop (`overlap`)\n");
     let _ = writeln!(
@@ -379,7 +526,21 @@ fn render_overlap(out: &mut String, docs: &[Value]) {
 pub fn run(args: ReportArgs) -> i32 {
     let mut benches = Vec::new();
     let mut overlaps = Vec::new();
+    let mut mpi = Vec::new();
     for p in &args.inputs {
+        if p.extension().is_some_and(|e| e == "csv") {
+            match std::fs::read_to_string(p)
+                .map_err(|e| e.to_string())
+                .and_then(|t| parse_mpi_csv(&t))
+            {
+                Ok(rows) => mpi.extend(rows),
+                Err(e) => {
+                    eprintln!("error: {}: {e}", p.display());
+                    return 1;
+                }
+            }
+            continue;
+        }
         let doc = std::fs::read_to_string(p)
             .map_err(|e| format!("reading {}: {e}", p.display()))
             .and_then(|t| {
@@ -402,7 +563,7 @@ pub fn run(args: ReportArgs) -> i32 {
             }
         }
     }
-    print!("{}", render(&benches, &overlaps));
+    print!("{}", render(&benches, &overlaps, &mpi));
     0
 }
 
@@ -454,7 +615,7 @@ mod tests {
 
     #[test]
     fn goals_are_computed_from_the_rows() {
-        let md = render(&[bench()], &[]);
+        let md = render(&[bench()], &[], &[]);
         let line = |prefix: &str| {
             md.lines()
                 .find(|l| l.starts_with(prefix))
@@ -506,7 +667,7 @@ mod tests {
             ],
             "nccl_over_ipcreduce_mean": 1.375
         });
-        let md = render(&[], &[ov]);
+        let md = render(&[], &[ov], &[]);
         let auto = md.lines().find(|l| l.contains("| auto |")).unwrap();
         assert!(
             auto.contains("1024 MiB in 25 MiB buckets, compute 2000 us"),
@@ -529,5 +690,61 @@ mod tests {
         assert_eq!(goal_of(2 * MIB), Some(Goal::Ratio(2.0)));
         assert_eq!(goal_of(8 * MIB), Some(Goal::Ratio(1.5)));
         assert_eq!(goal_of(1 << 30), Some(Goal::Busbw(370.0)));
+    }
+
+    #[test]
+    fn host_runs_get_the_mpi_goals_and_no_gpu_fields() {
+        let rows: Vec<Value> = [(8u64, 0.4, 1.0), (1024, 1.0, 0.8), (2 * MIB, 400.0, 0.0)]
+            .iter()
+            .map(|&(bytes, t, _)| {
+                let mut r = row("auto", "eager", false, bytes, t, None);
+                r["dtype"] = "f32".into();
+                r
+            })
+            .collect();
+        let doc = serde_json::json!({"meta": {"backend": "host", "world": 2,
+            "devices": ["host: 2 cores"], "driver": null, "nccl_version": null,
+            "commit": "abc", "date": "d"}, "rows": rows});
+        // MPI: 8 B slower than ours (met), 1 KiB faster (missed); 2 MiB busbw 2x ours' 1/1.5.
+        let ours_2m = (2 * MIB) as f64 / 400.0 / 1e3;
+        let mpi = parse_mpi_csv(&format!(
+            "8,0.9,0,0.01,0\n1024,0.5,0,2.0,0\n{},600,0,{},0\n",
+            2 * MIB,
+            ours_2m / 1.6
+        ))
+        .unwrap();
+        let md = render(&[doc.clone()], &[], &mpi);
+        assert!(
+            md.starts_with("Run: host: 2 cores (world 2), commit `abc`, d."),
+            "{md}"
+        );
+        assert!(
+            !md.contains('?') && !md.contains("NCCL") && !md.contains("graph"),
+            "{md}"
+        );
+        let line = |p: &str| md.lines().find(|l| l.starts_with(p)).unwrap().to_string();
+        let small = line("| 8 B |");
+        assert!(
+            small.contains("| no slower than MPI | 0.40 | 0.90 | 2.25x |"),
+            "{small}"
+        );
+        assert!(small.ends_with("| met |"), "{small}");
+        assert!(line("| 1 KiB |").ends_with("| **missed** |"), "{md}");
+        let big = line("| 2 MiB |");
+        assert!(
+            big.contains(">= 1.5x MPI's busbw") && big.ends_with("| met |"),
+            "{big}"
+        );
+        // Without MPI's figures nothing is judged, and the report says what to pass.
+        let md = render(&[doc], &[], &[]);
+        assert!(md.contains("No MPI figures given"), "{md}");
+        let judged = md
+            .lines()
+            .filter(|l| l.starts_with("| ") && !l.starts_with("| size"));
+        assert!(
+            judged.clone().count() == 3 && judged.clone().all(|l| l.ends_with("| - |")),
+            "{md}"
+        );
+        assert!(parse_mpi_csv("8,1,2\n").unwrap_err().contains("line 1"));
     }
 }

@@ -25,6 +25,173 @@ fn text(out: &Output) -> String {
     )
 }
 
+/// Whether this machine has an NVIDIA GPU, decided apart from the library's own checks.
+fn gpu_machine() -> bool {
+    std::path::Path::new("/dev/nvidiactl").exists()
+}
+
+/// A refused command line: exit 2, the message once on stderr, nothing on stdout (no rank
+/// started, so no header), and no launcher line.
+fn assert_refused(args: &[&str], message: &str) {
+    let out = ipcreduce(args);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{args:?}:\n{all}");
+    assert_eq!(
+        stderr.matches(message).count(),
+        1,
+        "{args:?}: {message:?}\n{all}"
+    );
+    assert_eq!(stderr.lines().count(), 1, "{args:?}: one line\n{all}");
+    assert!(stderr.starts_with("error: "), "{args:?}:\n{all}");
+    assert!(stdout.is_empty(), "{args:?}: a rank started\n{all}");
+    assert!(!all.contains("ipcreduce launch"), "{args:?}:\n{all}");
+}
+
+#[test]
+fn bad_command_lines_are_refused_once_before_any_rank_starts() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["bench", "-b", "1G", "-e", "8"], "error: -b is 1073741824 B (1 GiB), larger than -e (8 B): no size to run"),
+        (&["bench", "--minbytes", "64", "--maxbytes", "8"], "--minbytes is 64 B, larger than --maxbytes (8 B)"),
+        (&["bench", "--ranks", "0"], "error: --ranks 0: a job needs at least one rank"),
+        (&["bench", "--ranks", "9"], "--ranks 9: bench checks exact results for at most 8 ranks"),
+        (&["check", "--ranks", "0"], "error: --ranks 0: a job needs at least one rank"),
+        (&["bench", "-f", "0"], "error: -f 0: each size is the previous one times this factor, so it must be at least 2"),
+        (&["bench", "--stepfactor", "1"], "error: --stepfactor 1: each size"),
+        (&["bench", "-n", "0"], "error: -n 0: each size needs at least one timed call"),
+        (&["bench", "--iters", "0"], "error: --iters 0: each size"),
+        (&["bench", "-b", "0"], "error: -b 0: not a whole number of float elements (4 bytes each); take a multiple of 4, e.g. -b 4"),
+        (&["bench", "-b", "6", "-e", "64"], "error: -b 6: not a whole number of float elements (4 bytes each); take a multiple of 4, e.g. -b 8"),
+        (&["bench", "-b", "2", "-d", "all"], "error: -b 2: not a whole number of float elements"),
+        (&["bench", "-d", "foo"], "error: -d foo: unknown dtype 'foo'"),
+        (&["bench", "--datatype", "f64"], "error: --datatype f64: unknown dtype 'f64'"),
+        (&["bench", "-a", "bogus"], "error: -a bogus: unknown algorithm 'bogus'"),
+        (&["bench", "--algo", "nccl,nccl-shm"], "error: --algo nccl,nccl-shm: nccl and nccl-shm cannot run in one process"),
+        (&["bench", "--backend", "bogus"], "unknown backend 'bogus' (expected auto, cuda or host)"),
+        (&["check", "-a", "nccl"], "error: -a nccl: check draws from auto, oneshot and twoshot"),
+        (&["check", "--algo", "threeshot"], "error: --algo threeshot: unknown algorithm 'threeshot'"),
+        (&["check", "--cases", "0"], "error: --cases 0: nothing to check"),
+        (&["check", "--max-bytes", "2"], "error: --max-bytes 2: the cases draw every dtype"),
+        (&["launch", "-n", "0", "--", "true"], "error: -n 0: a job needs at least one rank"),
+        (&["launch", "--nproc", "0", "--", "true"], "error: --nproc 0: a job needs at least one rank"),
+    ];
+    for (args, message) in cases {
+        if args.contains(&"--backend") {
+            // clap's own refusal: exit 2, and a hint line after the message.
+            let out = ipcreduce(args);
+            let all = text(&out);
+            assert_eq!(out.status.code(), Some(2), "{all}");
+            assert_eq!(all.matches(message).count(), 1, "{all}");
+            assert!(
+                out.stdout.is_empty() && !all.contains("ipcreduce launch"),
+                "{all}"
+            );
+            continue;
+        }
+        assert_refused(args, message);
+    }
+    if gpu_machine() {
+        return;
+    }
+    // No GPU: cuda is refused in one line that says what the host backend does instead.
+    for cmd in ["bench", "check"] {
+        assert_refused(
+            &[cmd, "--backend", "cuda", "--ranks", "2"],
+            "error: --backend cuda: CUDA backend unavailable: ",
+        );
+    }
+    for args in [&["topo"][..], &["topo", "--ranks", "2"]] {
+        assert_refused(
+            args,
+            "error: topo: no usable GPU here (CUDA backend unavailable: ",
+        );
+        let all = text(&ipcreduce(args));
+        assert!(all.contains("The host backend"), "{all}");
+    }
+}
+
+/// The cores the test may run on, counted apart from the CLI (its affinity mask).
+fn cores() -> usize {
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: fills the set for this process.
+    let r = unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) };
+    assert_eq!(r, 0, "sched_getaffinity");
+    // SAFETY: reads the set filled above.
+    unsafe { libc::CPU_COUNT(&set) as usize }
+}
+
+#[test]
+fn the_host_default_fits_the_machine_and_says_so() {
+    let cores = cores();
+    let want = cores.clamp(1, 4);
+    let out = ipcreduce(&[
+        "bench",
+        "--backend",
+        "host",
+        "-e",
+        "64",
+        "-n",
+        "2",
+        "-w",
+        "1",
+    ]);
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    let s = if cores == 1 { "" } else { "s" };
+    let line = format!(
+        "# {want} rank{}: the host backend's default: one rank per core, at most 4 ({cores} core{s} here)",
+        if want == 1 { "" } else { "s" }
+    );
+    assert!(all.starts_with(&line), "{all}");
+    assert!(all.contains(&format!("world {want}\n")), "{all}");
+    assert!(!all.contains("times are not representative"), "{all}");
+    // The legend: what the time is, over how many calls, what auto:1s means; host rows have
+    // no cuda columns.
+    assert!(
+        all.contains("# time(us): mean per call over 2 timed calls after 1 warm-up calls, of the slowest rank"),
+        "{all}"
+    );
+    assert!(
+        all.contains("auto:1s / auto:2s is auto, which ran one-shot / two-shot"),
+        "{all}"
+    );
+    let header = all
+        .lines()
+        .find(|l| l.contains("time(us)") && l.contains("size"))
+        .unwrap();
+    for col in ["ctas", "reg", "mode"] {
+        assert!(!header.split_whitespace().any(|c| c == col), "{header}");
+    }
+    let row = all
+        .lines()
+        .find(|l| l.trim_start().starts_with("8 "))
+        .unwrap();
+    // size count type redop algo path time algbw busbw #wrong
+    assert_eq!(row.split_whitespace().count(), 10, "{row}");
+
+    // More ranks than cores: said, once, before the ranks start.
+    let over = (cores + 1).to_string();
+    if cores < 8 {
+        let out = ipcreduce(&[
+            "check",
+            "--backend",
+            "host",
+            "--ranks",
+            &over,
+            "--cases",
+            "3",
+        ]);
+        let all = text(&out);
+        assert!(out.status.success(), "{all}");
+        let line = format!("# {over} ranks on {cores} core");
+        assert_eq!(all.matches(&line).count(), 1, "{all}");
+        assert!(all.contains("times are not representative"), "{all}");
+    }
+}
+
 #[test]
 fn check_passes_on_the_host_backend_at_several_world_sizes() {
     for ranks in ["2", "3", "4", "8"] {

@@ -151,6 +151,113 @@ fn launch_errors_are_clear() {
     assert_eq!(out.status.code(), Some(128 + 9));
 }
 
+#[test]
+fn output_reaches_the_terminal_a_whole_line_at_a_time() {
+    // Each rank writes half a line, waits until every rank has written its half (files in a
+    // shared directory: no sleep stands in for the order), then ends the line. A launcher that
+    // passed bytes through as they came would mix the halves ("okok  21").
+    let dir = std::env::temp_dir().join(format!("ipcreduce-lines-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = format!(
+        "printf ok; touch {d}/$IPCREDUCE_RANK; \
+         while [ $(ls {d} | wc -l) -lt 3 ]; do sleep 0.01; done; \
+         echo \" $IPCREDUCE_RANK\"; echo \"err $IPCREDUCE_RANK\" >&2; printf 'last'",
+        d = dir.display()
+    );
+    let (out, _) = launch(
+        &["-n", "3", "--", "sh", "-c", &script],
+        Duration::from_secs(20),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let mut lines: Vec<String> = text(&out.stdout).lines().map(String::from).collect();
+    lines.sort();
+    // A last line without its newline comes whole too.
+    assert_eq!(
+        lines,
+        ["last", "last", "last", "ok 0", "ok 1", "ok 2"],
+        "{lines:?}"
+    );
+    let mut errs: Vec<String> = text(&out.stderr).lines().map(String::from).collect();
+    errs.sort();
+    assert_eq!(errs, ["err 0", "err 1", "err 2"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    // --tag-output: every line says whose it is.
+    let (out, _) = launch(
+        &[
+            "-n",
+            "2",
+            "--tag-output",
+            "--",
+            "sh",
+            "-c",
+            "echo a $RANK; echo b $RANK >&2",
+        ],
+        Duration::from_secs(20),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let mut lines: Vec<String> = text(&out.stdout).lines().map(String::from).collect();
+    lines.sort();
+    assert_eq!(lines, ["[rank 0] a 0", "[rank 1] a 1"]);
+    let mut errs: Vec<String> = text(&out.stderr).lines().map(String::from).collect();
+    errs.sort();
+    assert_eq!(errs, ["[rank 0] b 0", "[rank 1] b 1"]);
+}
+
+#[test]
+fn hidden_ranks_write_logs_printed_only_when_they_fail() {
+    let script = "echo out $RANK; echo err $RANK >&2; [ $RANK = 2 ] && exit 3; exit 0";
+    let (out, _) = launch(
+        &["-n", "3", "--show", "0", "--", "sh", "-c", script],
+        Duration::from_secs(20),
+    );
+    assert_eq!(out.status.code(), Some(3));
+    assert_eq!(text(&out.stdout), "out 0\n");
+    let stderr = text(&out.stderr);
+    assert!(stderr.starts_with("err 0\n"), "{stderr}");
+    // Rank 2 failed: its log, both streams in order, tagged; rank 1 passed: nothing of it.
+    assert!(
+        stderr.contains("ipcreduce launch: rank 2 exited with code 3"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("ipcreduce launch: rank 2's output ("),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("[rank 2] out 2\n[rank 2] err 2\n"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains(" 1\n"), "{stderr}");
+
+    // --log-dir keeps every hidden rank's log; all passing: nothing printed but rank 0.
+    let dir = std::env::temp_dir().join(format!("ipcreduce-logs-{}", std::process::id()));
+    let (out, _) = launch(
+        &[
+            "-n",
+            "3",
+            "--show",
+            "0",
+            "--log-dir",
+            dir.to_str().unwrap(),
+            "--",
+            "sh",
+            "-c",
+            "echo out $RANK",
+        ],
+        Duration::from_secs(20),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "out 0\n");
+    assert_eq!(text(&out.stderr), "");
+    for r in [1, 2] {
+        let log = std::fs::read_to_string(dir.join(format!("rank-{r}.log"))).unwrap();
+        assert_eq!(log, format!("out {r}\n"));
+    }
+    assert!(!dir.join("rank-0.log").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A rank of the end-to-end tests: joins, checks an all-gather, says who it is.
 fn play_bootstrap_rank() {
     let info = ipcreduce::bootstrap::RankInfo::from_env().expect("rank info");

@@ -18,7 +18,7 @@ pub(crate) mod cuda;
 mod host;
 pub mod pattern;
 
-use crate::cli::{join, parse_size, relaunch_unless_rank, RankArgs};
+use crate::cli::{join, parse_size, refuse, relaunch_unless_rank, typed_flag, RankArgs, Usage};
 use crate::harness::{gather_f64, gather_u64, RunMeta};
 use ipcreduce::error::Result;
 use ipcreduce::types::{Algorithm, BackendKind, DType, ReduceOp};
@@ -35,9 +35,10 @@ pub struct BenchArgs {
     /// Smallest message in bytes (K, M, G suffixes).
     #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = parse_size)]
     pub min_bytes: usize,
-    /// Largest message in bytes.
-    #[arg(short = 'e', long = "maxbytes", default_value = "32M", value_parser = parse_size)]
-    pub max_bytes: usize,
+    /// Largest message in bytes (default 32M on cuda, 8M on host, where a sweep to 32M takes
+    /// minutes on a small machine).
+    #[arg(short = 'e', long = "maxbytes", value_parser = parse_size)]
+    pub max_bytes: Option<usize>,
     /// Multiplication factor between sizes.
     #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
     pub step: usize,
@@ -212,6 +213,9 @@ impl Runner {
 }
 
 pub fn run(args: BenchArgs) -> i32 {
+    if let Err(e) = check_args(&args) {
+        return refuse(&e);
+    }
     if let Some(code) = relaunch_unless_rank(&args.ranks) {
         return code;
     }
@@ -222,6 +226,90 @@ pub fn run(args: BenchArgs) -> i32 {
             eprintln!("error: {e}");
             1
         }
+    }
+}
+
+/// Refuses, before any rank starts, a command line that would run nothing, run something
+/// other than asked, or fail in every rank; the message quotes the flag as typed.
+fn check_args(args: &BenchArgs) -> Result<(), Usage> {
+    let flag = |short, long| typed_flag(Some(short), long);
+    let p2p_env = std::env::var("NCCL_P2P_DISABLE").ok();
+    // select's messages start with "-a LIST:"; quote the flag as typed instead.
+    algos::select(&args.algos, p2p_env.as_deref())
+        .map_err(|e| e.replacen("-a ", &format!("{} ", flag('a', "algo")), 1))?;
+    let dtypes = parse_list(&args.dtypes, &DType::ALL)
+        .map_err(|e| format!("{} {}: {e}", flag('d', "datatype"), args.dtypes))?;
+    check_sweep(
+        &dtypes,
+        args.min_bytes,
+        // Without -e the sweep ends at the backend's default, or at -b when that is larger.
+        args.max_bytes.unwrap_or(usize::MAX),
+        args.step,
+        [
+            flag('b', "minbytes"),
+            flag('e', "maxbytes"),
+            flag('f', "stepfactor"),
+        ],
+    )?;
+    if args.iters == 0 {
+        return Err(format!(
+            "{} 0: each size needs at least one timed call",
+            flag('n', "iters")
+        ));
+    }
+    if let Some(n) = args.ranks.ranks.filter(|n| *n > pattern::MAX_WORLD) {
+        return Err(format!(
+            "--ranks {n}: bench checks exact results for at most {} ranks",
+            pattern::MAX_WORLD
+        ));
+    }
+    Ok(())
+}
+
+/// The size sweep `min, min*step, ... <= max` must hold at least one size, grow, and give
+/// every size as a whole number of elements of every dtype (then `count * size` is the size
+/// shown). `flags` are the minimum's, maximum's and step's as typed.
+pub(crate) fn check_sweep(
+    dtypes: &[DType],
+    min: usize,
+    max: usize,
+    step: usize,
+    flags: [String; 3],
+) -> Result<(), Usage> {
+    let [b, e, f] = flags;
+    if step < 2 {
+        return Err(format!(
+            "{f} {step}: each size is the previous one times this factor, so it must be at \
+             least 2"
+        ));
+    }
+    if min > max {
+        return Err(format!(
+            "{b} is {}, larger than {e} ({}): no size to run",
+            bytes_text(min),
+            bytes_text(max)
+        ));
+    }
+    let widest = dtypes.iter().copied().max_by_key(|d| d.size());
+    if let Some(d) = widest.filter(|d| min == 0 || min % d.size() != 0) {
+        let size = d.size();
+        return Err(format!(
+            "{b} {min}: not a whole number of {} elements ({size} bytes each); take a \
+             multiple of {size}, e.g. {b} {}",
+            d.name(),
+            min.div_ceil(size).max(1) * size
+        ));
+    }
+    Ok(())
+}
+
+/// `1073741824 B (1 GiB)`, or `8 B`.
+fn bytes_text(b: usize) -> String {
+    let short = crate::report::size_text(b as u64);
+    if short == format!("{b} B") {
+        short
+    } else {
+        format!("{b} B ({short})")
     }
 }
 
@@ -302,12 +390,22 @@ fn bench(args: &BenchArgs) -> Result<bool> {
         }
     }
     let algos = available(&mut comm, &algos)?;
+    let cuda = comm.backend() == BackendKind::Cuda;
+    let max_bytes = args.max_bytes.unwrap_or(
+        if cuda {
+            DEFAULT_MAX_CUDA
+        } else {
+            DEFAULT_MAX_HOST
+        }
+        .max(args.min_bytes),
+    );
 
     if rank == 0 {
-        print_header();
+        print_legend(args, cuda, max_bytes);
+        print_header(cuda);
     }
     let mut rows = Vec::new();
-    let sizes = sizes(args.min_bytes, args.max_bytes, args.step);
+    let sizes = sizes(args.min_bytes, max_bytes, args.step);
     for &registered in &registrations {
         for &dtype in &dtypes {
             let capacity = sizes.last().copied().unwrap_or(0).max(dtype.size());
@@ -346,7 +444,7 @@ fn bench(args: &BenchArgs) -> Result<bool> {
                             row.path = selection.nccl.path().into();
                         }
                         if rank == 0 {
-                            print_row(&row);
+                            print_row(&row, cuda);
                         }
                         rows.push(row);
                     }
@@ -437,44 +535,82 @@ fn make_row(
     })
 }
 
-const HEADER: [&str; 13] = [
-    "size", "count", "type", "redop", "algo", "path", "ctas", "reg", "mode", "time(us)", "algbw",
-    "busbw", "#wrong",
+/// `-e` without a value: cuda.
+const DEFAULT_MAX_CUDA: usize = 32 << 20;
+/// `-e` without a value: host (a sweep to 32 MiB takes minutes on two cores).
+const DEFAULT_MAX_HOST: usize = 8 << 20;
+
+/// The columns: (name, unit, width, cuda only).
+const COLUMNS: [(&str, &str, usize, bool); 13] = [
+    ("size", "(B)", 10, false),
+    ("count", "(elements)", 11, false),
+    ("type", "", 8, false),
+    ("redop", "", 5, false),
+    ("algo", "", 8, false),
+    ("path", "", 14, false),
+    ("ctas", "", 4, true),
+    ("reg", "", 3, true),
+    ("mode", "", 5, true),
+    ("time(us)", "", 10, false),
+    ("algbw", "(GB/s)", 8, false),
+    ("busbw", "(GB/s)", 8, false),
+    ("#wrong", "", 6, false),
 ];
 
-fn print_header() {
-    let units = [
-        "(B)",
-        "(elements)",
-        "",
-        "",
-        "",
-        "",
-        "",
-        "",
-        "",
-        "",
-        "(GB/s)",
-        "(GB/s)",
-        "",
-    ];
-    for cols in [HEADER, units] {
+/// What the columns mean, before the table (rank 0): what is timed and over which calls,
+/// what `auto:1s` says, where the path comes from.
+fn print_legend(args: &BenchArgs, cuda: bool, max_bytes: usize) {
+    let default_e = if args.max_bytes.is_none() {
+        " (the default; -e for larger)"
+    } else {
+        ""
+    };
+    println!(
+        "# sizes {} to {}{default_e}, x{} each step",
+        bytes_text(args.min_bytes),
+        bytes_text(max_bytes),
+        args.step
+    );
+    let how = if cuda {
+        "the loop's time (call + input refresh) minus the refresh's, per call"
+    } else {
+        "each call timed alone (host calls are synchronous)"
+    };
+    println!(
+        "# time(us): mean per call over {} timed calls after {} warm-up calls, of the slowest \
+         rank; {how}",
+        args.iters.max(1),
+        args.warmup
+    );
+    println!(
+        "# algo: as asked; auto:1s / auto:2s is auto, which ran one-shot / two-shot at that size"
+    );
+    if cuda {
         println!(
-            "# {:>10} {:>11} {:>8} {:>5} {:>8} {:>10} {:>4} {:>3} {:>5} {:>10} {:>8} {:>8} {:>6}",
-            cols[0],
-            cols[1],
-            cols[2],
-            cols[3],
-            cols[4],
-            cols[5],
-            cols[6],
-            cols[7],
-            cols[8],
-            cols[9],
-            cols[10],
-            cols[11],
-            cols[12]
+            "# path: what the library ran (kernel family, copy engine, nccl); ctas: its thread \
+             blocks; reg: registered (zero-copy) buffers; mode: eager, or graph (-G calls per \
+             CUDA graph)"
         );
+    } else {
+        println!("# path: the algorithm the host backend ran");
+    }
+    println!(
+        "# algbw: size / time; busbw: algbw x 2(world-1)/world (nccl-tests); #wrong: wrong \
+         elements over every call, warm-up included"
+    );
+}
+
+fn print_header(cuda: bool) {
+    for line in [0, 1] {
+        let mut text = String::from("#");
+        for &(name, unit, width, cuda_only) in &COLUMNS {
+            if cuda_only && !cuda {
+                continue;
+            }
+            let cell = if line == 0 { name } else { unit };
+            text.push_str(&format!(" {cell:>width$}"));
+        }
+        println!("{}", text.trim_end());
     }
 }
 
@@ -487,23 +623,30 @@ pub(crate) fn algo_label(algo: Algorithm, ran: Algorithm) -> String {
     }
 }
 
-fn print_row(r: &Row) {
-    println!(
-        "  {:>10} {:>11} {:>8} {:>5} {:>8} {:>10} {:>4} {:>3} {:>5} {:>10.2} {:>8.2} {:>8.2} {:>6}",
-        r.bytes,
-        r.count,
-        r.dtype.name(),
-        r.op.name(),
+fn print_row(r: &Row, cuda: bool) {
+    let cells = [
+        r.bytes.to_string(),
+        r.count.to_string(),
+        r.dtype.name().to_string(),
+        r.op.name().to_string(),
         algo_label(r.algo, r.ran),
-        r.path,
+        r.path.clone(),
         r.ctas.map_or("-".to_string(), |c| c.to_string()),
-        if r.registered { "yes" } else { "no" },
-        r.mode,
-        r.time_us,
-        r.algbw_gbps,
-        r.busbw_gbps,
-        r.wrong
-    );
+        if r.registered { "yes" } else { "no" }.to_string(),
+        r.mode.to_string(),
+        format!("{:.2}", r.time_us),
+        format!("{:.2}", r.algbw_gbps),
+        format!("{:.2}", r.busbw_gbps),
+        r.wrong.to_string(),
+    ];
+    let mut text = String::from(" ");
+    for (cell, &(_, _, width, cuda_only)) in cells.iter().zip(&COLUMNS) {
+        if cuda_only && !cuda {
+            continue;
+        }
+        text.push_str(&format!(" {cell:>width$}"));
+    }
+    println!("{text}");
 }
 
 fn short(a: Algorithm) -> &'static str {

@@ -12,7 +12,7 @@
 mod gpu;
 mod link;
 
-use crate::cli::{join, relaunch_unless_rank, RankArgs};
+use crate::cli::{join, refuse, relaunch_unless_rank, RankArgs};
 use gpu::{Gpu, P2p};
 use ipcreduce::backend::Fallback;
 use ipcreduce::{BackendChoice, Communicator, Fabric};
@@ -246,6 +246,15 @@ pub fn run(args: TopoArgs) -> i32 {
         backend: BackendChoice::Cuda,
         ranks: args.ranks,
     };
+    if !crate::launch::in_rank() {
+        if let Err(e) = ipcreduce::backend::cuda::usable() {
+            return refuse(&format!(
+                "topo: no usable GPU here ({e}); there are no GPU links to show. The host \
+                 backend (`bench`/`check --backend host`) moves data between processes \
+                 through shared memory instead"
+            ));
+        }
+    }
     if let Some(code) = relaunch_unless_rank(&ranks) {
         return code;
     }
