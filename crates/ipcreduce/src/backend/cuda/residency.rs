@@ -195,8 +195,7 @@ pub(super) fn measure(
         .funcs
         .iter()
         .map(|((p, _, _), f)| (p.one_block_per_sm(), f));
-    let sg_funcs = gpu.sg.values().map(|f| (false, f));
-    for (deep, f) in sm_funcs.chain(sg_funcs) {
+    for (deep, f) in sm_funcs {
         let n = blocks_per_sm(f.cu_function(), super::THREADS, rank)?;
         let slot = if deep {
             &mut deep_per_sm
