@@ -403,15 +403,27 @@ fn rank_graph() -> i32 {
 /// zero-copy one (or LL for small one-shot calls). `register` refuses cuMemAlloc memory with
 /// a message that says how to allocate; `free` is collective.
 fn rank_registered() -> i32 {
+    // A refused registration aborts its communicator on every rank (registration is
+    // collective): it gets one of its own.
+    {
+        let mut refused = hostile_comm("register-refused", None);
+        let rank = refused.rank();
+        let plain = DeviceAlloc::new(1 << 20, rank).unwrap();
+        // SAFETY: refused before the memory is used.
+        let err = unsafe { refused.register(plain.ptr, 1 << 20) }.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ipcreduce::Error::InvalidArgument { .. } | ipcreduce::Error::Aborted { .. }
+            ),
+            "rank {rank}: {err:?}"
+        );
+        let err = err.to_string();
+        assert!(err.contains("Communicator::alloc"), "{err}");
+    }
     let mut c = join();
     let (rank, world) = (c.rank(), c.world());
     let s = Stream::new();
-    let plain = DeviceAlloc::new(1 << 20, rank).unwrap();
-    // SAFETY: refused before the memory is used.
-    let err = unsafe { c.register(plain.ptr, 1 << 20) }
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("Communicator::alloc"), "{err}");
     let max = 4 << 20;
     let (a, b) = (c.alloc(max).unwrap(), c.alloc(max).unwrap());
     assert_eq!(a.bytes(), max);
@@ -752,10 +764,17 @@ fn rank_pointers() -> i32 {
         );
         checked += 1;
     }
-    let refuse = |c: &mut Communicator, send: u64, recv: u64, why: &str| {
+    // A refused call aborts the communicator on every rank (the peers made the same call, so a
+    // rank may see a peer's refusal as Aborted before its own check runs): each refusal gets a
+    // communicator of its own, and the refused rank's error must name the reason, either as
+    // its own InvalidArgument or as the abort that carries it.
+    let mut case = 0;
+    let mut refuse = |send: u64, recv: u64, why: &str| {
+        case += 1;
+        let mut r_comm = hostile_comm(&format!("pointers-{case}"), None);
         // SAFETY: refused before anything is enqueued (what this checks).
         let r = unsafe {
-            c.all_reduce_raw(
+            r_comm.all_reduce_raw(
                 send as *const c_void,
                 recv as *mut c_void,
                 n,
@@ -766,8 +785,34 @@ fn rank_pointers() -> i32 {
             )
         };
         let e = r.expect_err(why);
-        assert!(e.to_string().contains(why), "{e} lacks '{why}'");
-        assert!(!e.is_fatal(), "{e}");
+        let text = e.to_string();
+        match &e {
+            ipcreduce::Error::InvalidArgument { rank: r, .. } => {
+                assert_eq!(*r, rank, "{e}");
+            }
+            ipcreduce::Error::Aborted { .. } => {}
+            other => panic!("rank {rank}: {why}: not a refusal: {other:?}"),
+        }
+        assert!(text.contains(why), "{e} lacks '{why}'");
+        // Dead afterwards: the next call is refused with the same reason.
+        // SAFETY: nothing is enqueued on a refused call.
+        let again = unsafe {
+            r_comm.all_reduce_raw(
+                x.ptr as *const c_void,
+                x.ptr as *mut c_void,
+                n,
+                DType::F32,
+                ReduceOp::Sum,
+                Algorithm::Auto,
+                std::ptr::null_mut(),
+            )
+        };
+        match again {
+            Err(ipcreduce::Error::Aborted { reason, .. }) => {
+                assert!(reason.contains(why), "rank {rank}: later call: {reason}")
+            }
+            other => panic!("rank {rank}: a call after the refusal ({why}): {other:?}"),
+        }
     };
     let mut pinned: *mut c_void = std::ptr::null_mut();
     // SAFETY: allocates page-locked host memory, freed below.
@@ -775,32 +820,24 @@ fn rank_pointers() -> i32 {
         unsafe { sys::cuMemHostAlloc(&mut pinned, n * 4, 0) },
         "cuMemHostAlloc",
     );
-    refuse(&mut c, pinned as u64, pinned as u64, "send buffer");
-    refuse(&mut c, x.ptr, pinned as u64, "page-locked host memory");
+    refuse(pinned as u64, pinned as u64, "send buffer");
+    refuse(x.ptr, pinned as u64, "page-locked host memory");
     // SAFETY: ours, freed once; nothing was enqueued on it.
     ck(unsafe { sys::cuMemFreeHost(pinned) }, "cuMemFreeHost");
     let pageable = vec![0f32; n];
-    refuse(
-        &mut c,
-        pageable.as_ptr() as u64,
-        x.ptr,
-        "not CUDA device memory",
-    );
+    refuse(pageable.as_ptr() as u64, x.ptr, "not CUDA device memory");
     checked += 1;
     let count = cudarc::driver::safe::CudaContext::device_count().unwrap() as usize;
     if count > 1 {
         let other = cudarc::driver::safe::CudaContext::new((ordinal + 1) % count).unwrap();
         other.bind_to_thread().unwrap();
         let y = DeviceAlloc::new(n * 4, rank).unwrap();
-        refuse(
-            &mut c,
-            y.ptr,
-            y.ptr,
-            &format!("the communicator on GPU {ordinal}"),
-        );
+        refuse(y.ptr, y.ptr, &format!("the communicator on GPU {ordinal}"));
         other.bind_to_thread().unwrap();
         drop(y);
         eprintln!("rank {rank}: another GPU's memory refused");
+    } else {
+        eprintln!("rank {rank}: SKIPPED other-GPU refusal (one GPU)");
     }
     // Still usable, and the memory seen before still passes.
     reduce(
