@@ -28,6 +28,14 @@ def rank_and_world():
     return int(os.environ["IPCREDUCE_RANK"]), int(os.environ["IPCREDUCE_WORLD_SIZE"])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def ranks_collected():
+    """Every rank has collected (imported torch and the rest) before the first communicator:
+    those imports can take longer on a loaded machine than the rendezvous's timeout."""
+    rank, world = rank_and_world()
+    JobFiles("session", rank, world).barrier("collected")
+
+
 @pytest.fixture
 def comm():
     """A fresh host-backend communicator per test: a test that kills one (mismatch, timeout)

@@ -15,6 +15,11 @@ if os.environ.get("IPCREDUCE_REQUIRE_TORCH") == "1":
 else:
     torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
+# Imported now, at collection, rather than lazily inside a test (the first custom-op call
+# imports dynamo, DDP the distributed tensors): on a loaded machine these imports can outlast
+# the timeout that the other ranks wait for this one with.
+import torch._dynamo  # noqa: E402,F401
+import torch.distributed.tensor  # noqa: E402,F401
 import torch.nn as nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
