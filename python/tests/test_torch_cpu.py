@@ -4,6 +4,7 @@ called directly, and HookState. Skipped where torch is not installed, unless
 IPCREDUCE_REQUIRE_TORCH=1 (CI): then a missing torch fails. Every rank runs these in the same
 order."""
 
+import datetime
 import logging
 import os
 
@@ -110,7 +111,9 @@ def test_torch_compile_fullgraph(comm, inplace):
 def _gloo(tag: str):
     path = f"/tmp/ipcreduce-pytest-{os.environ['IPCREDUCE_JOB_ID']}-{tag}"
     rank, world = int(os.environ["IPCREDUCE_RANK"]), int(os.environ["IPCREDUCE_WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    # Bounded like every other wait of these tests (gloo's default is 30 minutes).
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
 
 
 def test_ddp_hook_averages_like_ddp(comm):
