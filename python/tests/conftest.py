@@ -28,14 +28,12 @@ def rank_and_world():
     return int(os.environ["IPCREDUCE_RANK"]), int(os.environ["IPCREDUCE_WORLD_SIZE"])
 
 
-@pytest.fixture
-def comm():
-    """A fresh host-backend communicator per test: a test that kills one (mismatch, timeout)
-    leaves the next a working one."""
-    rank_and_world()
-    c = ipcreduce.init(backend="host")
-    yield c
-    c.close()
+@pytest.fixture(scope="session", autouse=True)
+def ranks_collected():
+    """Every rank has collected (imported torch and the rest) before the first communicator:
+    those imports can take longer on a loaded machine than the rendezvous's timeout."""
+    rank, world = rank_and_world()
+    JobFiles("session", rank, world).barrier("collected")
 
 
 @pytest.fixture
@@ -43,6 +41,24 @@ def files(request):
     """This test's channel between the ranks that bypasses ipcreduce (jobfiles.JobFiles)."""
     rank, world = rank_and_world()
     return JobFiles(request.node.nodeid.split("/")[-1], rank, world)
+
+
+@pytest.fixture(autouse=True)
+def ranks_aligned(files):
+    """Every test starts on every rank at once. The ranks' local work between two collectives
+    (torch's first compile, DDP's set-up and teardown) can take longer on a loaded machine than
+    the timeout of the next rendezvous; only the calls under test should be timed."""
+    files.barrier("start")
+
+
+@pytest.fixture
+def comm(files):
+    """A fresh host-backend communicator per test: a test that kills one (mismatch, timeout)
+    leaves the next a working one. Every rank closes it at once (see ranks_aligned)."""
+    c = ipcreduce.init(backend="host")
+    yield c
+    files.barrier("close")
+    c.close()
 
 
 _torch_skips = []
