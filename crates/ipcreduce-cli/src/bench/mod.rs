@@ -273,7 +273,7 @@ pub(crate) fn check_sweep(
         ));
     }
     let widest = dtypes.iter().copied().max_by_key(|d| d.size());
-    if let Some(d) = widest.filter(|d| min == 0 || min % d.size() != 0) {
+    if let Some(d) = widest.filter(|d| min == 0 || !min.is_multiple_of(d.size())) {
         let size = d.size();
         return Err(format!(
             "{b} {min}: not a whole number of {} elements ({size} bytes each); take a \
