@@ -7,7 +7,7 @@
 //! outputs are bitwise equal, and (for messages up to 16 MiB) one-shot and two-shot give
 //! bitwise the same result. The last line is `N passed, N failed`.
 
-use crate::cli::{join, parse_size, refuse, relaunch_unless_rank, typed_flag, RankArgs, Usage};
+use crate::cli::{join, parse_size, refuse, relaunch_with_progress, typed_flag, RankArgs, Usage};
 use crate::harness::{gather_u64, run_checked, Buffers};
 use ipcreduce::backend::Call;
 use ipcreduce::error::Result;
@@ -56,7 +56,7 @@ pub fn run(args: CheckArgs) -> i32 {
     if let Err(e) = check_args(&args) {
         return refuse(&e);
     }
-    if let Some(code) = relaunch_unless_rank(&args.ranks) {
+    if let Some(code) = relaunch_with_progress(&args.ranks, true) {
         return code;
     }
     match check(&args) {
@@ -188,6 +188,7 @@ fn check(args: &CheckArgs) -> Result<(usize, usize)> {
     // Cases per data path the backend reported (cuda: LL, staged, zero-copy...).
     let mut paths = std::collections::BTreeMap::<&'static str, usize>::new();
     let started = std::time::Instant::now();
+    let mut progress = crate::progress::Reporter::new(rank, args.cases as u64, "cases");
     for i in 0..args.cases {
         let case = draw(&mut rng, i, max_bytes, &algos, args.seed);
         match run_case(&mut comm, &bufs, &case, &mut paths) {
@@ -211,6 +212,7 @@ fn check(args: &CheckArgs) -> Result<(usize, usize)> {
                 break;
             }
         }
+        progress.step(i as u64 + 1);
         if rank == 0 && (i + 1) % 500 == 0 {
             println!(
                 "# {} cases, {passed} passed, {failed} failed, {:.1} s",

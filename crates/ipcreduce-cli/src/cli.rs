@@ -122,6 +122,12 @@ pub fn check_rank_args(args: &RankArgs) -> Result<(), Usage> {
 /// `--ranks`, rank 0's header says how many ranks the default gave and why, and a job with
 /// more ranks than cores says its times are not representative.
 pub fn relaunch_unless_rank(args: &RankArgs) -> Option<i32> {
+    relaunch_with_progress(args, false)
+}
+
+/// [`relaunch_unless_rank`], drawing rank 0's progress (see `progress`) when `progress` and
+/// the command runs on a terminal.
+pub fn relaunch_with_progress(args: &RankArgs, progress: bool) -> Option<i32> {
     if launch::in_rank() {
         return None;
     }
@@ -155,7 +161,25 @@ pub fn relaunch_unless_rank(args: &RankArgs) -> Option<i32> {
         }
     };
     let rest: Vec<_> = std::env::args_os().skip(1).collect();
-    match launch::spawn_ranks(n, exe.as_os_str(), &rest, &[]) {
+    let bar = crate::progress::wanted(progress).then(crate::progress::Bar::new);
+    let env: Vec<(String, String)> = bar
+        .iter()
+        .map(|_| (crate::progress::ENV.to_string(), "1".to_string()))
+        .collect();
+    let output = launch::Output {
+        progress: bar,
+        ..launch::Output::default()
+    };
+    let nodes = launch::Nodes::single();
+    match launch::spawn_ranks_on(
+        &nodes,
+        n,
+        exe.as_os_str(),
+        &rest,
+        &env,
+        launch::DEFAULT_GRACE,
+        &output,
+    ) {
         Ok(code) => Some(code),
         Err(e) => {
             eprintln!("error: {e}");

@@ -50,6 +50,8 @@ pub struct Output {
     pub show: Option<Vec<usize>>,
     /// Where the per-rank logs go (kept); None: a private directory removed at the end.
     pub log_dir: Option<PathBuf>,
+    /// The bar that rank 0's progress lines feed (see `progress`), drawn on our stderr.
+    pub progress: Option<crate::progress::Bar>,
 }
 
 impl Output {
@@ -168,6 +170,7 @@ fn job_id_for(m: &Master) -> String {
 
 /// Starts `n` ranks of `program args...`, waits for all of them and returns the exit code of
 /// the first that failed (128 + signal number for a signal), or 0. See [`spawn_ranks_with`].
+#[cfg(test)]
 pub fn spawn_ranks(
     n: usize,
     program: &OsStr,
@@ -178,6 +181,7 @@ pub fn spawn_ranks(
 }
 
 /// [`spawn_ranks`] with the grace period the other ranks get after a failure.
+#[cfg(test)]
 pub fn spawn_ranks_with(
     n: usize,
     program: &OsStr,
@@ -267,12 +271,13 @@ pub fn spawn_ranks_on(
         match cmd.spawn() {
             Ok(mut child) => {
                 let tag = output.tag.then(|| format!("[rank {global}] "));
+                let bar = output.progress.clone();
                 if let Some(out) = child.stdout.take() {
-                    forward(out, false, tag.clone(), done_tx.clone());
+                    forward(out, false, tag.clone(), bar.clone(), done_tx.clone());
                     forwarders += 1;
                 }
                 if let Some(err) = child.stderr.take() {
-                    forward(err, true, tag, done_tx.clone());
+                    forward(err, true, tag, bar, done_tx.clone());
                     forwarders += 1;
                 }
                 ranks.push(Rank {
@@ -302,6 +307,9 @@ pub fn spawn_ranks_on(
             break;
         }
     }
+    if let Some(bar) = &output.progress {
+        bar.finish();
+    }
     logs.print_failed(&ranks);
     Ok(code)
 }
@@ -315,11 +323,13 @@ struct Rank {
 
 /// Copies a rank's stdout or stderr to ours a whole line at a time (one write under the
 /// stream's lock, so lines of different ranks never mix), optionally tagged; says on `done`
-/// when the rank's end closed.
+/// when the rank's end closed. With a progress bar, rank 0's progress lines feed it and the
+/// other lines are written while it is hidden.
 fn forward(
     from: impl Read + Send + 'static,
     to_stderr: bool,
     tag: Option<String>,
+    bar: Option<crate::progress::Bar>,
     done: mpsc::Sender<()>,
 ) {
     std::thread::spawn(move || {
@@ -336,12 +346,24 @@ fn forward(
             if line.len() > start && !line.ends_with(b"\n") {
                 line.push(b'\n');
             }
+            if bar
+                .as_ref()
+                .is_some_and(|b| !to_stderr && b.take(&line[start..]))
+            {
+                continue;
+            }
             // A closed stdout of ours (e.g. `| head`) must not stop the rank: drop the line.
-            let _ = if to_stderr {
-                std::io::stderr().lock().write_all(&line)
-            } else {
-                let mut out = std::io::stdout().lock();
-                out.write_all(&line).and_then(|()| out.flush())
+            let write = || {
+                if to_stderr {
+                    std::io::stderr().lock().write_all(&line)
+                } else {
+                    let mut out = std::io::stdout().lock();
+                    out.write_all(&line).and_then(|()| out.flush())
+                }
+            };
+            let _ = match &bar {
+                Some(b) => b.suspend(write),
+                None => write(),
             };
         }
         let _ = done.send(());

@@ -10,6 +10,7 @@ mod launch;
 mod model;
 mod overlap;
 mod plot;
+mod progress;
 mod report;
 mod split;
 mod topo;
@@ -147,6 +148,7 @@ fn main() -> ExitCode {
                 tag: tag_output,
                 show,
                 log_dir,
+                progress: None,
             };
             if !grace.is_finite() || grace < 0.0 {
                 eprintln!("error: --grace must be a non-negative number of seconds");

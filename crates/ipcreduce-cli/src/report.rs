@@ -713,7 +713,7 @@ mod tests {
             ours_2m / 1.6
         ))
         .unwrap();
-        let md = render(&[doc.clone()], &[], &mpi);
+        let md = render(std::slice::from_ref(&doc), &[], &mpi);
         assert!(
             md.starts_with("Run: host: 2 cores (world 2), commit `abc`, d."),
             "{md}"

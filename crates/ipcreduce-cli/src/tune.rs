@@ -9,7 +9,7 @@
 
 use crate::bench::cuda::CudaRunner;
 use crate::bench::{parse_list, sizes, Measure};
-use crate::cli::{parse_size, relaunch_unless_rank, RankArgs};
+use crate::cli::{parse_size, relaunch_with_progress, RankArgs};
 use crate::harness::gather_f64;
 use ipcreduce::error::{Error, Result};
 use ipcreduce::tune::{self, Sample, Table, TuneKey};
@@ -54,7 +54,8 @@ pub fn iterations(bytes: usize) -> (usize, usize) {
 }
 
 pub fn run(args: TuneArgs) -> i32 {
-    if let Some(code) = relaunch_unless_rank(&args.ranks) {
+    // No bar with --json: such runs are scripted.
+    if let Some(code) = relaunch_with_progress(&args.ranks, args.json.is_none()) {
         return code;
     }
     match tune_here(&args) {
@@ -82,6 +83,10 @@ fn tune_here(args: &TuneArgs) -> Result<()> {
     let sizes = sizes(args.min_bytes, args.max_bytes, args.step);
     let mut samples: Vec<(usize, Sample)> = Vec::new(); // (element size, sample)
     let mut world_key: Option<(usize, usize, Option<TuneKey>)> = None;
+    // One step per (grid, dtype, size): every algorithm of it measured.
+    let total = (grids.len() * dtypes.len() * sizes.len()) as u64;
+    let mut progress: Option<crate::progress::Reporter> = None;
+    let mut done = 0u64;
     for &grid in &grids {
         let config = Config {
             backend: args.ranks.backend,
@@ -94,6 +99,8 @@ fn tune_here(args: &TuneArgs) -> Result<()> {
             return Err(bad("tune measures the cuda backend (no GPU here?)".into()));
         }
         let (rank, world) = (comm.rank(), comm.world());
+        let progress =
+            progress.get_or_insert_with(|| crate::progress::Reporter::new(rank, total, "sizes"));
         if world_key.is_none() {
             let key = comm.cuda_device().and_then(TuneKey::of_machine);
             world_key = Some((rank, world, key));
@@ -154,6 +161,8 @@ fn tune_here(args: &TuneArgs) -> Result<()> {
                     }
                     samples.push((dtype.size(), sample));
                 }
+                done += 1;
+                progress.step(done);
             }
             runner.free(&mut comm);
         }

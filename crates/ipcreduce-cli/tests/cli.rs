@@ -193,6 +193,34 @@ fn the_host_default_fits_the_machine_and_says_so() {
 }
 
 #[test]
+fn progress_is_drawn_only_for_a_terminal() {
+    // Off a terminal (the test's pipes) the command asks its ranks for no progress lines.
+    let out = ipcreduce(&["check", "--backend", "host", "--ranks", "2", "--cases", "5"]);
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    assert!(!all.contains("@@ipcreduce-progress"), "{all}");
+    // Asked (as a launching command on a terminal asks): rank 0 alone reports, and the last
+    // case always; an outer launcher without a bar passes the lines through.
+    let out = command(&["launch", "-n", "2", "--", env!("CARGO_BIN_EXE_ipcreduce")])
+        .args(["check", "--backend", "host", "--cases", "5"])
+        .env("IPCREDUCE_PROGRESS", "1")
+        .output()
+        .expect("run ipcreduce");
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    assert_eq!(
+        all.matches("@@ipcreduce-progress 5 5 cases\n").count(),
+        1,
+        "{all}"
+    );
+    let lines = all
+        .lines()
+        .filter(|l| l.starts_with("@@ipcreduce-progress "));
+    assert!(lines.clone().count() <= 5, "{all}");
+    assert!(lines.clone().all(|l| l.ends_with(" 5 cases")), "{all}");
+}
+
+#[test]
 fn check_passes_on_the_host_backend_at_several_world_sizes() {
     for ranks in ["2", "3", "4", "8"] {
         let out = ipcreduce(&[

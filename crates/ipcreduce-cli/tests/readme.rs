@@ -359,7 +359,7 @@ fn the_layout_section_matches_the_tree() {
         let name = e.unwrap().file_name().to_string_lossy().into_owned();
         let p = PathBuf::from("crates/ipcreduce-cli/src").join(&name);
         assert!(
-            named.iter().any(|n| *n == p),
+            named.contains(&p),
             "crates/ipcreduce-cli/src/{name} is missing from README's Layout"
         );
     }

@@ -18,7 +18,7 @@ pub(crate) mod cuda;
 mod host;
 pub mod pattern;
 
-use crate::cli::{join, parse_size, refuse, relaunch_unless_rank, typed_flag, RankArgs, Usage};
+use crate::cli::{join, parse_size, refuse, relaunch_with_progress, typed_flag, RankArgs, Usage};
 use crate::harness::{gather_f64, gather_u64, RunMeta};
 use ipcreduce::error::Result;
 use ipcreduce::types::{Algorithm, BackendKind, DType, ReduceOp};
@@ -216,7 +216,8 @@ pub fn run(args: BenchArgs) -> i32 {
     if let Err(e) = check_args(&args) {
         return refuse(&e);
     }
-    if let Some(code) = relaunch_unless_rank(&args.ranks) {
+    // No bar with --json: such runs are scripted.
+    if let Some(code) = relaunch_with_progress(&args.ranks, args.json.is_none()) {
         return code;
     }
     match bench(&args) {
@@ -291,7 +292,7 @@ pub(crate) fn check_sweep(
         ));
     }
     let widest = dtypes.iter().copied().max_by_key(|d| d.size());
-    if let Some(d) = widest.filter(|d| min == 0 || min % d.size() != 0) {
+    if let Some(d) = widest.filter(|d| min == 0 || !min.is_multiple_of(d.size())) {
         let size = d.size();
         return Err(format!(
             "{b} {min}: not a whole number of {} elements ({size} bytes each); take a \
@@ -406,6 +407,8 @@ fn bench(args: &BenchArgs) -> Result<bool> {
     }
     let mut rows = Vec::new();
     let sizes = sizes(args.min_bytes, max_bytes, args.step);
+    let measurements = registrations.len() * dtypes.len() * sizes.len() * algos.len() * modes.len();
+    let mut progress = crate::progress::Reporter::new(rank, measurements as u64, "rows");
     for &registered in &registrations {
         for &dtype in &dtypes {
             let capacity = sizes.last().copied().unwrap_or(0).max(dtype.size());
@@ -447,6 +450,8 @@ fn bench(args: &BenchArgs) -> Result<bool> {
                             print_row(&row, cuda);
                         }
                         rows.push(row);
+                        // Between measurements: the next one's timing starts after this.
+                        progress.step(rows.len() as u64);
                     }
                 }
             }
