@@ -1132,6 +1132,15 @@ fn rank_scatter_gather() -> i32 {
             );
             let mut want = vec![0u8; whole];
             download(full.ptr, &mut want, s.0);
+            // The all-reduce must itself be right (the reference, not the library), element
+            // by element; then our shard of it is what reduce-scatter must give, bit for bit.
+            let wrong_full = reference::count_wrong(dtype, op, seed, world, &want);
+            assert_eq!(
+                wrong_full,
+                0,
+                "rank {rank}: the two-shot all-reduce of {} x {dtype} {op} has {wrong_full} wrong",
+                world * count
+            );
             let want = &want[rank * shard..(rank + 1) * shard];
             let mine = &input[..shard];
             for registered in [false, true] {
@@ -1180,7 +1189,20 @@ fn rank_scatter_gather() -> i32 {
                         paths.insert(c.last_path().expect("a path").name);
                         let mut got = vec![0u8; shard];
                         download(recv, &mut got, s.0);
-                        assert_eq!(got, want, "rank {rank}: reduce_scatter {what}");
+                        if got != want {
+                            let differ = (0..count)
+                                .filter(|&i| {
+                                    got[i * size..(i + 1) * size] != want[i * size..(i + 1) * size]
+                                })
+                                .collect::<Vec<_>>();
+                            panic!(
+                                "rank {rank}: reduce_scatter {what} (path {:?}): {} of {count} \
+                                 elements differ from the all-reduce's shard, first at {:?}",
+                                c.last_path().map(|p| p.name),
+                                differ.len(),
+                                &differ[..differ.len().min(8)]
+                            );
+                        }
                         drop(g);
                         // All-gather: send b (or a's shard, in place), recv a.
                         let send = if in_place {
