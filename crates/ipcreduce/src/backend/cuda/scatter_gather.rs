@@ -142,30 +142,36 @@ impl CudaComm {
             ctas: grid,
             registered: path.registered(),
         });
-        // Zero-copy: where send and recv lie (recv too where it is registered; the kernel
-        // writes it only here, but a rank that passes other buffers runs another call).
+        // Zero-copy: the memory the peers read, which must be the same region at the same
+        // offset on every rank (they address it through their own mapping of our region):
+        // reduce-scatter's send; all-gather's send, or in place the gather buffer (recv) whose
+        // shard `rank` is the send. What only this rank writes (reduce-scatter's recv, an
+        // out-of-place all-gather's recv) may lie anywhere: NCCL's in-place forms put it at a
+        // different offset on every rank.
         let own = shards.span(self.rank).len() * size;
-        let (send_bytes, recv_bytes) = match what {
-            SgOp::ReduceScatter => (shards.total * size, own),
-            _ => (own, shards.total * size),
+        let in_place = match what {
+            SgOp::ReduceScatter => recv == send + (shards.span(self.rank).start * size) as u64,
+            _ => send == recv + (shards.span(self.rank).start * size) as u64,
         };
         let registered = sources.is_some();
+        let (read_send, read_recv) = match (what, in_place) {
+            (SgOp::ReduceScatter, _) => (Some((send, shards.total * size)), None),
+            (_, false) => (Some((send, own)), None),
+            (_, true) => (None, Some((recv, shards.total * size))),
+        };
+        let at = |r: Option<(u64, usize)>| {
+            r.filter(|_| registered)
+                .and_then(|(p, b)| self.region_at(p, b))
+        };
         let ident = CallIdentity {
             op: what,
             path,
             dtype,
             reduce: op,
             count: shards.total as u64,
-            in_place: match what {
-                SgOp::ReduceScatter => recv == send + (shards.span(self.rank).start * size) as u64,
-                _ => send == recv + (shards.span(self.rank).start * size) as u64,
-            },
-            send: registered
-                .then(|| self.region_at(send, send_bytes))
-                .flatten(),
-            recv: registered
-                .then(|| self.region_at(recv, recv_bytes))
-                .flatten(),
+            in_place,
+            send: at(read_send),
+            recv: at(read_recv),
         };
         let mut a = self.kernel_args(send, recv, shards.total, &ident, None);
         if let Some(src) = sources {
