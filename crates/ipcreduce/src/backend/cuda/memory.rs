@@ -2,8 +2,7 @@
 
 use super::driver::ck;
 use crate::error::Result;
-use cudarc::driver::{safe as cs, sys};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use cudarc::driver::sys;
 
 /// Plain device memory (cuMemAlloc): test buffers and per-rank private state.
 pub struct DeviceAlloc {
@@ -91,87 +90,6 @@ impl Drop for MappedHostWords {
         let res = unsafe { sys::cuMemFreeHost(self.host.cast()) };
         if res != sys::CUresult::CUDA_SUCCESS {
             tracing::warn!("cuMemFreeHost failed: {res:?}");
-        }
-    }
-}
-
-/// Memory the kernels use, owned by the communicator and kept alive by the CUDA graphs that
-/// captured its calls ([`Kept::keep`]). Only the communicator reaches the value (Kept is not
-/// Clone); a graph's [`KeepAlive`] only delays the drop.
-pub struct Kept<T>(Arc<T>);
-
-/// A share of a [`Kept`] that gives no access: it only keeps the value alive.
-pub struct KeepAlive<T>(#[allow(dead_code)] Arc<T>);
-
-// SAFETY: one Kept reaches the value, from the thread that holds it; the KeepAlives never do.
-// So the value is never shared between threads, only dropped on whichever thread lets go last,
-// which `T: Send` allows.
-unsafe impl<T: Send> Send for Kept<T> {}
-// SAFETY: as above: a KeepAlive gives no access at all.
-unsafe impl<T: Send> Send for KeepAlive<T> {}
-
-impl<T> Kept<T> {
-    pub fn new(value: T) -> Kept<T> {
-        Kept(Arc::new(value))
-    }
-
-    pub fn keep(&self) -> KeepAlive<T> {
-        KeepAlive(Arc::clone(&self.0))
-    }
-}
-
-impl<T> std::ops::Deref for Kept<T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        &self.0
-    }
-}
-
-/// Memory to release on a thread of ours, with its context bound: what a CUDA graph held (see
-/// streams::hold_in_graph) is handed back from the driver's destructor thread, where no CUDA
-/// call (cuMemFree, cuMemUnmap) is allowed.
-pub struct Released {
-    // Declaration order is drop order: the memory before the context.
-    pub held: Box<dyn Send>,
-    pub ctx: Arc<cs::CudaContext>,
-}
-
-type Queue = (Mutex<Vec<Released>>, Condvar);
-
-/// Queues `r` for the release thread (started the first time). Makes no CUDA call, so a
-/// user object's destructor may call it.
-pub fn release_later(r: Released) {
-    static QUEUE: OnceLock<Arc<Queue>> = OnceLock::new();
-    let q = QUEUE.get_or_init(|| {
-        let q: Arc<Queue> = Arc::default();
-        let mine = q.clone();
-        let started = std::thread::Builder::new()
-            .name("ipcreduce-release".into())
-            .spawn(move || release_loop(&mine));
-        if let Err(e) = started {
-            // Then what graphs held stays allocated until the process ends.
-            tracing::warn!("no release thread: {e}");
-        }
-        q
-    });
-    q.0.lock().unwrap_or_else(|e| e.into_inner()).push(r);
-    q.1.notify_one();
-}
-
-fn release_loop(q: &Queue) {
-    loop {
-        let batch = {
-            let mut v = q.0.lock().unwrap_or_else(|e| e.into_inner());
-            while v.is_empty() {
-                v = q.1.wait(v).unwrap_or_else(|e| e.into_inner());
-            }
-            std::mem::take(&mut *v)
-        };
-        for r in batch {
-            if let Err(e) = r.ctx.bind_to_thread() {
-                tracing::warn!("releasing what a CUDA graph held: binding the context: {e}");
-            }
-            drop(r);
         }
     }
 }

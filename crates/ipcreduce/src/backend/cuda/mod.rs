@@ -43,7 +43,7 @@ use kernels::{
     ll_bytes, rec, ERR_MISMATCH, ERR_TIMEOUT, LL_MAX_BYTES, MAX_BLOCKS, MAX_RANKS, SIG_BYTES,
     STATE_ERR_WORD,
 };
-use memory::{DeviceAlloc, Kept, MappedHostWords};
+use memory::{DeviceAlloc, MappedHostWords};
 use peers::device_uuid;
 use registry::Registry;
 use std::collections::HashMap;
@@ -147,12 +147,11 @@ pub struct CudaComm {
     /// Stream order and what teardown waits for (see streams.rs).
     streams: streams::Tracker,
     events: streams::CudaEvents,
-    // Memory kernels use: released in Drop unless work may still run on it, or by the last
-    // CUDA graph that captured a call (see teardown.rs).
+    // Memory kernels use: freed in Drop unless work may still run on it (see teardown.rs).
     words: ManuallyDrop<Arc<MappedHostWords>>,
     /// Private device state: counters[MAX_BLOCKS][2], then the error word.
-    state: ManuallyDrop<Kept<DeviceAlloc>>,
-    ws: ManuallyDrop<Kept<SharedWorkspaces>>,
+    state: ManuallyDrop<DeviceAlloc>,
+    ws: ManuallyDrop<SharedWorkspaces>,
     /// Set by teardown: what must not be freed.
     leak: teardown::Leak,
     /// Whether teardown ran (else Drop waits for our work itself).
@@ -448,8 +447,8 @@ impl CudaComm {
             gpu,
             streams: streams::Tracker::new(own),
             events: streams::CudaEvents::new(rank),
-            ws: ManuallyDrop::new(Kept::new(ws)),
-            state: ManuallyDrop::new(Kept::new(state)),
+            ws: ManuallyDrop::new(ws),
+            state: ManuallyDrop::new(state),
             words: ManuallyDrop::new(words),
             leak: teardown::Leak::Nothing,
             left: false,
@@ -742,14 +741,11 @@ impl CudaComm {
         // The capture status decides whether the tracker may record and wait on events (not
         // during capture: the graph orders its calls), and, with Pdl::Eager, whether kernels
         // are launched with programmatic dependent launch. Where neither depends on it, the
-        // query is skipped: repeated calls on the legacy default stream (PyTorch's default),
-        // until a call was captured. A captured call makes the graph hold our memory.
+        // query is skipped: repeated calls on the legacy default stream (PyTorch's default)
+        // or on our own stream.
         let needed = self.pdl == Pdl::Eager || !self.streams.quiet(key);
         let capturing = needed && streams::capturing(stream, self.rank)?;
         self.launch_pdl = self.pdl.for_call(capturing);
-        if capturing {
-            self.hold_for_graph(stream)?;
-        }
         self.streams.before(&mut self.events, key, capturing)?;
         issue(self)?;
         self.streams.after(&mut self.events, key, capturing)

@@ -8,22 +8,11 @@
 //!
 //! Never panics, never waits without a deadline. An aborted communicator skips the barrier
 //! (its peers are leaving too, or gone).
-//!
-//! CUDA graphs that captured calls outlive the communicator on their own terms: each holds the
-//! memory its kernels use (workspaces and the mappings of the peers', private state, the
-//! host-mapped words) through a user object ([`CudaComm::hold_for_graph`]), released when the
-//! graph is destroyed. Leaving raises the abort word the kernels poll, so a replay after close
-//! stops at its first wait with `ERR_ABORTED` (recorded in words nobody reads any more) and
-//! writes no result: the caller's output stays as it was. What a leak keeps stays leaked.
 
-use super::memory::{release_later, Released};
-use super::{streams, CudaComm, W_ABORT};
+use super::CudaComm;
 use crate::bootstrap::Bootstrap;
 use crate::config::Sharing;
-use crate::error::Result;
-use cudarc::driver::sys;
 use std::mem::ManuallyDrop;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// What Drop must not free.
@@ -44,7 +33,6 @@ impl CudaComm {
     pub(super) fn teardown(&mut self, boot: &mut Bootstrap) {
         self.left = true;
         self.quiesce();
-        self.stop_graphs();
         if self.leak == Leak::All {
             return;
         }
@@ -54,25 +42,6 @@ impl CudaComm {
                 self.leak = Leak::Workspace;
             }
         }
-    }
-
-    /// From now on, kernels of graphs that captured our calls stop at their first wait (the
-    /// peers have left or are leaving: nothing could complete). Our own work is done or being
-    /// stopped already.
-    fn stop_graphs(&self) {
-        self.words.set(W_ABORT, 1);
-    }
-
-    /// The graph `stream` is capturing into holds the memory our kernels use until it is
-    /// destroyed (see the module comment): called for every captured call.
-    pub(super) fn hold_for_graph(&self, stream: sys::CUstream) -> Result<()> {
-        let held: Box<dyn Send> =
-            Box::new((self.ws.keep(), self.state.keep(), Arc::clone(&self.words)));
-        let keep = Released {
-            held,
-            ctx: self.ctx.clone(),
-        };
-        streams::hold_in_graph(stream, keep, release_later, self.rank)
     }
 
     /// Waits for our work on every stream; sets `leak` when it does not finish.
@@ -110,7 +79,6 @@ impl Drop for CudaComm {
         // Dropped without `teardown` (init failed half way): still wait for our own work.
         if !self.left {
             self.quiesce();
-            self.stop_graphs();
         }
         if self.abort.is_aborted() || self.leak != Leak::Nothing {
             if let Ok(nccl) = &mut self.nccl {
@@ -127,8 +95,7 @@ impl Drop for CudaComm {
             }
             if self.leak < Leak::All {
                 // Registered memory is cuMem memory: a peer's mapping keeps it alive, so only
-                // our own unfinished work keeps it from being released. The rest is released
-                // here, or by the last graph that holds it.
+                // our own unfinished work keeps it from being released.
                 ManuallyDrop::drop(&mut self.registry);
                 ManuallyDrop::drop(&mut self.state);
                 ManuallyDrop::drop(&mut self.words);
