@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run HERE (the development machine; the GPU machine has no Rust): builds the ipcreduce binary
-# and the GPU test executables (crates/ipcreduce/tests/gpu.rs and gpu_streams.rs, cargo feature
-# `gpu`) and puts them at fixed paths for scripts/device/gpu-tests.sh:
-#   target/gpu-tests/gpu, target/gpu-tests/gpu_streams
+# and the GPU test executables (crates/ipcreduce/tests/gpu.rs, cargo feature
+# `gpu`; more test files join the list below) and puts them at fixed paths for scripts/device/gpu-tests.sh:
+#   target/gpu-tests/gpu
 # and the commit they were built from, with a dirty flag, in target/gpu-tests/gpu.commit
 # (`<sha>` or `<sha>-dirty`: uncommitted changes to tracked files).
 # Then on the GPU machine: scripts/device/gpu-tests.sh OUT_DIR
@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -p ipcreduce-cli
 mkdir -p target/gpu-tests
-for t in gpu gpu_streams; do
+for t in gpu; do
   log=$(cargo test --release -p ipcreduce --features gpu --test "$t" --no-run 2>&1) || {
     echo "$log" >&2
     exit 1

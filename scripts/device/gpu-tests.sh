@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The library's GPU tests (crates/ipcreduce/tests/gpu.rs and gpu_streams.rs) on one GPU with
+# The library's GPU tests (crates/ipcreduce/tests/gpu.rs) on one GPU with
 # several ranks per GPU under MPS: worlds 2/4/8, stale-data chains, CUDA graph replays,
 # streams, teardown with work in flight, the low-latency wrap (200,704 LL calls, every result
 # checked), graph replays interleaved with eager calls and replays after drop.
 # Builds nothing: run scripts/build-gpu-tests.sh on the development machine first; it leaves
-# target/gpu-tests/{gpu,gpu_streams,gpu.commit}.
+# target/gpu-tests/{gpu,gpu.commit}.
 # Usage: scripts/device/gpu-tests.sh OUT_DIR
 # Writes OUT_DIR/env.txt (with the commit and "MPS: on"), one log per test
 # (OUT_DIR/<binary>.<test>.log) and OUT_DIR/gpu-tests.json: one entry per test listed, run
@@ -13,12 +13,12 @@
 # `test result: ok. 1 passed`. The last line printed is `N passed, N failed, N skipped,
 # N ignored`. Exit status 0 only when every test run passed and MPS was on.
 # Knobs: GPU_TESTS_SKIP (test names to leave out, space separated), GPU_TESTS_BINS (default
-# "target/gpu-tests/gpu target/gpu-tests/gpu_streams"), GPU_TESTS_FILTER (substring of the
+# "target/gpu-tests/gpu"), GPU_TESTS_FILTER (substring of the
 # test names to run), GPU_TESTS_IGNORED=1 (run ignored tests too), GPU_TEST_LL_CALLS (LL wrap
 # length, default 200704).
 set -u
 OUT=${1:?usage: gpu-tests.sh OUT_DIR}
-BINS=${GPU_TESTS_BINS:-${GPU_TESTS_BIN:-target/gpu-tests/gpu target/gpu-tests/gpu_streams}}
+BINS=${GPU_TESTS_BINS:-${GPU_TESTS_BIN:-target/gpu-tests/gpu}}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 # Never NVLink multicast.
