@@ -368,6 +368,7 @@ ptxas info    : Used 64 registers, used 1 barriers, 40 bytes cumulative stack si
         if !nvrtc_for_tests() {
             return;
         }
+        let mut over = Vec::new();
         for w in [2, 4] {
             let all = resources("sm_90", w).unwrap_or_else(|e| panic!("{e}"));
             for path in [
@@ -393,15 +394,25 @@ ptxas info    : Used 64 registers, used 1 barriers, 40 bytes cumulative stack si
                     // The LL kernels above two ranks hold a line of every peer (W x 16 bytes)
                     // at 64 registers: a 16-bit pack of 8 floats on top spills 32 (f16) and 40
                     // (bf16) bytes at world class 4 (ptxas for sm_90; local memory, L1-cached,
-                    // off the wait loop). Anything more, or a spill anywhere else, fails.
-                    let allowed = match (path, w) {
-                        (CudaPath::OneShotLl | CudaPath::OneShotLl12, 4) => 40,
+                    // off the wait loop); the f16 zero-copy two-shot spills 8 bytes there since
+                    // its barriers carry the call number. Anything more, or a spill anywhere
+                    // else, fails.
+                    let allowed = match (path, w, dtype) {
+                        (CudaPath::OneShotLl | CudaPath::OneShotLl12, 4, _) => 40,
+                        (CudaPath::TwoShotReg, 4, DType::F16) => 8,
                         _ => 0,
                     };
-                    assert!(k.spill_bytes <= allowed, "{k:?} (at most {allowed} B)");
+                    if k.spill_bytes > allowed {
+                        over.push(format!("{k:?} (at most {allowed} B)"));
+                    }
                 }
             }
         }
+        assert!(
+            over.is_empty(),
+            "over the spill budget:\n{}",
+            over.join("\n")
+        );
     }
 
     /// Compiles every kernel with NVRTC, with the path table's defines, and finds every kernel
