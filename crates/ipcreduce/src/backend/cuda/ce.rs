@@ -123,7 +123,9 @@ impl CudaComm {
         // Both ranks cut the same number of chunks: every lane passes the same barriers.
         let chunks = mine.len().max(theirs.len()).div_ceil(chunk).max(1);
         let (send, recv, peer_recv) = (args.send, args.recv, args.rrecv[peer]);
-        let reduce = self.gpu.funcs[&(crate::plan::CudaPath::Ce, dtype, op)].cu_function();
+        let reduce = self
+            .gpu
+            .function(crate::plan::CudaPath::Ce, dtype, op, rank)?;
 
         let copy = |dst: u64, src: u64, bytes: usize, s: sys::CUstream, what: &str| {
             if bytes == 0 {
@@ -148,7 +150,7 @@ impl CudaComm {
                 _ => 0,
             };
             self.launch_kernel(
-                self.gpu.ce_barrier.cu_function(),
+                self.gpu.ce_barrier(),
                 1,
                 BARRIER_THREADS,
                 lane(j),

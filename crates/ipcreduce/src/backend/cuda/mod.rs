@@ -26,6 +26,7 @@ mod testbufs;
 mod workspace;
 // Workspaces over peer memory or staged through host memory (IPCREDUCE_TRANSPORT).
 mod host_staged;
+mod modules;
 mod topology;
 mod transport;
 
@@ -44,9 +45,10 @@ use kernels::{
     STATE_ERR_WORD,
 };
 use memory::{DeviceAlloc, MappedHostWords};
+use modules::Loaded;
 use peers::device_uuid;
 use registry::Registry;
-use std::collections::HashMap;
+
 use std::ffi::c_void;
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Weak};
@@ -176,89 +178,6 @@ pub struct CudaComm {
     stream: Arc<cs::CudaStream>,
     ctx: Arc<cs::CudaContext>,
     gpu: Arc<Loaded>,
-}
-
-/// A GPU's context and the compiled kernels, made once per process and GPU: compiling with
-/// NVRTC and loading the module cost seconds, and communicators may be created many times.
-/// Kept for the life of the process.
-struct Loaded {
-    ctx: Arc<cs::CudaContext>,
-    _module: Arc<cs::CudaModule>,
-    /// Every path's kernels (paths.rs), all-reduce, reduce-scatter and all-gather.
-    funcs: HashMap<(CudaPath, DType, ReduceOp), cs::CudaFunction>,
-    /// The copy-engine path's barrier kernel.
-    ce_barrier: cs::CudaFunction,
-    /// Whether the GPU has programmatic dependent launch (compute capability 9.0 and up).
-    pdl_capable: bool,
-}
-
-impl Loaded {
-    /// The module for GPU `ordinal` and world-size class `w` ([`kernels::world_class`]).
-    fn get(ordinal: usize, w: usize, rank: usize) -> Result<Arc<Loaded>> {
-        type Cache = HashMap<(usize, usize), Arc<Loaded>>;
-        static CACHE: std::sync::OnceLock<std::sync::Mutex<Cache>> = std::sync::OnceLock::new();
-        let mut cache = CACHE
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some(l) = cache.get(&(ordinal, w)) {
-            return Ok(l.clone());
-        }
-        let cuda = |op: &str, e: cudarc::driver::DriverError| driver::from_cudarc(rank, op, e);
-        let ctx = cs::CudaContext::new(ordinal).map_err(|e| cuda("context creation", e))?;
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(|e| cuda("compute capability query", e))?;
-        let ptx = kernels::compile(&format!("sm_{major}{minor}"), w).map_err(|e| match e {
-            Error::Cuda { op, detail, .. } => Error::Cuda { rank, op, detail },
-            Error::CudaDriver {
-                op, code, detail, ..
-            } => Error::CudaDriver {
-                rank,
-                op,
-                code,
-                detail,
-            },
-            other => other,
-        })?;
-        let module = ctx
-            .load_module(ptx)
-            .map_err(|e| cuda("loading the NVRTC module", e))?;
-        let mut funcs = HashMap::new();
-        let mut regs = Vec::new();
-        for path in CudaPath::ALL {
-            for dtype in DType::ALL {
-                for op in ReduceOp::ALL {
-                    let kname = path.kernel_name(w, dtype, op);
-                    let f = module
-                        .load_function(&kname)
-                        .map_err(|e| cuda(&format!("loading kernel {kname}"), e))?;
-                    if dtype == DType::Bf16 && op == ReduceOp::Sum && path != CudaPath::Empty {
-                        regs.push(format!("{} {}", path.name(), kernel_resources(&f)));
-                    }
-                    funcs.insert((path, dtype, op), f);
-                }
-            }
-        }
-        // What the compiler made of the kernels (the budget: 64 registers, no local memory).
-        tracing::info!(
-            rank,
-            "kernels for world class {w}, bf16 sum: {}",
-            regs.join(", ")
-        );
-        let ce_barrier = module
-            .load_function(kernels::CE_BARRIER_KERNEL)
-            .map_err(|e| cuda("loading the copy-engine barrier kernel", e))?;
-        let l = Arc::new(Loaded {
-            ctx,
-            _module: module,
-            funcs,
-            ce_barrier,
-            pdl_capable: major >= 9,
-        });
-        cache.insert((ordinal, w), l.clone());
-        Ok(l)
-    }
 }
 
 impl CudaComm {
@@ -633,7 +552,7 @@ impl CudaComm {
             send: None,
             recv: None,
         };
-        let f = self.gpu.funcs[&(path, dtype, reduce)].cu_function();
+        let f = self.gpu.function(path, dtype, reduce, self.rank)?;
         self.last_path = Some(PathInfo {
             name: path.name(),
             ctas: 1,
@@ -833,7 +752,7 @@ impl CudaComm {
             &self.limits,
             tuned,
         );
-        let f = self.gpu.funcs[&(path, dtype, op)].cu_function();
+        let f = self.gpu.function(path, dtype, op, self.rank)?;
         self.last_path = Some(PathInfo {
             name: path.name(),
             ctas: grid,
@@ -1126,24 +1045,6 @@ impl CudaComm {
             .bind_to_thread()
             .map_err(|e| self.cuda_err("binding the context".into(), e))
     }
-}
-
-/// "N regs, M B local" of a loaded kernel, for the log.
-fn kernel_resources(f: &cs::CudaFunction) -> String {
-    use sys::CUfunction_attribute::{
-        CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES as LOCAL, CU_FUNC_ATTRIBUTE_NUM_REGS as REGS,
-    };
-    let get = |attr| {
-        let mut v = 0;
-        // SAFETY: writes one int for a loaded function.
-        let res = unsafe { sys::cuFuncGetAttribute(&mut v, attr, f.cu_function()) };
-        if res == sys::CUresult::CUDA_SUCCESS {
-            v.to_string()
-        } else {
-            "?".into()
-        }
-    };
-    format!("{} regs, {} B local", get(REGS), get(LOCAL))
 }
 
 /// The device of the CUDA context current on this thread, if there is one: a caller that

@@ -20,7 +20,7 @@
 //! b, so all ranks must launch the same grid). The arithmetic is plain functions, tested here.
 
 use super::driver::ck;
-use super::Loaded;
+use super::modules::Loaded;
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
@@ -192,11 +192,10 @@ pub(super) fn measure(
     let mut wide_per_sm = usize::MAX;
     let mut deep_per_sm = usize::MAX;
     let sm_funcs = gpu
-        .funcs
-        .iter()
-        .map(|((p, _, _), f)| (p.one_block_per_sm(), f));
+        .loaded_functions()
+        .map(|(p, f)| (p.one_block_per_sm(), f));
     for (deep, f) in sm_funcs {
-        let n = blocks_per_sm(f.cu_function(), super::THREADS, rank)?;
+        let n = blocks_per_sm(f, super::THREADS, rank)?;
         let slot = if deep {
             &mut deep_per_sm
         } else {

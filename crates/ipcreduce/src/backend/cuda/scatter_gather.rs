@@ -136,7 +136,7 @@ impl CudaComm {
         }
         .clamp(1, self.limits.cap.max(1)) as u32;
         let op = path.effective_op(op);
-        let f = self.gpu.funcs[&(path, dtype, op)].cu_function();
+        let f = self.gpu.function(path, dtype, op, self.rank)?;
         self.last_path = Some(PathInfo {
             name: path.name(),
             ctas: grid,
