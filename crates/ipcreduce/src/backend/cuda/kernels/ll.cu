@@ -25,11 +25,14 @@
 // call N ended, clear included (stream order; kernel completion makes the kernel's writes
 // visible). So the clear is ordered before o's N + 1 write, which s observed before its N + 1
 // ended, which is before s's write in M: the clear precedes the next write of the line and
-// cannot erase it, and the line is zero from the clear until then. Call numbers are 64-bit, so
-// the flag never returns to an earlier call's within the life of a communicator by wrapping
-// either; and every rank's call numbers are paired (prims.cuh, invariant 1).
+// cannot erase it, and the line is zero from the clear until then. So no argument rests on the
+// flag differing from an earlier call's (it is 32 bits and repeats after 2^32 calls): what a
+// reader accepts was written in its own call; and every rank's call numbers are paired
+// (prims.cuh, invariant 1).
 // A peer that called with another identity writes lines with another flag (seen on the wait's
-// slow path) or none at all (its board entry differs): a mismatch, named at once.
+// slow path) or none at all (its board entry differs): a mismatch, named at once. (Two
+// identities whose digests agree in their low 32 bits would share flags: a 2^-32 chance per
+// pair of different calls, as for any 32-bit flag.)
 //
 // Each thread owns 16-byte pairs of lines (grid-stride): one 16-byte load of its input, two lines
 // to every peer, then the lines of every peer peeked at once before it waits on any (both lines
@@ -89,8 +92,8 @@ __device__ __forceinline__ void store_pair(char *dst, u64 j, u64 total, uint4 w)
 }
 
 // The call number, on a wait's slow path: the counter still holds the previous call's until
-// the last block of this one finishes (finish_call), after every wait. Not kept in a register
-// through the fast path, where the LL kernels have none to spare.
+// the last block of this one finishes (finish_call), after every wait. Not passed down to the
+// wait, whose loop has no register to spare at four and eight ranks.
 __device__ __forceinline__ u64 current_call(const Args &a) {
     // (Read by a block before it counts itself done in finish_call, so before the store.)
     return *(volatile u64 *)(a.counters + STATE_CALL) + 1;
@@ -134,7 +137,7 @@ __device__ __forceinline__ uint2 ll_data(const ulonglong2 &v) { return make_uint
 
 template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args &a) {
     let_next_kernel_launch(a);
-    const u64 call = begin_call(a);
+    const u64 call = begin_call(a, false); // posted after the pushes (see begin_call)
     const u32 flag = ll_flag(a.digest, call);
     const u32 parity = (u32)call & 1u;
     const u64 total = a.count * D::SIZE;
@@ -158,40 +161,39 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args
             }
         }
     }
+    post_identity(a, call);
     // Reduce in rank order from our own memory. The same thread handles pair j in both loops, so
-    // in place (send == recv) is safe. Two ranks: both lines of the peer are peeked before either
-    // is waited for. More ranks: one line at a time, its line of every peer peeked before any
-    // wait (2 * (world - 1) lines held at once would not fit two blocks per SM: 64 registers).
+    // in place (send == recv) is safe. Two ranks: the peer's two lines (the only ones held: the
+    // peer is 1 - rank, so no line per rank index is kept live) are peeked before either is
+    // waited for, and rank 0's data is summed first. More ranks: one line at a time, its line of
+    // every peer peeked before any wait (2 * (world - 1) lines held at once would not fit two
+    // blocks per SM: 64 registers).
     bool ok = true;
     for (u64 j = first; ok && j < pairs; j += stride) {
         const bool two = 2 * j + 1 < lines;
         Pack<D> acc;
         if (W <= 2) {
             const uint4 mine = load_pair(a.send, j, total);
-            ulonglong2 got[2][2];
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                got[r][0] = got[r][1] = make_ulonglong2((u64)flag << 32, (u64)flag << 32); // unused or past the end
-                if (r < a.world && r != a.rank) {
-                    const ulonglong2 *line = ll_line(a, a.rank, parity, r, 2 * j);
-                    got[r][0] = ll_peek(line);
-                    if (two) got[r][1] = ll_peek(line + 1);
+            uint4 theirs = mine; // world 1: no peer, the sum is our own input
+            if (a.world == 2) {
+                const ulonglong2 *line = ll_line(a, a.rank, parity, 1 - a.rank, 2 * j);
+                ulonglong2 g0 = ll_peek(line);
+                ulonglong2 g1 = make_ulonglong2((u64)flag << 32, (u64)flag << 32); // past the end
+                if (two) g1 = ll_peek(line + 1);
+                if (!ll_wait(a, parity, 1 - a.rank, 2 * j, flag, g0) ||
+                    (two && !ll_wait(a, parity, 1 - a.rank, 2 * j + 1, flag, g1))) {
+                    ok = false;
+                    break;
                 }
+                theirs = make_uint4((u32)g0.x, (u32)g0.y, (u32)g1.x, (u32)g1.y);
             }
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                if (r >= a.world) break;
-                uint4 w = mine;
-                if (r != a.rank) {
-                    if (!ll_wait(a, parity, r, 2 * j, flag, got[r][0]) ||
-                        (two && !ll_wait(a, parity, r, 2 * j + 1, flag, got[r][1]))) {
-                        ok = false;
-                        break;
-                    }
-                    w = make_uint4((u32)got[r][0].x, (u32)got[r][0].y, (u32)got[r][1].x, (u32)got[r][1].y);
-                }
-                ll_accumulate<D, Op>(acc, 0, make_uint2(w.x, w.y), r == 0);
-                ll_accumulate<D, Op>(acc, 1, make_uint2(w.z, w.w), r == 0);
+            const uint4 r0 = a.rank == 0 ? mine : theirs;
+            ll_accumulate<D, Op>(acc, 0, make_uint2(r0.x, r0.y), true);
+            ll_accumulate<D, Op>(acc, 1, make_uint2(r0.z, r0.w), true);
+            if (a.world == 2) {
+                const uint4 r1 = a.rank == 0 ? theirs : mine;
+                ll_accumulate<D, Op>(acc, 0, make_uint2(r1.x, r1.y), false);
+                ll_accumulate<D, Op>(acc, 1, make_uint2(r1.z, r1.w), false);
             }
         } else {
 #pragma unroll
@@ -221,7 +223,9 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args
         }
         if (ok) store_pair(a.recv, j, total, repack<D>(acc));
     }
-    finish_call(a, current_call(a)); // (not `call`: see current_call)
+    // Two ranks keep the call number in a register (a re-read of the counter would sit on the
+    // kernel's last path); more ranks have none to spare and read it again (see current_call).
+    finish_call(a, W <= 2 ? call : current_call(a));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -280,7 +284,7 @@ __device__ __forceinline__ void store_tri(char *dst, u64 i, u64 total, uint3 w) 
 template <typename D, typename Op, int W> __device__ void one_shot_ll12(const Args &a) {
     let_next_kernel_launch(a);
     const int N = 12 / D::SIZE;
-    const u64 call = begin_call(a);
+    const u64 call = begin_call(a, false); // posted after the pushes (see begin_call)
     const u32 flag = ll_flag(a.digest, call);
     const u32 parity = (u32)call & 1u;
     const u64 total = a.count * D::SIZE;
@@ -298,6 +302,7 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll12(const Ar
             }
         }
     }
+    post_identity(a, call);
     // Reduce in rank order from our own memory (the same thread pushed line i: in place is safe),
     // every peer's line peeked before any wait.
     bool ok = true;
@@ -336,7 +341,7 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll12(const Ar
             store_tri(a.recv, i, total, w);
         }
     }
-    finish_call(a, current_call(a)); // (not `call`: see current_call)
+    finish_call(a, W <= 2 ? call : current_call(a)); // (see one_shot_ll)
 }
 
 // Entry points: ipcr_oneshotll_<dtype>_<op> (also the empty call's) and ipcr_oneshotll12_*.

@@ -19,7 +19,8 @@
 //                                 stamp its next call.
 //   [.., +BOARD_BYTES)            board[MAX_RANKS][BOARD_WORDS] (u64): peer p's identity of the
 //                                 call it runs, posted by its block 0 at the start of every
-//                                 kernel of every protocol (post_identity); read by every wait's
+//                                 kernel of every protocol (post_identity; the LL kernels right
+//                                 after their pushes); read by every wait's
 //                                 slow path, so a peer that runs another call (even of another
 //                                 protocol, which never meets our flags or lines) is named at
 //                                 once instead of timing out.
@@ -225,13 +226,6 @@ __device__ __forceinline__ u64 ld_volatile_u64(const u64 *p) {
     return v;
 }
 
-// splitmix64's finalizer (identity::mix64 on the host).
-__device__ __forceinline__ u64 mix64(u64 z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 // The other half of convert.cuh's wait_for_previous_kernel (MODE_LET_NEXT_LAUNCH, the LL
 // kernels only): once every block of ours has run this, the next kernel on the stream may
 // launch if it was launched with programmatic stream serialization (the next call's kernel,
@@ -343,10 +337,12 @@ __device__ bool wait_must_end(const Args &a, int from, u32 where, u64 call, u64 
     return false;
 }
 
-// Starts a call (invariant 1): its number, and block 0 posts the identity.
-__device__ __forceinline__ u64 begin_call(const Args &a) {
+// Starts a call (invariant 1): its number, and block 0 posts the identity. The LL kernels pass
+// post = false and post it themselves after their pushes: the posting threads are pushing
+// threads, and ten stores to a peer's board ahead of the first line delay that line.
+__device__ __forceinline__ u64 begin_call(const Args &a, bool post = true) {
     const u64 call = *(volatile u64 *)(a.counters + STATE_CALL) + 1;
-    post_identity(a, call);
+    if (post) post_identity(a, call);
     return call;
 }
 
@@ -603,10 +599,13 @@ __device__ __forceinline__ void reduce_range(const Src &src, const Dst &dst, int
 // one write or wholly another, so data is accepted only with the flag of its own write.
 
 // The flag of call `call` with identity digest `digest` (identity::ll_flag on the host): never
-// 0, which marks a line its reader cleared.
+// 0, which marks a line its reader cleared. One 32-bit multiply-add after the call number is
+// read (it sits between that load and the first push): the digest is already a mixed hash, so
+// its low word tells identities apart, and an odd multiplier makes consecutive calls' flags
+// differ. Stale data never depends on the flag changing (lines hold zero or this call's flag,
+// see ll.cu); the call term only keeps a peer one call ahead from looking like this call.
 __device__ __forceinline__ u32 ll_flag(u64 digest, u64 call) {
-    const u64 h = mix64(digest ^ (call * 0x9E3779B97F4A7C15ull));
-    return (u32)(h ^ (h >> 32)) | 1u;
+    return ((u32)digest + (u32)call * 0x9E3779B9u) | 1u;
 }
 
 __device__ __forceinline__ ulonglong2 *ll_line(const Args &a, int owner, u32 parity, int from, u64 i) {
