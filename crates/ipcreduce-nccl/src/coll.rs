@@ -19,6 +19,11 @@ thread_local! {
     static GROUP_DEPTH: Cell<u32> = const { Cell::new(0) };
 }
 
+/// Whether this thread is between `ncclGroupStart` and its `ncclGroupEnd`.
+pub fn in_group() -> bool {
+    GROUP_DEPTH.with(Cell::get) > 0
+}
+
 /// The call's own description, for the log line.
 struct Call {
     coll: Coll,
@@ -164,9 +169,16 @@ entry! {
     fn ncclGroupEnd / pncclGroupEnd() -> NcclResult {
         log::forwarded("ncclGroupEnd");
         let f = real_fn!(ncclGroupEnd() -> NcclResult, SYSTEM_ERROR);
-        // NCCL leaves the group whatever the result.
-        GROUP_DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
         // SAFETY: no arguments.
-        unsafe { f() }
+        let r = unsafe { f() };
+        // NCCL leaves the group whatever the result.
+        let depth = GROUP_DEPTH.with(|d| {
+            d.set(d.get().saturating_sub(1));
+            d.get()
+        });
+        if depth == 0 {
+            return crate::comm::group_ended(r);
+        }
+        r
     }
 }

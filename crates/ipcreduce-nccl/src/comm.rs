@@ -95,12 +95,50 @@ unsafe fn after_init(r: NcclResult, out: *mut Comm, blocking: bool, what: &str) 
         return r;
     }
     mark_non_blocking(comm, !blocking);
+    if crate::coll::in_group() {
+        // A grouped init completes at ncclGroupEnd: our all-gathers through it wait till then.
+        PENDING.with(|p| {
+            p.borrow_mut()
+                .push((comm as usize, blocking, what.to_string()))
+        });
+        return r;
+    }
+    accelerate_new(comm, blocking, what)
+}
+
+thread_local! {
+    /// Communicators initialised inside this thread's open group: (address, blocking, call).
+    static PENDING: std::cell::RefCell<Vec<(usize, bool, String)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Called when this thread's outermost group ends with `result`: the communicators made in
+/// it are complete now. Several at once are ranks of one process (several GPUs per thread),
+/// whose all-gathers would wait on each other: those stay NCCL's.
+pub fn group_ended(result: NcclResult) -> NcclResult {
+    let pending = PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    if result != SUCCESS || pending.is_empty() {
+        return result;
+    }
+    if pending.len() > 1 {
+        log::note(format_args!(
+            "{} communicators made in one group (several GPUs per thread): every call forwarded",
+            pending.len()
+        ));
+        return result;
+    }
+    let (comm, blocking, what) = &pending[0];
+    accelerate_new(*comm as Comm, *blocking, &format!("{what} (grouped)"))
+}
+
+/// Makes the ipcreduce communicator for the complete NCCL communicator `comm`.
+fn accelerate_new(comm: Comm, blocking: bool, what: &str) -> NcclResult {
     if !blocking {
         // Its init may still run: a collective through it now could not be waited for here.
         log::note(format_args!(
             "{what}: a non-blocking communicator: every call forwarded"
         ));
-        return r;
+        return SUCCESS;
     }
     match rendezvous::accelerate(comm) {
         Ok(Some(a)) => {

@@ -12,14 +12,15 @@ use std::ffi::{c_int, c_void};
 use std::sync::Mutex;
 
 const MAGIC: &[u8; 8] = b"ipcrncl1";
-/// One rank's record: magic, can-run flag, host id hash, uid, rank 0's nonce.
-const RECORD: usize = 64;
+/// One rank's record: magic, can-run flag, uid, host id hash, rank 0's nonce, pid.
+const RECORD: usize = 72;
 
 /// What every rank says before the ipcreduce rendezvous.
 struct Record {
     able: bool,
     host: [u8; 16],
     uid: u32,
+    pid: u32,
     /// Rank 0's: the rendezvous name (first half) and secret (second half).
     nonce: [u8; 32],
 }
@@ -32,6 +33,7 @@ impl Record {
         b[12..16].copy_from_slice(&self.uid.to_le_bytes());
         b[16..32].copy_from_slice(&self.host);
         b[32..64].copy_from_slice(&self.nonce);
+        b[64..68].copy_from_slice(&self.pid.to_le_bytes());
         b
     }
 
@@ -44,6 +46,7 @@ impl Record {
             uid: u32::from_le_bytes(b[12..16].try_into().ok()?),
             host: b[16..32].try_into().ok()?,
             nonce: b[32..64].try_into().ok()?,
+            pid: u32::from_le_bytes(b[64..68].try_into().ok()?),
         })
     }
 }
@@ -117,6 +120,7 @@ pub fn accelerate(comm: Comm) -> Result<Option<Accel>, (NcclResult, String)> {
         able: local.is_ok(),
         host: host_hash(&machine_host_id()),
         uid: nix_uid(),
+        pid: std::process::id(),
         nonce: if rank == 0 {
             random_nonce().map_err(|e| (SYSTEM_ERROR, format!("ipcreduce-nccl: rank 0: {e}")))?
         } else {
@@ -138,6 +142,12 @@ pub fn accelerate(comm: Comm) -> Result<Option<Accel>, (NcclResult, String)> {
             Some(format!("ranks 0 and {r} are on different machines"))
         } else if let Some(r) = recs.iter().position(|x| x.uid != recs[0].uid) {
             Some(format!("ranks 0 and {r} run as different users"))
+        } else if let Some(r) =
+            (1..recs.len()).find(|&r| recs[..r].iter().any(|x| x.pid == recs[r].pid))
+        {
+            Some(format!(
+                "rank {r} shares its process with another rank (several GPUs per process)"
+            ))
         } else if world > ipcreduce::bootstrap::MAX_WORLD {
             Some(format!(
                 "{world} ranks, more than ipcreduce's {}",
@@ -291,15 +301,17 @@ mod tests {
             able: true,
             host: host_hash("h1"),
             uid: 1000,
+            pid: 4242,
             nonce: [7; 32],
         };
         let b = r.encode();
         let d = Record::decode(&b).unwrap();
         assert!(d.able && d.uid == 1000 && d.nonce == [7; 32] && d.host == host_hash("h1"));
+        assert_eq!(d.pid, 4242);
         let mut bad = b;
         bad[0] ^= 1;
         assert!(Record::decode(&bad).is_none());
-        assert!(Record::decode(&b[..63]).is_none());
+        assert!(Record::decode(&b[..RECORD - 1]).is_none());
     }
 
     #[test]
