@@ -95,7 +95,7 @@ unsafe fn after_init(r: NcclResult, out: *mut Comm, blocking: bool, what: &str) 
         return r;
     }
     mark_non_blocking(comm, !blocking);
-    if crate::coll::in_group() {
+    if crate::group::in_group() {
         // A grouped init completes at ncclGroupEnd: our all-gathers through it wait till then.
         PENDING.with(|p| {
             p.borrow_mut()

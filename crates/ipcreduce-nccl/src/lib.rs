@@ -14,7 +14,8 @@
 //! | [`real`] | finding and loading the real NCCL |
 //! | [`forward`] | the entry points handed on unchanged |
 //! | [`comm`] | communicator life: init, split, destroy, abort, errors |
-//! | [`coll`] | the accelerated collectives and groups |
+//! | [`coll`] | the accelerated collectives |
+//! | [`group`] | `ncclGroupStart`/`ncclGroupEnd` |
 //! | [`log`] | `IPCREDUCE_NCCL`, call lines and counts |
 //! | [`errors`] | texts for `ncclGetLastError` |
 
@@ -28,6 +29,7 @@ pub mod coll;
 pub mod comm;
 pub mod errors;
 pub mod forward;
+pub mod group;
 pub mod log;
 pub mod real;
 pub mod types;

@@ -4,7 +4,7 @@
 /// there is no real NCCL (or it lacks the symbol) the enclosing function records why (for
 /// `ncclGetLastError`) and returns `$missing`.
 macro_rules! real_fn {
-    ($name:ident ( $($t:ty),* ) -> $ret:ty, $missing:expr) => {{
+    ($name:ident ( $($t:ty),* $(,)? ) -> $ret:ty, $missing:expr $(,)?) => {{
         use std::sync::atomic::{AtomicPtr, Ordering};
         static PTR: AtomicPtr<std::ffi::c_void> = AtomicPtr::new(std::ptr::null_mut());
         let mut p = PTR.load(Ordering::Acquire);
@@ -34,6 +34,7 @@ macro_rules! forward {
         #[no_mangle]
         pub unsafe extern "C" fn $name($($a: $t),*) -> $ret {
             $crate::log::forwarded(stringify!($name));
+            $crate::group::before_other(stringify!($name));
             let f = real_fn!($name($($t),*) -> $ret, $missing);
             // SAFETY: the caller's arguments, handed on unchanged.
             unsafe { f($($a),*) }

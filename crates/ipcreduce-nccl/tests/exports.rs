@@ -139,6 +139,16 @@ fn finds_the_real_library_on_the_search_path_past_a_copy_of_itself() {
 }
 
 #[test]
+fn groups_balance_like_nccls() {
+    let Some(real) = real() else { return };
+    let path = real.to_string_lossy().into_owned();
+    run_child(
+        "group",
+        &[("IPCREDUCE_NCCL_LIB", path.clone()), ("REAL", path)],
+    );
+}
+
+#[test]
 fn absent_real_library_is_a_system_error_with_its_reason() {
     // Needs no real library at all.
     run_child(
@@ -224,6 +234,22 @@ fn child() {
                 let mut rv = 0;
                 assert_eq!(real_version(&mut rv), 0);
                 assert_eq!(v, rv);
+            }
+            "group" => {
+                type Group = unsafe extern "C" fn() -> c_int;
+                let real = Lib::open(&std::env::var("REAL").unwrap());
+                let (start, end): (Group, Group) =
+                    (me.get("ncclGroupStart"), me.get("ncclGroupEnd"));
+                // An empty group, nested or not, is fine (NCCL's too).
+                assert_eq!(start(), 0);
+                assert_eq!(start(), 0);
+                assert_eq!(end(), 0);
+                assert_eq!(end(), 0);
+                // One end too many: NCCL's own answer, whatever it is, and not success.
+                let real_end: Group = real.get("ncclGroupEnd");
+                let theirs = real_end();
+                assert_ne!(theirs, 0, "the real NCCL refuses an unbalanced end");
+                assert_eq!(end(), theirs, "ours forwards the unbalanced end");
             }
             "forward" | "bad-mode" => {
                 let real = Lib::open(&std::env::var("REAL").unwrap());
