@@ -159,6 +159,8 @@ fn accelerate_new(comm: Comm, blocking: bool, what: &str) -> NcclResult {
 
 entry! {
     fn ncclCommInitRank / pncclCommInitRank(out: *mut Comm, nranks: c_int, id: UniqueId, rank: c_int) -> NcclResult {
+        // Inside a group NCCL must see the group first (several inits per thread).
+        crate::group::before_other("ncclCommInitRank");
         if let Err(r) = check_mode() {
             return r;
         }
@@ -168,6 +170,8 @@ entry! {
     }
 
     fn ncclCommInitRankConfig / pncclCommInitRankConfig(out: *mut Comm, nranks: c_int, id: UniqueId, rank: c_int, config: *mut std::ffi::c_void) -> NcclResult {
+        // Inside a group NCCL must see the group first (several inits per thread).
+        crate::group::before_other("ncclCommInitRankConfig");
         if let Err(r) = check_mode() {
             return r;
         }
@@ -180,6 +184,8 @@ entry! {
     }
 
     fn ncclCommInitRankScalable / pncclCommInitRankScalable(out: *mut Comm, nranks: c_int, rank: c_int, nid: c_int, ids: *mut UniqueId, config: *mut std::ffi::c_void) -> NcclResult {
+        // Inside a group NCCL must see the group first (several inits per thread).
+        crate::group::before_other("ncclCommInitRankScalable");
         if let Err(r) = check_mode() {
             return r;
         }
@@ -192,6 +198,8 @@ entry! {
     }
 
     fn ncclCommSplit / pncclCommSplit(comm: Comm, color: c_int, key: c_int, out: *mut Comm, config: *mut std::ffi::c_void) -> NcclResult {
+        // Inside a group NCCL must see the group first (several inits per thread).
+        crate::group::before_other("ncclCommSplit");
         if let Err(r) = check_mode() {
             return r;
         }
@@ -205,6 +213,8 @@ entry! {
     }
 
     fn ncclCommShrink / pncclCommShrink(comm: Comm, exclude: *mut c_int, nexclude: c_int, out: *mut Comm, config: *mut std::ffi::c_void, flags: c_int) -> NcclResult {
+        // Inside a group NCCL must see the group first (several inits per thread).
+        crate::group::before_other("ncclCommShrink");
         if let Err(r) = check_mode() {
             return r;
         }
@@ -217,6 +227,8 @@ entry! {
     }
 
     fn ncclCommDestroy / pncclCommDestroy(comm: Comm) -> NcclResult {
+        // Inside a group NCCL must see the group first (several inits per thread).
+        crate::group::before_other("ncclCommDestroy");
         // Ours goes first: its teardown waits for its work on the caller's streams, and the
         // peers' mappings are released before NCCL's connections close.
         drop(remove(comm));
@@ -228,6 +240,8 @@ entry! {
     }
 
     fn ncclCommAbort / pncclCommAbort(comm: Comm) -> NcclResult {
+        // Inside a group NCCL must see the group first (several inits per thread).
+        crate::group::before_other("ncclCommAbort");
         if let Some(a) = remove(comm) {
             // Kernels and waits in flight poll the flag; the peers learn it at once.
             a.abort.abort(format!("ncclCommAbort on rank {}", a.rank));
@@ -241,6 +255,8 @@ entry! {
     }
 
     fn ncclCommRevoke / pncclCommRevoke(comm: Comm, flags: c_int) -> NcclResult {
+        // Inside a group NCCL must see the group first (several inits per thread).
+        crate::group::before_other("ncclCommRevoke");
         if let Some(a) = lookup(comm) {
             a.abort.abort(format!("ncclCommRevoke on rank {}", a.rank));
         }
