@@ -98,28 +98,45 @@ pub fn run(call: &Args) -> NcclResult {
     match ours(call) {
         Ok((a, dt, op)) => {
             log::collective(call.coll, Some(a.rank), true, format_args!("{call}"));
-            let mut c = a.comm.lock().unwrap_or_else(|p| p.into_inner());
-            // SAFETY: the checks of `ours`; the caller vouches for the memory, as with NCCL.
-            let r = unsafe {
-                match call.coll {
-                    Coll::AllReduce => c.all_reduce_raw(
-                        call.send,
-                        call.recv,
-                        call.count,
-                        dt,
-                        op,
-                        ipcreduce::Algorithm::Auto,
-                        call.stream,
-                    ),
-                    Coll::ReduceScatter => {
-                        c.reduce_scatter_raw(call.send, call.recv, call.count, dt, op, call.stream)
-                    }
-                    Coll::AllGather => {
-                        c.all_gather_raw(call.send, call.recv, call.count, dt, call.stream)
+            // A panic must not cross into C (it would abort the caller's process): it becomes
+            // an internal error, on a communicator then aborted.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let mut c = a.comm.lock().unwrap_or_else(|p| p.into_inner());
+                // SAFETY: the checks of `ours`; the caller vouches for the memory, as with NCCL.
+                unsafe {
+                    match call.coll {
+                        Coll::AllReduce => c.all_reduce_raw(
+                            call.send,
+                            call.recv,
+                            call.count,
+                            dt,
+                            op,
+                            ipcreduce::Algorithm::Auto,
+                            call.stream,
+                        ),
+                        Coll::ReduceScatter => c.reduce_scatter_raw(
+                            call.send,
+                            call.recv,
+                            call.count,
+                            dt,
+                            op,
+                            call.stream,
+                        ),
+                        Coll::AllGather => {
+                            c.all_gather_raw(call.send, call.recv, call.count, dt, call.stream)
+                        }
                     }
                 }
-            };
-            r.map_or_else(|e| a.fail(&e), |()| SUCCESS)
+            }));
+            match r {
+                Ok(r) => r.map_or_else(|e| a.fail(&e), |()| SUCCESS),
+                Err(_) => {
+                    let why = format!("rank {}: ipcreduce panicked in {call}", a.rank);
+                    a.abort.abort(why.clone());
+                    a.error.set(&format!("ipcreduce-nccl: {why}"));
+                    INTERNAL_ERROR
+                }
+            }
         }
         Err(why) => forward(call, why),
     }

@@ -140,7 +140,13 @@ fn accelerate_new(comm: Comm, blocking: bool, what: &str) -> NcclResult {
         ));
         return SUCCESS;
     }
-    match rendezvous::accelerate(comm) {
+    let made = std::panic::catch_unwind(|| rendezvous::accelerate(comm)).unwrap_or_else(|_| {
+        Err((
+            INTERNAL_ERROR,
+            format!("ipcreduce-nccl: {what}: panicked while making the ipcreduce communicator"),
+        ))
+    });
+    match made {
         Ok(Some(a)) => {
             log::note(format_args!(
                 "{what}: rank {} of {}: ipcreduce communicator ready",
