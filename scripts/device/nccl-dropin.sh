@@ -43,7 +43,8 @@ PY=$REPO/python/gpu/nccl_dropin.py
 # (a) PyTorch, plain NCCL, then the same program preloaded.
 step torch-plain 200 env DROPIN_TAG=plain $TORCHRUN "$PY"
 step torch-preload 260 env DROPIN_TAG=preload IPCREDUCE_NCCL=log LD_PRELOAD="$LIB" $TORCHRUN "$PY"
-python3 - "$OUT" <<'PY' || status=1
+cmp_rc=0
+python3 - "$OUT" <<'PY' || cmp_rc=1
 import glob, json, os, re, sys
 out = sys.argv[1]
 def reports(tag):
@@ -85,7 +86,7 @@ json.dump({"plain": plain, "preload": pre, "paths": {f"{c} {p}": n for (c, p), n
 print("torch problems:", bad or "none")
 sys.exit(1 if bad else 0)
 PY
-[ $? -eq 0 ] && echo "PASS torch-compare" >>"$SUMMARY" || echo "FAIL torch-compare" >>"$SUMMARY"
+if [ $cmp_rc -eq 0 ]; then echo "PASS torch-compare" >>"$SUMMARY"; else echo "FAIL torch-compare" >>"$SUMMARY"; fi
 
 # (b) nccl-tests, when its source came along.
 SRC=$REPO/target/nccl-tests-src
