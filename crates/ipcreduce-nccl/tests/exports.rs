@@ -245,8 +245,28 @@ fn child() {
                 assert_eq!(start(), 0);
                 assert_eq!(end(), 0);
                 assert_eq!(end(), 0);
-                // One end too many: NCCL's own answer, whatever it is, and not success.
+                // A group with a call that is not ours opens at the real NCCL: the same
+                // results as the real library's own start, call and end.
+                type MemFree = unsafe extern "C" fn(*mut c_void) -> c_int;
+                let (real_start, real_free): (Group, MemFree) =
+                    (real.get("ncclGroupStart"), real.get("ncclMemFree"));
                 let real_end: Group = real.get("ncclGroupEnd");
+                let theirs = [real_start(), real_free(std::ptr::null_mut()), real_end()];
+                let free: MemFree = me.get("ncclMemFree");
+                let mine = [start(), free(std::ptr::null_mut()), end()];
+                assert_eq!(mine, theirs, "start, ncclMemFree(NULL), end");
+                // And it was the real group: after ours' start and call, the real library's
+                // own end closes it (ours' end, forwarded, then finds none open).
+                // (ncclMemFree fails without a GPU; the group calls do not.)
+                assert_eq!(
+                    [theirs[0], theirs[2]],
+                    [0, 0],
+                    "the real library takes the group"
+                );
+                assert_eq!([start(), free(std::ptr::null_mut())], [0, theirs[1]]);
+                assert_eq!(real_end(), 0, "ours opened the group at the real NCCL");
+                assert_ne!(end(), 0, "no real group was left open");
+                // One end too many: NCCL's own answer, whatever it is, and not success.
                 let theirs = real_end();
                 assert_ne!(theirs, 0, "the real NCCL refuses an unbalanced end");
                 assert_eq!(end(), theirs, "ours forwards the unbalanced end");
