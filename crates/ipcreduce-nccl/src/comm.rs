@@ -245,6 +245,20 @@ entry! {
         unsafe { f(comm) }
     }
 
+    fn ncclCommFinalize / pncclCommFinalize(comm: Comm) -> NcclResult {
+        crate::group::before_other("ncclCommFinalize");
+        log::forwarded("ncclCommFinalize");
+        let f = real_fn!(ncclCommFinalize(Comm) -> NcclResult, SYSTEM_ERROR);
+        // SAFETY: the caller's communicator.
+        let r = unsafe { f(comm) };
+        // Ours holds no operation of its own to flush (its work is on the caller's streams),
+        // but an error it had is the communicator's: finalize reports it, as NCCL does its own.
+        match lookup(comm).and_then(|a| a.abort.error().map(|e| a.fail(&e))) {
+            Some(ours) if r == SUCCESS => ours,
+            _ => r,
+        }
+    }
+
     fn ncclCommAbort / pncclCommAbort(comm: Comm) -> NcclResult {
         // Inside a group NCCL must see the group first (several inits per thread).
         crate::group::before_other("ncclCommAbort");

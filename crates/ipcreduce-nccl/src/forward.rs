@@ -9,7 +9,6 @@ forward! {
     fn ncclGetVersion / pncclGetVersion(version: *mut c_int) -> NcclResult = SYSTEM_ERROR;
     fn ncclGetUniqueId / pncclGetUniqueId(id: *mut UniqueId) -> NcclResult = SYSTEM_ERROR;
     fn ncclCommInitAll / pncclCommInitAll(comm: *mut Comm, ndev: c_int, devlist: *const c_int) -> NcclResult = SYSTEM_ERROR;
-    fn ncclCommFinalize / pncclCommFinalize(comm: Comm) -> NcclResult = SYSTEM_ERROR;
     fn ncclCommCount / pncclCommCount(comm: Comm, count: *mut c_int) -> NcclResult = SYSTEM_ERROR;
     fn ncclCommCuDevice / pncclCommCuDevice(comm: Comm, device: *mut c_int) -> NcclResult = SYSTEM_ERROR;
     fn ncclCommUserRank / pncclCommUserRank(comm: Comm, rank: *mut c_int) -> NcclResult = SYSTEM_ERROR;
