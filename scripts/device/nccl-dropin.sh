@@ -7,7 +7,9 @@
 # target/nccl-tests-src, nccl-tests built here (MPI=1, system NCCL) and run with -c 1, the
 # library preloaded, every dtype and op, in place and out of place.
 # Builds nothing of ours: expects target/release/libipcreduce_nccl.so (carry it).
-# Usage: scripts/device/nccl-dropin.sh OUT_DIR      Knobs: BUDGET=540 (seconds)
+# Usage: scripts/device/nccl-dropin.sh OUT_DIR
+# Knobs: BUDGET=540 (seconds); PARTS="torch nccl-tests" (either alone fits one call better on a
+# bare machine, where the first ipcreduce communicator compiles every kernel).
 set -u
 # shellcheck source=lib/steps.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib/steps.sh" || exit 2
@@ -38,9 +40,11 @@ export DROPIN_OUT=$OUT
 cat "$OUT/env.txt"
 mps_on || exit 1
 
+PARTS=" ${PARTS:-torch nccl-tests} "
 TORCHRUN="torchrun --standalone --nproc_per_node=2"
 PY=$REPO/python/gpu/nccl_dropin.py
 # (a) PyTorch, plain NCCL, then the same program preloaded.
+if [[ $PARTS == *" torch "* ]]; then
 step torch-plain 200 env DROPIN_TAG=plain $TORCHRUN "$PY"
 step torch-preload 260 env DROPIN_TAG=preload IPCREDUCE_NCCL=log LD_PRELOAD="$LIB" $TORCHRUN "$PY"
 cmp_rc=0
@@ -87,10 +91,13 @@ print("torch problems:", bad or "none")
 sys.exit(1 if bad else 0)
 PY
 if [ $cmp_rc -eq 0 ]; then echo "PASS torch-compare" >>"$SUMMARY"; else echo "FAIL torch-compare" >>"$SUMMARY"; fi
+fi
 
 # (b) nccl-tests, when its source came along.
 SRC=$REPO/target/nccl-tests-src
-if [ -d "$SRC" ]; then
+if [[ $PARTS != *" nccl-tests "* ]]; then
+  :
+elif [ -d "$SRC" ]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PATH=/usr/local/cuda/bin:$PATH
   BUILD=/tmp/nccl-tests
   rm -rf "$BUILD" && cp -r "$SRC" "$BUILD"
@@ -117,8 +124,8 @@ if [ -d "$SRC" ]; then
   done
   for f in "$OUT"/nccl-tests-*-check.log; do
     [ -f "$f" ] || continue
-    echo "== $(basename "$f"): $(grep -c -- '-> ipcreduce' "$f") calls on ipcreduce, $(grep -c -- '-> nccl$\|) -> nccl' "$f") forwarded"
-    grep -E "Out of bounds|Avg bus" "$f"
+    echo "== $(basename "$f"): $(grep -cE '(ncclAllReduce|ncclReduceScatter|ncclAllGather) .*-> ipcreduce$' "$f") collectives on ipcreduce, $(grep -cE '(ncclAllReduce|ncclReduceScatter|ncclAllGather) .*-> nccl$' "$f") forwarded"
+    grep -E "Out of bounds|Avg bus|counts:|not accelerated|communicator ready|#wrong" "$f" | head -n 12
   done
   for f in "$OUT"/nccl-tests-*-time-*.log; do
     [ -f "$f" ] || continue
