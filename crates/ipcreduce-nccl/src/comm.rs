@@ -131,6 +131,12 @@ pub fn group_ended(result: NcclResult) -> NcclResult {
     accelerate_new(*comm as Comm, *blocking, &format!("{what} (grouped)"))
 }
 
+/// This thread's outermost group ended without running (`ncclGroupSimulateEnd`): the
+/// communicators made in it are left to NCCL.
+pub fn group_discarded() {
+    PENDING.with(|p| p.borrow_mut().clear());
+}
+
 /// Makes the ipcreduce communicator for the complete NCCL communicator `comm`.
 fn accelerate_new(comm: Comm, blocking: bool, what: &str) -> NcclResult {
     if !blocking {

@@ -26,7 +26,6 @@ forward! {
     fn ncclScatter / pncclScatter(send: *const c_void, recv: *mut c_void, count: usize, datatype: DataType, root: c_int, comm: Comm, stream: Stream) -> NcclResult = SYSTEM_ERROR;
     fn ncclSend / pncclSend(send: *const c_void, count: usize, datatype: DataType, peer: c_int, comm: Comm, stream: Stream) -> NcclResult = SYSTEM_ERROR;
     fn ncclRecv / pncclRecv(recv: *mut c_void, count: usize, datatype: DataType, peer: c_int, comm: Comm, stream: Stream) -> NcclResult = SYSTEM_ERROR;
-    fn ncclGroupSimulateEnd / pncclGroupSimulateEnd(sim: *mut c_void) -> NcclResult = SYSTEM_ERROR;
     // The device API's host side (nccl_device/*.h): requirement structs by pointer, teams by value.
     fn ncclDevCommCreate / pncclDevCommCreate(comm: Comm, reqs: *const c_void, out: *mut c_void) -> NcclResult = SYSTEM_ERROR;
     fn ncclDevCommDestroy / pncclDevCommDestroy(comm: Comm, dev: *const c_void) -> NcclResult = SYSTEM_ERROR;

@@ -107,6 +107,28 @@ entry! {
         SUCCESS
     }
 
+    fn ncclGroupSimulateEnd / pncclGroupSimulateEnd(sim: *mut std::ffi::c_void) -> NcclResult {
+        // NCCL ends the group here too (estimating instead of launching): the real group is
+        // opened (the held call handed to it, to be estimated) and closed by it.
+        log::forwarded("ncclGroupSimulateEnd");
+        let opened = if in_group() { open_real() } else { SUCCESS };
+        let f = real_fn!(ncclGroupSimulateEnd(*mut std::ffi::c_void) -> NcclResult, SYSTEM_ERROR);
+        // SAFETY: the caller's info struct.
+        let r = unsafe { f(sim) };
+        let left = STATE.with(|s| {
+            let mut s = s.borrow_mut();
+            s.depth = s.depth.saturating_sub(1);
+            s.real = s.real.saturating_sub(1);
+            s.depth
+        });
+        let r = if opened != SUCCESS { opened } else { r };
+        if left == 0 {
+            // The communicators made in a simulated group stay NCCL's (alike on every rank).
+            crate::comm::group_discarded();
+        }
+        r
+    }
+
     fn ncclGroupEnd / pncclGroupEnd() -> NcclResult {
         let (depth, real) = STATE.with(|s| {
             let s = s.borrow();

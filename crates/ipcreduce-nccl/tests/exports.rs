@@ -207,6 +207,17 @@ fn text(p: *const c_char) -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
+/// The real library's version code.
+fn v_real(real: &Lib) -> u32 {
+    // SAFETY: nccl.h's signature.
+    unsafe {
+        let f: Version = real.get("ncclGetVersion");
+        let mut v = 0;
+        assert_eq!(f(&mut v), 0);
+        v as u32
+    }
+}
+
 /// The scenarios, run only as the child of the tests above.
 #[test]
 #[ignore = "run by the other tests in a child process"]
@@ -266,6 +277,28 @@ fn child() {
                 assert_eq!([start(), free(std::ptr::null_mut())], [0, theirs[1]]);
                 assert_eq!(real_end(), 0, "ours opened the group at the real NCCL");
                 assert_ne!(end(), 0, "no real group was left open");
+                // ncclGroupSimulateEnd ends the group, at NCCL and here alike.
+                #[repr(C)]
+                struct SimInfo {
+                    size: usize,
+                    magic: u32,
+                    version: u32,
+                    estimated: f32,
+                }
+                let sim = || SimInfo {
+                    size: std::mem::size_of::<SimInfo>(),
+                    magic: 0x7468_5283,
+                    version: v_real(&real),
+                    estimated: -1.0,
+                };
+                type Simulate = unsafe extern "C" fn(*mut SimInfo) -> c_int;
+                let real_sim: Simulate = real.get("ncclGroupSimulateEnd");
+                let my_sim: Simulate = me.get("ncclGroupSimulateEnd");
+                let (mut a, mut b) = (sim(), sim());
+                let theirs = [real_start(), real_sim(&mut a)];
+                let mine = [start(), my_sim(&mut b)];
+                assert_eq!(mine, theirs, "start, simulate");
+                assert_eq!(theirs[0], 0);
                 // One end too many: NCCL's own answer, whatever it is, and not success.
                 let theirs = real_end();
                 assert_ne!(theirs, 0, "the real NCCL refuses an unbalanced end");
