@@ -166,9 +166,12 @@ pub fn accelerate(comm: Comm) -> Result<Option<Accel>, (NcclResult, String)> {
     let nonce = records[0].as_ref().expect("checked above").nonce;
     let made = make(rank, world, &nonce);
     if let Err(e) = &made {
-        log::note(format_args!(
-            "rank {rank}: ipcreduce communicator failed: {e}"
-        ));
+        // Unexpected where every rank could run it (a bad IPCREDUCE_* variable, a broken
+        // peer check): said even without IPCREDUCE_NCCL=log, as NCCL's calls go on.
+        eprintln!(
+            "ipcreduce-nccl: rank {rank}: the ipcreduce communicator failed, NCCL runs every \
+             call: {e}"
+        );
     }
     // Second round: everyone keeps theirs only if every rank has one.
     let mut flag = [0u8; RECORD];
