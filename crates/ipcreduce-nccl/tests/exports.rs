@@ -331,6 +331,17 @@ fn child() {
                     assert_eq!(rb, ra, "ncclGetUniqueId through ours");
                     if ra == 0 {
                         assert!(b.iter().any(|x| *x != 0), "an id was written");
+                        // A world of one without a GPU: ours returns the real library's
+                        // result and its message (a CUDA failure here, success on a GPU).
+                        let real_init: InitRank = real.get("ncclCommInitRank");
+                        let real_last: LastErr = real.get("ncclGetLastError");
+                        let (mut c1, mut c2) = (std::ptr::null_mut(), std::ptr::null_mut());
+                        let theirs = real_init(&mut c1, 1, a, 0);
+                        let their_text = text(real_last(std::ptr::null_mut()));
+                        let mine = init(&mut c2, 1, b, 0);
+                        assert_eq!(mine, theirs, "ncclCommInitRank's result");
+                        assert_eq!(text(last(std::ptr::null_mut())), their_text);
+                        assert_eq!(c1.is_null(), c2.is_null());
                     }
                 } else {
                     let mut comm = std::ptr::null_mut();
