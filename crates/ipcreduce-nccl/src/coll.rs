@@ -47,6 +47,17 @@ pub fn ours(
         return Err("IPCREDUCE_NCCL=off");
     }
     let a = lookup(call.comm).ok_or("communicator not accelerated")?;
+    let (dt, op) = check(call, a.rank, a.world)?;
+    Ok((a, dt, op))
+}
+
+/// The checks of one call by rank `rank` of `world` (all but the communicator's): its types
+/// as ipcreduce's, or why it stays NCCL's.
+fn check(
+    call: &Args,
+    rank: usize,
+    world: usize,
+) -> Result<(ipcreduce::DType, ipcreduce::ReduceOp), &'static str> {
     let dt = to_dtype(call.dtype).ok_or("element type")?;
     let op = if matches!(call.coll, Coll::AllGather) {
         ipcreduce::ReduceOp::Sum
@@ -59,14 +70,13 @@ pub fn ours(
     if call.stream.is_null() {
         return Err("legacy default stream");
     }
-    let w = a.world;
     let (send_bytes, recv_bytes) = call
         .count
         .checked_mul(dt.size())
         .and_then(|b| match call.coll {
             Coll::AllReduce => Some((b, b)),
-            Coll::ReduceScatter => Some((b.checked_mul(w)?, b)),
-            Coll::AllGather => Some((b, b.checked_mul(w)?)),
+            Coll::ReduceScatter => Some((b.checked_mul(world)?, b)),
+            Coll::AllGather => Some((b, b.checked_mul(world)?)),
         })
         .filter(|(s, r)| *s.max(r) <= isize::MAX as usize)
         .ok_or("count overflows")?;
@@ -75,22 +85,19 @@ pub fn ours(
         return Err("buffer null or misaligned");
     }
     // In place is the one overlap allowed: the same start for all-reduce, NCCL's offsets for
-    // the other two.
-    if s != r && s < r + recv_bytes && r < s + send_bytes && !in_place(call, s, r, &a, dt) {
-        return Err("buffers overlap");
-    }
-    Ok((a, dt, op))
-}
-
-/// NCCL's in-place forms: reduce-scatter `recv == send + rank * count`, all-gather
-/// `send == recv + rank * count` (elements).
-fn in_place(call: &Args, s: usize, r: usize, a: &Accel, dt: ipcreduce::DType) -> bool {
-    let off = a.rank * call.count * dt.size();
-    match call.coll {
+    // the other two: reduce-scatter `recv == send + rank * count`, all-gather
+    // `send == recv + rank * count` (elements).
+    let off = rank * call.count * dt.size();
+    let in_place = match call.coll {
         Coll::AllReduce => s == r,
         Coll::ReduceScatter => r == s + off,
         Coll::AllGather => s == r + off,
+    };
+    // (Equal starts overlap too: in place for all-reduce, for the other two only at rank 0.)
+    if s < r + recv_bytes && r < s + send_bytes && !in_place {
+        return Err("buffers overlap");
     }
+    Ok((dt, op))
 }
 
 /// Runs `call` on ipcreduce if it may, else hands it to NCCL.
@@ -222,5 +229,139 @@ entry! {
 
     fn ncclAllGather / pncclAllGather(send: *const c_void, recv: *mut c_void, sendcount: usize, datatype: DataType, comm: Comm, stream: Stream) -> NcclResult {
         call(Args { coll: Coll::AllGather, send, recv, count: sendcount, dtype: datatype, op: op::SUM, comm, stream })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(coll: Coll, send: usize, recv: usize, count: usize, dtype: DataType) -> Args {
+        Args {
+            coll,
+            send: send as *const c_void,
+            recv: recv as *mut c_void,
+            count,
+            dtype,
+            op: op::SUM,
+            comm: std::ptr::null_mut(),
+            stream: 0x10 as Stream,
+        }
+    }
+
+    const BASE: usize = 0x7f00_0000_0000;
+
+    #[test]
+    fn ipcreduce_takes_its_types_and_ops_only() {
+        let mut a = args(Coll::AllReduce, BASE, BASE + 4096, 256, dtype::FLOAT32);
+        assert!(check(&a, 0, 2).is_ok());
+        for d in [0, 2, 4, 8, 10] {
+            a.dtype = d; // int8, int32, int64, float64, fp8
+            assert_eq!(check(&a, 0, 2).unwrap_err(), "element type");
+        }
+        a.dtype = dtype::BFLOAT16;
+        for o in [1, 4, 5] {
+            a.op = o; // prod, avg, a premul-sum handle
+            assert_eq!(check(&a, 0, 2).unwrap_err(), "operator");
+        }
+        // All-gather has no operator: whatever the field holds.
+        let mut g = args(Coll::AllGather, BASE, BASE + 4096, 256, dtype::FLOAT16);
+        g.op = 1;
+        assert_eq!(check(&g, 1, 2).unwrap().1, ipcreduce::ReduceOp::Sum);
+    }
+
+    #[test]
+    fn calls_nccl_answers_itself_are_forwarded() {
+        let ok = args(Coll::AllReduce, BASE, BASE + 4096, 256, dtype::FLOAT32);
+        let mut a = ok;
+        a.count = 0;
+        assert_eq!(check(&a, 0, 2).unwrap_err(), "count 0");
+        let mut a = ok;
+        a.stream = std::ptr::null_mut();
+        assert_eq!(check(&a, 0, 2).unwrap_err(), "legacy default stream");
+        let mut a = ok;
+        a.send = std::ptr::null();
+        assert_eq!(check(&a, 0, 2).unwrap_err(), "buffer null or misaligned");
+        let mut a = ok;
+        a.recv = (BASE + 4098) as *mut c_void;
+        assert_eq!(check(&a, 0, 2).unwrap_err(), "buffer null or misaligned");
+        // Overflow of count * size, and of world * bytes for the gathered side.
+        let mut a = ok;
+        a.count = usize::MAX / 2;
+        assert_eq!(check(&a, 0, 2).unwrap_err(), "count overflows");
+        let g = args(
+            Coll::AllGather,
+            BASE,
+            BASE + 4096,
+            isize::MAX as usize / 4,
+            dtype::FLOAT16,
+        );
+        assert_eq!(check(&g, 0, 4).unwrap_err(), "count overflows");
+    }
+
+    #[test]
+    fn overlap_only_in_nccls_in_place_forms() {
+        let n = 1024; // f32 elements: 4 KiB per rank's part
+                      // All-reduce: equal pointers in place, a partial overlap refused.
+        let a = args(Coll::AllReduce, BASE, BASE, n, dtype::FLOAT32);
+        assert!(check(&a, 0, 2).is_ok());
+        let a = args(Coll::AllReduce, BASE, BASE + 64, n, dtype::FLOAT32);
+        assert_eq!(check(&a, 0, 2).unwrap_err(), "buffers overlap");
+        // Reduce-scatter, world 4: recv at send + rank * count is in place, elsewhere inside
+        // send is not; disjoint is fine.
+        for rank in 0..4 {
+            let rs = args(
+                Coll::ReduceScatter,
+                BASE,
+                BASE + rank * n * 4,
+                n,
+                dtype::FLOAT32,
+            );
+            assert!(check(&rs, rank, 4).is_ok(), "rank {rank} in place");
+            let wrong = (rank + 1) % 4;
+            let rs = args(
+                Coll::ReduceScatter,
+                BASE,
+                BASE + wrong * n * 4,
+                n,
+                dtype::FLOAT32,
+            );
+            assert_eq!(
+                check(&rs, rank, 4).unwrap_err(),
+                "buffers overlap",
+                "rank {rank}"
+            );
+        }
+        let rs = args(
+            Coll::ReduceScatter,
+            BASE,
+            BASE + 4 * n * 4,
+            n,
+            dtype::FLOAT32,
+        );
+        assert!(check(&rs, 2, 4).is_ok());
+        // All-gather: send at recv + rank * count in place.
+        for rank in 0..4 {
+            let ag = args(
+                Coll::AllGather,
+                BASE + rank * n * 2,
+                BASE,
+                n,
+                dtype::BFLOAT16,
+            );
+            assert!(check(&ag, rank, 4).is_ok(), "rank {rank} in place");
+            let ag = args(
+                Coll::AllGather,
+                BASE + rank * n * 2 + 2,
+                BASE,
+                n,
+                dtype::BFLOAT16,
+            );
+            assert_eq!(
+                check(&ag, rank, 4).unwrap_err(),
+                "buffers overlap",
+                "rank {rank}"
+            );
+        }
     }
 }
