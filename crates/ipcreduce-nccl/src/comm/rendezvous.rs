@@ -128,42 +128,14 @@ pub fn accelerate(comm: Comm) -> Result<Option<Accel>, (NcclResult, String)> {
         },
     };
     let all = all_gather(comm, rank, &mine.encode())?;
-    let records: Vec<Option<Record>> = all.iter().map(|b| Record::decode(b)).collect();
-    let why_not = if let Some(r) = records.iter().position(Option::is_none) {
-        Some(format!("rank {r} runs no ipcreduce-nccl of this version"))
-    } else {
-        let recs: Vec<&Record> = records.iter().flatten().collect();
-        if let Some(r) = recs.iter().position(|x| !x.able) {
-            Some(match (&local, r == rank) {
-                (Err(e), true) => format!("this rank cannot run ipcreduce: {e}"),
-                _ => format!("rank {r} cannot run ipcreduce"),
-            })
-        } else if let Some(r) = recs.iter().position(|x| x.host != recs[0].host) {
-            Some(format!("ranks 0 and {r} are on different machines"))
-        } else if let Some(r) = recs.iter().position(|x| x.uid != recs[0].uid) {
-            Some(format!("ranks 0 and {r} run as different users"))
-        } else if let Some(r) =
-            (1..recs.len()).find(|&r| recs[..r].iter().any(|x| x.pid == recs[r].pid))
-        {
-            Some(format!(
-                "rank {r} shares its process with another rank (several GPUs per process)"
-            ))
-        } else if world > ipcreduce::bootstrap::MAX_WORLD {
-            Some(format!(
-                "{world} ranks, more than ipcreduce's {}",
-                ipcreduce::bootstrap::MAX_WORLD
-            ))
-        } else {
-            None
-        }
-    };
+    let why_not = why_not(&all, rank, &local);
     if let Some(why) = why_not {
         log::note(format_args!(
             "rank {rank} of {world}: not accelerated ({why}): every call forwarded"
         ));
         return Ok(None);
     }
-    let nonce = records[0].as_ref().expect("checked above").nonce;
+    let nonce = Record::decode(&all[0]).expect("checked by why_not").nonce;
     let made = make(rank, world, &nonce);
     if let Err(e) = &made {
         // Unexpected where every rank could run it (a bad IPCREDUCE_* variable, a broken
@@ -193,6 +165,41 @@ pub fn accelerate(comm: Comm) -> Result<Option<Accel>, (NcclResult, String)> {
         comm: Mutex::new(comm),
         error: Slot::default(),
     }))
+}
+
+/// Why the ranks whose records are `all` (by rank) stay NCCL's, if they do; the same answer on
+/// every rank (only the wording of this rank's own failure, `local`, differs).
+fn why_not(all: &[Vec<u8>], rank: usize, local: &Result<(), String>) -> Option<String> {
+    let world = all.len();
+    let records: Vec<Option<Record>> = all.iter().map(|b| Record::decode(b)).collect();
+    if let Some(r) = records.iter().position(Option::is_none) {
+        return Some(format!("rank {r} runs no ipcreduce-nccl of this version"));
+    }
+    let recs: Vec<&Record> = records.iter().flatten().collect();
+    if let Some(r) = recs.iter().position(|x| !x.able) {
+        return Some(match (local, r == rank) {
+            (Err(e), true) => format!("this rank cannot run ipcreduce: {e}"),
+            _ => format!("rank {r} cannot run ipcreduce"),
+        });
+    }
+    if let Some(r) = recs.iter().position(|x| x.host != recs[0].host) {
+        return Some(format!("ranks 0 and {r} are on different machines"));
+    }
+    if let Some(r) = recs.iter().position(|x| x.uid != recs[0].uid) {
+        return Some(format!("ranks 0 and {r} run as different users"));
+    }
+    if let Some(r) = (1..world).find(|&r| recs[..r].iter().any(|x| x.pid == recs[r].pid)) {
+        return Some(format!(
+            "rank {r} shares its process with another rank (several GPUs per process)"
+        ));
+    }
+    if world > ipcreduce::bootstrap::MAX_WORLD {
+        return Some(format!(
+            "{world} ranks, more than ipcreduce's {}",
+            ipcreduce::bootstrap::MAX_WORLD
+        ));
+    }
+    None
 }
 
 fn nix_uid() -> u32 {
@@ -315,6 +322,61 @@ mod tests {
         bad[0] ^= 1;
         assert!(Record::decode(&bad).is_none());
         assert!(Record::decode(&b[..RECORD - 1]).is_none());
+    }
+
+    fn rec(host: &str, uid: u32, pid: u32, able: bool) -> Vec<u8> {
+        let r = Record {
+            able,
+            host: host_hash(host),
+            uid,
+            pid,
+            nonce: [1; 32],
+        };
+        r.encode().to_vec()
+    }
+
+    #[test]
+    fn ranks_stay_with_nccl_unless_all_can_on_one_machine() {
+        let ok = Ok(());
+        let two = [rec("h", 1000, 10, true), rec("h", 1000, 11, true)];
+        assert_eq!(why_not(&two, 0, &ok), None);
+        let w = why_not(
+            &[rec("h", 1000, 10, true), rec("g", 1000, 11, true)],
+            1,
+            &ok,
+        )
+        .unwrap();
+        assert!(w.contains("different machines"), "{w}");
+        let w = why_not(
+            &[rec("h", 1000, 10, true), rec("h", 1001, 11, true)],
+            0,
+            &ok,
+        )
+        .unwrap();
+        assert!(w.contains("different users"), "{w}");
+        let w = why_not(
+            &[rec("h", 1000, 10, true), rec("h", 1000, 10, true)],
+            0,
+            &ok,
+        )
+        .unwrap();
+        assert!(w.contains("rank 1 shares its process"), "{w}");
+        let no: Result<(), String> = Err("no NVRTC".into());
+        let unable = [rec("h", 1000, 10, true), rec("h", 1000, 11, false)];
+        let w = why_not(&unable, 1, &no).unwrap();
+        assert!(
+            w.contains("this rank cannot") && w.contains("no NVRTC"),
+            "{w}"
+        );
+        let w = why_not(&unable, 0, &ok).unwrap();
+        assert!(w.contains("rank 1 cannot run ipcreduce"), "{w}");
+        let mut foreign = two.to_vec();
+        foreign[1][0] ^= 0xff;
+        let w = why_not(&foreign, 0, &ok).unwrap();
+        assert!(w.contains("rank 1 runs no ipcreduce-nccl"), "{w}");
+        let many: Vec<Vec<u8>> = (0..65).map(|p| rec("h", 1000, p, true)).collect();
+        let w = why_not(&many, 0, &ok).unwrap();
+        assert!(w.contains("65 ranks"), "{w}");
     }
 
     #[test]
