@@ -277,6 +277,39 @@ fn child() {
                 assert_eq!([start(), free(std::ptr::null_mut())], [0, theirs[1]]);
                 assert_eq!(real_end(), 0, "ours opened the group at the real NCCL");
                 assert_ne!(end(), 0, "no real group was left open");
+                // A collective ipcreduce cannot take (no communicator of ours) inside a group
+                // goes to the real group: NCCL's own results, and the group open there.
+                type AllReduce = unsafe extern "C" fn(
+                    *const c_void,
+                    *mut c_void,
+                    usize,
+                    c_int,
+                    c_int,
+                    *mut c_void,
+                    *mut c_void,
+                ) -> c_int;
+                let real_ar: AllReduce = real.get("ncclAllReduce");
+                let my_ar: AllReduce = me.get("ncclAllReduce");
+                let null = std::ptr::null_mut();
+                let ar = |f: AllReduce| f(null, null, 16, 7, 0, null, 0x10 as *mut c_void);
+                let theirs = [real_start(), ar(real_ar), real_end()];
+                let mine = [start(), ar(my_ar), end()];
+                assert_eq!(mine, theirs, "start, ncclAllReduce(comm NULL), end");
+                assert_ne!(theirs[1], 0, "NCCL refuses a null communicator");
+                // The real end answers as it does after that call (NCCL reports the group's
+                // failure there), not as for an end without a start.
+                let unbalanced = real_end();
+                assert_ne!(
+                    unbalanced, theirs[2],
+                    "an end without a start answers otherwise"
+                );
+                assert_eq!([start(), ar(my_ar)], [0, theirs[1]]);
+                assert_eq!(
+                    real_end(),
+                    theirs[2],
+                    "ours opened the group at the real NCCL"
+                );
+                assert_eq!(end(), unbalanced, "no real group was left open");
                 // ncclGroupSimulateEnd ends the group, at NCCL and here alike.
                 #[repr(C)]
                 struct SimInfo {
