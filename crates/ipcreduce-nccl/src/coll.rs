@@ -104,13 +104,12 @@ fn check(
 pub fn run(call: &Args) -> NcclResult {
     match ours(call) {
         Ok((a, dt, op)) => {
-            log::collective(call.coll, Some(a.rank), true, format_args!("{call}"));
             // A panic must not cross into C (it would abort the caller's process): it becomes
             // an internal error, on a communicator then aborted.
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 let mut c = a.comm.lock().unwrap_or_else(|p| p.into_inner());
                 // SAFETY: the checks of `ours`; the caller vouches for the memory, as with NCCL.
-                unsafe {
+                let r = unsafe {
                     match call.coll {
                         Coll::AllReduce => c.all_reduce_raw(
                             call.send,
@@ -133,7 +132,17 @@ pub fn run(call: &Args) -> NcclResult {
                             c.all_gather_raw(call.send, call.recv, call.count, dt, call.stream)
                         }
                     }
-                }
+                };
+                // In log mode the all-reduce's line names the path it took.
+                let path = match (log::logging(), call.coll) {
+                    (true, Coll::AllReduce) => c
+                        .last_path()
+                        .map(|p| format!(" [{}, {} CTAs]", p.name, p.ctas))
+                        .unwrap_or_default(),
+                    _ => String::new(),
+                };
+                log::collective(call.coll, Some(a.rank), true, format_args!("{call}{path}"));
+                r
             }));
             match r {
                 Ok(r) => r.map_or_else(|e| a.fail(&e), |()| SUCCESS),

@@ -41,7 +41,8 @@ pub fn mode() -> Result<Mode, &'static str> {
     .map_err(|e| e.as_str())
 }
 
-fn logging() -> bool {
+/// Whether calls are logged (`IPCREDUCE_NCCL=log`).
+pub fn logging() -> bool {
     mode() == Ok(Mode::Log)
 }
 
