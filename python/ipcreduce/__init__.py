@@ -44,6 +44,7 @@ __all__ = [
     "UnavailableError",
     "ConfigError",
     "RegisteredBuffer",
+    "nccl_library",
 ]
 
 RegisteredBuffer = _native.RegisteredBuffer
@@ -201,6 +202,28 @@ class Communicator:
     def _invalid(self, detail: str) -> InvalidArgumentError:
         # Worded as the library's own argument errors.
         return InvalidArgumentError(f"rank {self.rank}: invalid argument to all_reduce: {detail}")
+
+
+def nccl_library() -> str:
+    """The path of libipcreduce_nccl.so, the NCCL stand-in (README, "Use with PyTorch / any NCCL
+    program"), for `LD_PRELOAD`:
+
+        LD_PRELOAD=$(python3 -c 'import ipcreduce; print(ipcreduce.nccl_library())') torchrun ...
+
+    Looked for beside this package, then in every folder of `LD_LIBRARY_PATH`; FileNotFoundError
+    (saying how to build it) when it is in neither."""
+    import os
+
+    name = "libipcreduce_nccl.so"
+    dirs = [os.path.dirname(os.path.abspath(__file__))]
+    dirs += [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    for d in dirs:
+        path = os.path.join(d, name)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(
+        f"{name} is in none of {dirs}: build it with `cargo build --release -p ipcreduce-nccl` "
+        "(target/release/) and put its folder on LD_LIBRARY_PATH or the file beside this package")
 
 
 def _record_stream(tensors, stream) -> None:

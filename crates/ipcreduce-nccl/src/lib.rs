@@ -1,0 +1,35 @@
+//! # libipcreduce_nccl.so: NCCL's C API, with ipcreduce inside one node
+//!
+//! Loaded in place of NCCL (`LD_PRELOAD=libipcreduce_nccl.so`), it exports every entry point
+//! of NCCL 2.28 and hands each to the real NCCL ([`real`] finds it), except the all-reduce,
+//! reduce-scatter and all-gather of communicators whose ranks share one machine, which
+//! ipcreduce's cuda backend runs on the caller's stream ([`coll`]). That communicator is
+//! made beside NCCL's at `ncclCommInitRank*`/`ncclCommSplit`/`ncclCommShrink`, its
+//! rendezvous data all-gathered through NCCL's own communicator ([`comm`]), so a program
+//! needs no setting of ours. `IPCREDUCE_NCCL=off|on|log` ([`log`]).
+//!
+//! | module | what is there |
+//! |---|---|
+//! | [`types`] | nccl.h's types and numbers |
+//! | [`real`] | finding and loading the real NCCL |
+//! | [`forward`] | the entry points handed on unchanged |
+//! | [`comm`] | communicator life: init, split, destroy, abort, errors |
+//! | [`coll`] | the accelerated collectives |
+//! | [`group`] | `ncclGroupStart`/`ncclGroupEnd` |
+//! | [`log`] | `IPCREDUCE_NCCL`, call lines and counts |
+//! | [`errors`] | texts for `ncclGetLastError` |
+
+// The entry points' safety contract is nccl.h's, the same for all of them; they are called
+// from C only.
+#![allow(clippy::missing_safety_doc, non_snake_case)]
+
+#[macro_use]
+mod macros;
+pub mod coll;
+pub mod comm;
+pub mod errors;
+pub mod forward;
+pub mod group;
+pub mod log;
+pub mod real;
+pub mod types;
