@@ -35,7 +35,9 @@ pub enum TraceCmd {
 struct Divergence {
     seq: u64,
     /// `never_made` (a rank's record ends before this call), `different` (ranks made it with
-    /// other arguments), or `failed` (made alike, but it did not complete on every rank).
+    /// other arguments), `failed` (made alike, but it did not complete on every rank), or
+    /// `last` (the last call, made alike and returned everywhere: the failure came later, e.g.
+    /// while it ran on a cuda stream).
     kind: &'static str,
     /// The call as most ranks made it (ties: as the lowest rank did), and those ranks.
     call: Ident,
@@ -113,7 +115,7 @@ fn summarize_job(mut dumps: Vec<Dump>) -> JobSummary {
         .all(|w| w[0].header.host == w[1].header.host);
     let mut divergence = None;
     for seq in first_seq..=last_seq {
-        if let Some(d) = diverges_at(&dumps, &missing, seq) {
+        if let Some(d) = diverges_at(&dumps, &missing, seq, seq == last_seq) {
             divergence = Some(d);
             break;
         }
@@ -150,7 +152,10 @@ fn summarize_job(mut dumps: Vec<Dump>) -> JobSummary {
     }
 }
 
-fn diverges_at(dumps: &[Dump], missing: &[usize], seq: u64) -> Option<Divergence> {
+/// How call `seq` parts the records, if it does; `last`: the last call recorded, which stands
+/// for the failure every record was written for even when every rank returned from it (on
+/// cuda a call returns once enqueued: the failure comes while it runs).
+fn diverges_at(dumps: &[Dump], missing: &[usize], seq: u64, last: bool) -> Option<Divergence> {
     let made: Vec<(usize, &Rec)> = dumps
         .iter()
         .filter_map(|d| d.recs.get(&seq).map(|r| (d.header.rank, r)))
@@ -209,6 +214,9 @@ fn diverges_at(dumps: &[Dump], missing: &[usize], seq: u64) -> Option<Divergence
     } else if !failed_on.is_empty() {
         culprits = missing.to_vec();
         "failed"
+    } else if last {
+        culprits = missing.to_vec();
+        "last"
     } else {
         return None;
     };
@@ -300,16 +308,14 @@ fn text(s: &JobSummary) -> String {
     let _ = writeln!(o, "calls #{}-#{} compared", s.first_seq, s.last_seq);
     match &s.divergence {
         None => {
-            let _ = writeln!(
-                o,
-                "no divergence: every recorded rank made the same calls, all completed"
-            );
+            let _ = writeln!(o, "no call recorded on any rank");
         }
         Some(d) => {
             let what = match d.kind {
                 "never_made" => "a rank never made it",
                 "different" => "made differently",
-                _ => "made alike, did not complete everywhere",
+                "failed" => "made alike, did not complete everywhere",
+                _ => "the last call, made alike and returned on every rank: the failure came after it was issued",
             };
             let culprits = match d.culprits.as_slice() {
                 [] => String::new(),

@@ -367,3 +367,54 @@ fn summarize_names_a_call_never_made_and_the_late_ranks() {
     assert_eq!(late, [(2, 2), (0, 1), (1, 1)], "{j}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Records where every rank made the same calls and returned from all of them (a cuda call
+/// returns once enqueued; the failure came while it ran), rank 1 of 3 left none: the last
+/// call stands for the failure, and the rank without a record is the one to look at.
+#[test]
+fn summarize_points_past_the_last_call_when_every_rank_returned() {
+    let dir = scratch("after");
+    for rank in [0usize, 2] {
+        let mut body = serde_json::json!({
+            "flight_record": 1, "job": "after", "rank": rank, "world": 3, "host": "h",
+            "pid": 1, "capacity": 8, "calls": 3, "dumped_ns": 5,
+            "error": format!("rank {rank}: communicator is aborted: rank 1 died"),
+        })
+        .to_string();
+        for seq in 1..=3u64 {
+            body.push('\n');
+            body.push_str(
+                &serde_json::json!({
+                    "seq": seq, "op": "all_reduce", "path": "oneshot", "count": 16 * seq,
+                    "dtype": "bfloat16", "reduce": "sum", "in_place": true, "stream": "0x0",
+                    "start_ns": null, "end_ns": null, "state": "ok",
+                })
+                .to_string(),
+            );
+        }
+        std::fs::write(
+            dir.join(format!("ipcreduce-flight-after-rank{rank}.jsonl")),
+            body,
+        )
+        .unwrap();
+    }
+    let text = summarize(&dir, false);
+    assert!(text.contains("no record: rank 1"), "{text}");
+    assert!(
+        text.contains("first divergence: call #3 (the last call"),
+        "{text}"
+    );
+    assert!(text.contains("look at rank 1"), "{text}");
+    assert!(
+        text.contains("ranks 0, 2: all_reduce count 48 bfloat16 sum, in place"),
+        "{text}"
+    );
+    let j = the_job(&summarize(&dir, true));
+    assert_eq!(j["divergence"]["kind"], "last", "{j}");
+    assert_eq!(j["divergence"]["seq"], 3, "{j}");
+    assert_eq!(j["divergence"]["culprits"], serde_json::json!([1]), "{j}");
+    // No times recorded: no arrival claimed.
+    assert!(j["last_arrival"].is_null(), "{j}");
+    assert_eq!(j["stragglers"], serde_json::json!([]), "{j}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -283,7 +283,7 @@ impl Communicator {
                 let bytes = count * dtype.size();
                 let zero_copy = c.backend.zero_copy_call(send as u64, recv as u64, bytes);
                 let algo = c.resolve_call(algo, dtype, bytes, zero_copy);
-                c.flight.path(algo.name());
+                c.flight.path(algo);
                 // SAFETY: checked above; the caller vouches for the memory.
                 unsafe {
                     c.backend
@@ -470,7 +470,7 @@ impl Communicator {
             in_place: c.send == c.recv,
             stream: std::ptr::null_mut(),
         });
-        self.flight.path(c.algo.name());
+        self.flight.path(c.algo);
         let r = self.test_buffers().run(&c);
         self.flight.end(r.is_ok());
         r.map_err(|e| self.flight.note(e))

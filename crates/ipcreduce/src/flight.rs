@@ -5,15 +5,21 @@
 //! (`ipcreduce trace summarize`; the format is in docs/tracing.md).
 //!
 //! The ring is allocated once, at init: recording a call writes one fixed-size entry and reads
-//! the clock twice, with no allocation and no lock (a communicator is used from one thread at
-//! a time). `IPCREDUCE_FLIGHT=N` sets the ring's size (default [`DEFAULT_CAPACITY`]; 0 turns
+//! the time stamp counter twice (a few ns each; the system clock costs 20-60 ns a read, as
+//! much as a fifth of an 8-byte host call), with no allocation and no lock (a communicator is
+//! used from one thread at a time). The counter is turned into wall-clock time when the ring
+//! is written out, from two readings of both (at init and at the dump).
+//! `IPCREDUCE_FLIGHT_TIMES=0` keeps the identities without times, for the smallest calls
+//! (docs/tracing.md has the measured costs).
+//!
+//! `IPCREDUCE_FLIGHT=N` sets the ring's size (default [`DEFAULT_CAPACITY`]; 0 turns
 //! recording and dumps off). The file goes to `IPCREDUCE_FLIGHT_DIR` (which `ipcreduce launch
 //! --log-dir DIR` sets to DIR for its ranks), else the temp directory, and is named after the
 //! job id and the rank: `ipcreduce-flight-<job>-rank<r>.jsonl`.
 
 use crate::backend::SgOp;
 use crate::error::{Error, Result};
-use crate::types::{DType, ReduceOp};
+use crate::types::{Algorithm, DType, ReduceOp};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -52,9 +58,9 @@ pub struct Entry {
     /// 1 for the communicator's first collective call, as the errors' `#N` on the host backend.
     pub seq: u64,
     pub op: SgOp,
-    /// What ran: the resolved algorithm, or the backend's path name; None where the backend
-    /// chooses alone (reduce-scatter, all-gather).
-    pub path: Option<&'static str>,
+    /// What ran: the resolved algorithm; None where the backend chooses alone (reduce-scatter,
+    /// all-gather).
+    pub path: Option<Algorithm>,
     /// The call's count argument (all-gather: sendcount; reduce-scatter: recvcount).
     pub count: u64,
     pub dtype: DType,
@@ -62,7 +68,8 @@ pub struct Entry {
     pub in_place: bool,
     /// The `CUstream` passed (0: the communicator's own, or the host backend).
     pub stream: u64,
-    /// Host wall clock (ns since the Unix epoch) when the call began and returned (0: not yet).
+    /// Host wall clock (ns since the Unix epoch) when the call began and returned (0: not yet;
+    /// in the ring itself: [`stamp`] ticks, turned into ns by [`Recorder::entries`]).
     pub start_ns: u64,
     pub end_ns: u64,
     pub state: State,
@@ -89,7 +96,7 @@ impl Entry {
         serde_json::json!({
             "seq": self.seq,
             "op": self.op.name(),
-            "path": self.path,
+            "path": self.path.map(Algorithm::name),
             "count": self.count,
             "dtype": self.dtype.name(),
             "reduce": self.reduce.name(),
@@ -128,6 +135,12 @@ pub struct Recorder {
     ring: Box<[Entry]>,
     /// Calls begun so far: the last one's `seq`.
     calls: u64,
+    /// Where the current (last begun) call's entry is.
+    cur: usize,
+    /// [`stamp`] and the wall clock read together at init.
+    origin: (u64, u64),
+    /// Whether calls are time-stamped (`IPCREDUCE_FLIGHT_TIMES`, default on).
+    times: bool,
     who: Option<Identity>,
     dir: Option<PathBuf>,
     /// The file written at the first failure; later failures name it again.
@@ -140,12 +153,42 @@ fn now_ns() -> u64 {
         .map_or(0, |d| d.as_nanos() as u64)
 }
 
+/// A time stamp: the time stamp counter on x86_64 (invariant and common to all cores on the
+/// CPUs this runs on), else the wall clock in ns.
+#[inline]
+pub fn stamp() -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: rdtsc has no preconditions (x86_64 always has it).
+        unsafe { std::arch::x86_64::_rdtsc() }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        now_ns()
+    }
+}
+
+/// Turns stamps into wall-clock ns by the line through two (stamp, ns) readings.
+fn to_ns(t: u64, (t0, n0): (u64, u64), (t1, n1): (u64, u64)) -> u64 {
+    if t == 0 {
+        return 0;
+    }
+    if cfg!(not(target_arch = "x86_64")) || t1 <= t0 {
+        return t;
+    }
+    let per_tick = (n1.saturating_sub(n0)) as f64 / (t1 - t0) as f64;
+    (n0 as f64 + (t as f64 - t0 as f64) * per_tick) as u64
+}
+
 impl Recorder {
     /// A recorder of `capacity` entries (0: off) dumping into `dir` (None: the temp dir).
     pub fn new(capacity: usize, dir: Option<PathBuf>) -> Recorder {
         Recorder {
             ring: vec![Entry::EMPTY; capacity].into_boxed_slice(),
             calls: 0,
+            cur: 0,
+            origin: (stamp(), now_ns()),
+            times: true,
             who: None,
             dir,
             dumped: None,
@@ -175,10 +218,19 @@ impl Recorder {
                     ))
                 })?,
         };
-        Ok(Self::new(
-            capacity,
-            get("IPCREDUCE_FLIGHT_DIR").map(PathBuf::from),
-        ))
+        let times = match get("IPCREDUCE_FLIGHT_TIMES").as_deref().map(str::trim) {
+            None | Some("1") => true,
+            Some("0") => false,
+            Some(v) => {
+                return Err(Error::Config(format!(
+                    "IPCREDUCE_FLIGHT_TIMES={v:?}: expected 1 (time-stamp every call, the \
+                     default) or 0 (identities only)"
+                )))
+            }
+        };
+        let mut r = Self::new(capacity, get("IPCREDUCE_FLIGHT_DIR").map(PathBuf::from));
+        r.times = times;
+        Ok(r)
     }
 
     /// Names the rank (once the bootstrap has connected); before that nothing is dumped.
@@ -198,7 +250,13 @@ impl Recorder {
         if n == 0 {
             return;
         }
-        self.ring[((self.calls - 1) % n as u64) as usize] = Entry {
+        // The next slot without a division: calls are numbered from 1, slots from 0.
+        self.cur = if self.calls == 1 || self.cur + 1 == n {
+            0
+        } else {
+            self.cur + 1
+        };
+        self.ring[self.cur] = Entry {
             seq: self.calls,
             op: id.op,
             path: None,
@@ -207,23 +265,23 @@ impl Recorder {
             reduce: id.reduce,
             in_place: id.in_place,
             stream: id.stream as u64,
-            start_ns: now_ns(),
+            start_ns: if self.times { stamp() } else { 0 },
             end_ns: 0,
             state: State::Running,
         };
     }
 
+    #[inline]
     fn current(&mut self) -> Option<&mut Entry> {
-        let n = self.ring.len() as u64;
-        if n == 0 || self.calls == 0 {
+        if self.calls == 0 {
             return None;
         }
-        self.ring.get_mut(((self.calls - 1) % n) as usize)
+        self.ring.get_mut(self.cur)
     }
 
     /// Says what the current call runs.
     #[inline]
-    pub fn path(&mut self, path: &'static str) {
+    pub fn path(&mut self, path: Algorithm) {
         if let Some(e) = self.current() {
             e.path = Some(path);
         }
@@ -232,18 +290,25 @@ impl Recorder {
     /// Records the end of the current call.
     #[inline]
     pub fn end(&mut self, ok: bool) {
+        let times = self.times;
         if let Some(e) = self.current() {
-            e.end_ns = now_ns();
+            e.end_ns = if times { stamp() } else { 0 };
             e.state = if ok { State::Ok } else { State::Failed };
         }
     }
 
-    /// The kept entries, oldest first.
+    /// The kept entries, oldest first, their times in wall-clock ns.
     pub fn entries(&self) -> Vec<Entry> {
         let n = self.ring.len() as u64;
         let first = self.calls.saturating_sub(n) + 1;
+        let now = (stamp(), now_ns());
         (first..=self.calls)
-            .map(|s| self.ring[((s - 1) % n) as usize])
+            .map(|s| {
+                let mut e = self.ring[((s - 1) % n) as usize];
+                e.start_ns = to_ns(e.start_ns, self.origin, now);
+                e.end_ns = to_ns(e.end_ns, self.origin, now);
+                e
+            })
             .collect()
     }
 
@@ -356,7 +421,7 @@ mod tests {
         let mut r = Recorder::new(4, None);
         for c in 1..=10 {
             r.begin(&call(c * 100));
-            r.path("oneshot");
+            r.path(Algorithm::OneShot);
             r.end(c != 10);
         }
         let e = r.entries();
@@ -375,11 +440,32 @@ mod tests {
     }
 
     #[test]
+    fn times_come_out_as_the_wall_clock() {
+        let mut r = Recorder::new(4, None);
+        let before = now_ns();
+        r.begin(&call(1));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        r.end(true);
+        // Calibration over a short span still has to land within a millisecond.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let after = now_ns();
+        let e = r.entries()[0];
+        let ms = 1_000_000;
+        assert!(
+            e.start_ns + ms >= before && e.start_ns <= before + ms,
+            "{e:?} {before}"
+        );
+        let took = e.end_ns - e.start_ns;
+        assert!((19 * ms..=30 * ms).contains(&took), "{took} ns");
+        assert!(e.end_ns < after, "{e:?} {after}");
+    }
+
+    #[test]
     fn off_records_nothing_and_leaves_errors_alone() {
         let mut r = Recorder::new(0, None);
         r.identify(who("off"));
         r.begin(&call(1));
-        r.path("oneshot");
+        r.path(Algorithm::OneShot);
         r.end(true);
         assert!(r.entries().is_empty());
         let e = r.note(Error::invalid(3, "all_reduce", "null buffer pointer"));
@@ -439,6 +525,40 @@ mod tests {
         std::fs::remove_dir_all(&dir).ok();
     }
 
+    /// What recording costs per call (begin, path, end: two stamps and one entry written), in CPU
+    /// time:
+    /// `cargo test --release -p ipcreduce --lib flight::tests::cost -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn cost() {
+        for times in [true, false] {
+            let mut r = Recorder::new(DEFAULT_CAPACITY, None);
+            r.times = times;
+            let id = call(2);
+            let n = 2_000_000u32;
+            // This thread's CPU time, not the wall clock: other processes on the machine would
+            // count otherwise.
+            let cpu = || {
+                let mut t = libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: 0,
+                };
+                // SAFETY: writes one timespec.
+                unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+                t.tv_sec as f64 * 1e9 + t.tv_nsec as f64
+            };
+            let t = cpu();
+            for _ in 0..n {
+                r.begin(std::hint::black_box(&id));
+                r.path(Algorithm::OneShot);
+                r.end(true);
+            }
+            let ns = (cpu() - t) / f64::from(n);
+            println!("flight recorder, times {times}: {ns:.1} ns per call");
+            assert_eq!(r.entries().len(), DEFAULT_CAPACITY);
+        }
+    }
+
     #[test]
     fn bad_sizes_are_refused_by_name() {
         let env = |v: &'static str| move |k: &str| (k == "IPCREDUCE_FLIGHT").then(|| v.to_string());
@@ -448,6 +568,15 @@ mod tests {
         );
         assert_eq!(Recorder::from_lookup(env("0")).unwrap().capacity(), 0);
         assert_eq!(Recorder::from_lookup(env("32")).unwrap().capacity(), 32);
+        let times =
+            |v: &'static str| move |k: &str| (k == "IPCREDUCE_FLIGHT_TIMES").then(|| v.to_string());
+        assert!(Recorder::from_lookup(times("1")).unwrap().times);
+        assert!(!Recorder::from_lookup(times("0")).unwrap().times);
+        let e = Recorder::from_lookup(times("yes"))
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains("IPCREDUCE_FLIGHT_TIMES"), "{e}");
         for bad in ["x", "-1", "99999999999"] {
             let e = Recorder::from_lookup(env(bad))
                 .err()
