@@ -8,7 +8,7 @@
 #      rank's error must name a flight record, and `ipcreduce trace summarize` on them must
 #      name call #1 and rank 3 -> faults-*.log, summary-*.txt, summary-*.json.
 # Builds nothing: expects target/release/ipcreduce.
-# Usage: scripts/device/flight.sh OUT_DIR   Knobs: ROUNDS=5 BUDGET=540
+# Usage: scripts/device/flight.sh OUT_DIR   Knobs: ROUNDS=5 BUDGET=540 LIB_TESTS=PATH
 set -u
 OUT=${1:?usage: flight.sh OUT_DIR}
 BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
@@ -69,6 +69,12 @@ for b in sizes:
 EOF
 }
 
+# The recorder alone (CPU time per recorded call), when the library's unit-test executable is
+# given: LIB_TESTS=target/release/deps/ipcreduce-HASH (cargo test --release -p ipcreduce --lib
+# --no-run prints its path).
+if [ -n "${LIB_TESTS:-}" ] && [ -x "$LIB_TESTS" ]; then
+  "$LIB_TESTS" flight::tests::cost --ignored --nocapture 2>&1 | grep "ns per call" | tee "$OUT/cost-recorder.txt"
+fi
 echo "== [$SECONDS s] cost: host backend"
 bench_rounds host 64K
 ratios host | tee "$OUT/cost-host.txt"
