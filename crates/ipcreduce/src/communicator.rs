@@ -128,16 +128,19 @@ impl Communicator {
         r
     }
 
-    /// Runs one collective call between the flight recorder's begin and end.
+    /// [`Self::collective`] for a call the flight recorder keeps: `id` is what the caller
+    /// asked for, recorded before the call and marked when it returns.
     fn recorded<R>(
         &mut self,
         id: crate::flight::CallId,
         call: impl FnOnce(&mut Self) -> Result<R>,
     ) -> Result<R> {
-        self.flight.begin(&id);
-        let r = call(self);
-        self.flight.end(r.is_ok());
-        r
+        self.collective(|c| {
+            c.flight.begin(&id);
+            let r = call(c);
+            c.flight.end(r.is_ok());
+            r
+        })
     }
 
     /// The error that made the communicator unusable, or one a kernel recorded, if any; does
@@ -275,21 +278,19 @@ impl Communicator {
             in_place: send == recv.cast_const(),
             stream,
         };
-        self.collective(|c| {
-            c.recorded(id, |c| {
-                c.check_args(send, recv, count, dtype)?;
-                // Count 0 goes to the backend too: it is a call like any other, whose identity
-                // every rank compares (a count-0 call against a real one is a mismatch).
-                let bytes = count * dtype.size();
-                let zero_copy = c.backend.zero_copy_call(send as u64, recv as u64, bytes);
-                let algo = c.resolve_call(algo, dtype, bytes, zero_copy);
-                c.flight.path(algo);
-                // SAFETY: checked above; the caller vouches for the memory.
-                unsafe {
-                    c.backend
-                        .all_reduce_raw(send, recv, count, dtype, op, algo, stream)
-                }
-            })
+        self.recorded(id, |c| {
+            c.check_args(send, recv, count, dtype)?;
+            // Count 0 goes to the backend too: it is a call like any other, whose identity
+            // every rank compares (a count-0 call against a real one is a mismatch).
+            let bytes = count * dtype.size();
+            let zero_copy = c.backend.zero_copy_call(send as u64, recv as u64, bytes);
+            let algo = c.resolve_call(algo, dtype, bytes, zero_copy);
+            c.flight.path(algo);
+            // SAFETY: checked above; the caller vouches for the memory.
+            unsafe {
+                c.backend
+                    .all_reduce_raw(send, recv, count, dtype, op, algo, stream)
+            }
         })
     }
 
@@ -681,16 +682,14 @@ impl Communicator {
         let what = backend::SgOp::ReduceScatter;
         let shards = crate::shards::Shards::even(recvcount, self.world());
         let id = sg_call(what, self.rank(), recvcount, dtype, op, send, recv, stream);
-        self.collective(|c| {
-            c.recorded(id, |c| {
-                c.check_sg_args(what, send, recv, shards, dtype)?;
-                // Count 0 included: see `all_reduce_raw`.
-                // SAFETY: checked above; the caller vouches for the memory.
-                unsafe {
-                    c.backend
-                        .scatter_gather_raw(what, send, recv, shards, dtype, op, stream)
-                }
-            })
+        self.recorded(id, |c| {
+            c.check_sg_args(what, send, recv, shards, dtype)?;
+            // Count 0 included: see `all_reduce_raw`.
+            // SAFETY: checked above; the caller vouches for the memory.
+            unsafe {
+                c.backend
+                    .scatter_gather_raw(what, send, recv, shards, dtype, op, stream)
+            }
         })
     }
 
@@ -721,23 +720,14 @@ impl Communicator {
             recv,
             stream,
         );
-        self.collective(|c| {
-            c.recorded(id, |c| {
-                c.check_sg_args(what, send, recv, shards, dtype)?;
-                // Count 0 included: see `all_reduce_raw`.
-                // SAFETY: checked above; the caller vouches for the memory.
-                unsafe {
-                    c.backend.scatter_gather_raw(
-                        what,
-                        send,
-                        recv,
-                        shards,
-                        dtype,
-                        ReduceOp::Sum,
-                        stream,
-                    )
-                }
-            })
+        self.recorded(id, |c| {
+            c.check_sg_args(what, send, recv, shards, dtype)?;
+            // Count 0 included: see `all_reduce_raw`.
+            // SAFETY: checked above; the caller vouches for the memory.
+            unsafe {
+                c.backend
+                    .scatter_gather_raw(what, send, recv, shards, dtype, ReduceOp::Sum, stream)
+            }
         })
     }
 

@@ -387,7 +387,6 @@ impl Recorder {
         let tmp = path.with_extension(format!("jsonl.{}.tmp", std::process::id()));
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(text.as_bytes())?;
-        f.sync_all()?;
         std::fs::rename(&tmp, path)
     }
 }
