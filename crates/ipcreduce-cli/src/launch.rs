@@ -252,6 +252,12 @@ pub fn spawn_ranks_on(
             .env("LOCAL_RANK", r.to_string())
             .env("LOCAL_WORLD_SIZE", n.to_string())
             .env("GROUP_RANK", nodes.node_rank.to_string());
+        // A job with a log directory keeps its flight records there too (ipcreduce::flight).
+        if let Some(dir) = &output.log_dir {
+            if std::env::var_os("IPCREDUCE_FLIGHT_DIR").is_none() {
+                cmd.env("IPCREDUCE_FLIGHT_DIR", dir);
+            }
+        }
         if nccl_shared_gpu {
             let job_id = &meeting.job_id;
             cmd.env("NCCL_HOSTID", format!("{job_id}-rank-{global}"));

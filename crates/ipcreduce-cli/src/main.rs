@@ -14,6 +14,7 @@ mod progress;
 mod report;
 mod split;
 mod topo;
+mod trace;
 mod tune;
 
 use clap::{Parser, Subcommand};
@@ -89,6 +90,8 @@ enum Cmd {
     /// every rank reports them.
     #[command(hide = true)]
     Faults(crate::faults::FaultArgs),
+    /// Read what the ranks recorded: `trace summarize` lines up their flight records.
+    Trace(crate::trace::TraceArgs),
 }
 
 /// Logs go to stderr, filtered by IPCREDUCE_LOG, else RUST_LOG, else warnings only; in colour
@@ -185,6 +188,7 @@ fn main() -> ExitCode {
         Cmd::Model(args) => exit(crate::model::run(args)),
         Cmd::Topo(args) => exit(crate::topo::run(args)),
         Cmd::Split(args) => exit(crate::split::run(args)),
+        Cmd::Trace(args) => exit(crate::trace::run(args)),
     }
 }
 

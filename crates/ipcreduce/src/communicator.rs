@@ -25,6 +25,8 @@ pub struct Communicator {
     /// Process-unique: marks the registered buffers this communicator made, so that `free`
     /// can refuse another communicator's (their own ids are small integers per communicator).
     token: u64,
+    /// The last calls' identities, written to a file when a call fails (see [`crate::flight`]).
+    flight: crate::flight::Recorder,
 }
 
 /// The next communicator's [`Communicator::token`] (0 is never handed out: no owner).
@@ -40,9 +42,16 @@ impl Communicator {
     /// Joins the job described by `info`.
     pub fn with_rank_info(info: RankInfo, config: &Config) -> Result<Communicator> {
         let config = config.resolve()?;
+        let mut flight = crate::flight::Recorder::from_env()?;
         let algo_env = config.algo;
         let reg_oneshot_max = config.reg_oneshot_max_bytes;
         let mut boot = Bootstrap::connect(info, config.timeout())?;
+        flight.identify(crate::flight::Identity {
+            job: boot.info().job_id.clone(),
+            rank: boot.rank(),
+            world: boot.world(),
+            host: boot.info().host_id.clone(),
+        });
         let kind = agree_on_backend(&mut boot, config.backend)?;
         boot.layout().check_backend(kind)?;
         let mut backend: Box<dyn BackendOps> = match kind {
@@ -63,6 +72,7 @@ impl Communicator {
             reg_oneshot_max,
             tune,
             token: NEXT_TOKEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            flight,
         })
     }
 
@@ -104,18 +114,33 @@ impl Communicator {
     fn collective<R>(&mut self, call: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
         let state = self.boot.abort_state();
         if let Some(reason) = state.reason() {
-            return Err(Error::Aborted {
-                rank: self.rank(),
-                reason,
-            });
+            let rank = self.rank();
+            return Err(self.flight.note(Error::Aborted { rank, reason }));
         }
         let r = call(self);
-        if let Err(e) = &r {
+        if let Err(e) = r {
             // A failure the backend already turned into an abort (mismatch, timeout, a peer's
-            // abort) keeps its first reason: this is a no-op then.
+            // abort) keeps its first reason: this is a no-op then. Peers are told before the
+            // flight record is written, and without its file (they name their own).
             state.abort(e.to_string());
+            return Err(self.flight.note(e));
         }
         r
+    }
+
+    /// [`Self::collective`] for a call the flight recorder keeps: `id` is what the caller
+    /// asked for, recorded before the call and marked when it returns.
+    fn recorded<R>(
+        &mut self,
+        id: crate::flight::CallId,
+        call: impl FnOnce(&mut Self) -> Result<R>,
+    ) -> Result<R> {
+        self.collective(|c| {
+            c.flight.begin(&id);
+            let r = call(c);
+            c.flight.end(r.is_ok());
+            r
+        })
     }
 
     /// The error that made the communicator unusable, or one a kernel recorded, if any; does
@@ -245,13 +270,22 @@ impl Communicator {
         algo: Algorithm,
         stream: *mut c_void,
     ) -> Result<()> {
-        self.collective(|c| {
+        let id = crate::flight::CallId {
+            op: backend::SgOp::AllReduce,
+            count,
+            dtype,
+            reduce: op,
+            in_place: send == recv.cast_const(),
+            stream,
+        };
+        self.recorded(id, |c| {
             c.check_args(send, recv, count, dtype)?;
             // Count 0 goes to the backend too: it is a call like any other, whose identity
             // every rank compares (a count-0 call against a real one is a mismatch).
             let bytes = count * dtype.size();
             let zero_copy = c.backend.zero_copy_call(send as u64, recv as u64, bytes);
             let algo = c.resolve_call(algo, dtype, bytes, zero_copy);
+            c.flight.path(algo);
             // SAFETY: checked above; the caller vouches for the memory.
             unsafe {
                 c.backend
@@ -428,7 +462,19 @@ impl Communicator {
     /// Runs one call on backend-owned buffers (algorithm resolved here).
     pub fn test_run(&mut self, call: &Call) -> Result<()> {
         let c = self.test_resolved(call);
-        self.test_buffers().run(&c)
+        // Recorded as the public calls are, so that the fault scenarios leave flight records.
+        self.flight.begin(&crate::flight::CallId {
+            op: backend::SgOp::AllReduce,
+            count: c.count,
+            dtype: c.dtype,
+            reduce: c.op,
+            in_place: c.send == c.recv,
+            stream: std::ptr::null_mut(),
+        });
+        self.flight.path(c.algo);
+        let r = self.test_buffers().run(&c);
+        self.flight.end(r.is_ok());
+        r.map_err(|e| self.flight.note(e))
     }
 
     /// `call` with its algorithm resolved as a public call on the same kind of buffers would
@@ -635,7 +681,8 @@ impl Communicator {
     ) -> Result<()> {
         let what = backend::SgOp::ReduceScatter;
         let shards = crate::shards::Shards::even(recvcount, self.world());
-        self.collective(|c| {
+        let id = sg_call(what, self.rank(), recvcount, dtype, op, send, recv, stream);
+        self.recorded(id, |c| {
             c.check_sg_args(what, send, recv, shards, dtype)?;
             // Count 0 included: see `all_reduce_raw`.
             // SAFETY: checked above; the caller vouches for the memory.
@@ -663,7 +710,17 @@ impl Communicator {
     ) -> Result<()> {
         let what = backend::SgOp::AllGather;
         let shards = crate::shards::Shards::even(sendcount, self.world());
-        self.collective(|c| {
+        let id = sg_call(
+            what,
+            self.rank(),
+            sendcount,
+            dtype,
+            ReduceOp::Sum,
+            send,
+            recv,
+            stream,
+        );
+        self.recorded(id, |c| {
             c.check_sg_args(what, send, recv, shards, dtype)?;
             // Count 0 included: see `all_reduce_raw`.
             // SAFETY: checked above; the caller vouches for the memory.
@@ -787,6 +844,35 @@ impl Communicator {
             ));
         }
         Ok(())
+    }
+}
+
+/// A reduce-scatter's or all-gather's identity for the flight recorder, in place in NCCL's
+/// form (as `check_sg_args` defines it): the rank's shard of the larger buffer is the other.
+#[allow(clippy::too_many_arguments)]
+fn sg_call(
+    what: backend::SgOp,
+    rank: usize,
+    count: usize,
+    dtype: DType,
+    reduce: ReduceOp,
+    send: *const c_void,
+    recv: *mut c_void,
+    stream: *mut c_void,
+) -> crate::flight::CallId {
+    let own_start = rank.wrapping_mul(count).wrapping_mul(dtype.size());
+    let (s, r) = (send as usize, recv as usize);
+    let in_place = match what {
+        backend::SgOp::ReduceScatter => r == s.wrapping_add(own_start),
+        _ => s == r.wrapping_add(own_start),
+    };
+    crate::flight::CallId {
+        op: what,
+        count,
+        dtype,
+        reduce,
+        in_place,
+        stream,
     }
 }
 

@@ -212,6 +212,41 @@ impl Error {
     }
 }
 
+/// How an error names its flight record (see [`Error::with_flight_record`]).
+const FLIGHT_NOTE: &str = " (flight record: ";
+
+impl Error {
+    /// The same error naming the file where this rank's flight recorder wrote its last calls
+    /// (see `crate::flight`): after the detail or reason, or after the operation where the
+    /// variant has no free text (timeouts, as [`Error::at_place`]).
+    pub fn with_flight_record(mut self, path: &std::path::Path) -> Self {
+        let note = format!("{FLIGHT_NOTE}{})", path.display());
+        match &mut self {
+            Error::Timeout { op, .. } | Error::Io { op, .. } => op.push_str(&note),
+            Error::Config(detail)
+            | Error::CudaUnavailable(detail)
+            | Error::InvalidArgument { detail, .. }
+            | Error::Bootstrap { detail, .. }
+            | Error::PeerLost { detail, .. }
+            | Error::Mismatch { detail, .. }
+            | Error::Aborted { reason: detail, .. }
+            | Error::Cuda { detail, .. }
+            | Error::CudaDriver { detail, .. }
+            | Error::PeerAccess { detail, .. } => detail.push_str(&note),
+        }
+        self
+    }
+
+    /// The flight record this error names, if it names one (the last one it names: an abort's
+    /// reason may carry the first failing rank's).
+    pub fn flight_record(&self) -> Option<std::path::PathBuf> {
+        let text = self.to_string();
+        let at = text.rfind(FLIGHT_NOTE)? + FLIGHT_NOTE.len();
+        let end = text[at..].find(".jsonl)")? + ".jsonl".len();
+        Some(std::path::PathBuf::from(&text[at..at + end]))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

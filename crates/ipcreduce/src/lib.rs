@@ -23,6 +23,7 @@ mod communicator;
 pub mod config;
 pub mod element;
 pub mod error;
+pub mod flight;
 pub mod plan;
 pub mod reference;
 pub mod shards;

@@ -1,0 +1,411 @@
+//! `ipcreduce trace summarize FILES_OR_DIR...`: lines up the flight records the ranks of a job
+//! wrote when a call failed (see `ipcreduce::flight` and docs/tracing.md) and says where they
+//! diverged: the first call a rank never made or made differently, else the first call that
+//! failed; which rank arrived last there, and which ranks arrived last most often.
+
+mod records;
+
+use records::{files, load, Dump, Ident, Rec};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct TraceArgs {
+    #[command(subcommand)]
+    pub what: TraceCmd,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum TraceCmd {
+    /// Line up the ranks' flight records (files, or directories holding them) and say where
+    /// they diverged.
+    Summarize {
+        /// Flight-record files (ipcreduce-flight-JOB-rankR.jsonl), or directories holding them.
+        #[arg(required = true)]
+        inputs: Vec<PathBuf>,
+        /// Print the summary as JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Where the records part.
+#[derive(Debug, Serialize, PartialEq)]
+struct Divergence {
+    seq: u64,
+    /// `never_made` (a rank's record ends before this call), `different` (ranks made it with
+    /// other arguments), `failed` (made alike, but it did not complete on every rank), or
+    /// `last` (the last call, made alike and returned everywhere: the failure came later, e.g.
+    /// while it ran on a cuda stream).
+    kind: &'static str,
+    /// The call as most ranks made it (ties: as the lowest rank did), and those ranks.
+    call: Ident,
+    ranks: Vec<usize>,
+    /// The ranks that made it differently, with what differs.
+    different: Vec<Odd>,
+    /// The ranks that never made it, with the last call they made.
+    never_made: Vec<Odd>,
+    /// The ranks on which it did not return Ok.
+    failed_on: Vec<usize>,
+    /// The ranks to look at: those that made it differently or never made it; for a call
+    /// made alike that failed, the ranks that left no record (a dead rank writes none).
+    culprits: Vec<usize>,
+}
+
+#[derive(Debug, Serialize, PartialEq)]
+struct Odd {
+    rank: usize,
+    detail: String,
+}
+
+#[derive(Debug, Serialize, PartialEq)]
+struct Arrival {
+    seq: u64,
+    rank: usize,
+    first_rank: usize,
+    after_us: f64,
+}
+
+#[derive(Debug, Serialize, PartialEq)]
+struct Straggler {
+    rank: usize,
+    last_in: usize,
+    mean_after_us: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct RankError {
+    rank: usize,
+    file: PathBuf,
+    error: String,
+}
+
+#[derive(Debug, Serialize)]
+struct JobSummary {
+    job: String,
+    world: usize,
+    ranks: Vec<usize>,
+    /// Ranks with no record: dead (no process left to write one), or never failed.
+    missing: Vec<usize>,
+    /// Calls every recorded rank still had in its ring.
+    first_seq: u64,
+    last_seq: u64,
+    divergence: Option<Divergence>,
+    /// Times: only when every record comes from one host (one wall clock).
+    last_arrival: Option<Arrival>,
+    stragglers: Vec<Straggler>,
+    same_host: bool,
+    errors: Vec<RankError>,
+}
+
+fn summarize_job(mut dumps: Vec<Dump>) -> JobSummary {
+    // The same rank twice (the job id reused): its latest dump.
+    dumps.sort_by_key(|d| (d.header.rank, std::cmp::Reverse(d.header.dumped_ns)));
+    dumps.dedup_by_key(|d| d.header.rank);
+    let world = dumps.iter().map(|d| d.header.world).max().unwrap_or(0);
+    let ranks: Vec<usize> = dumps.iter().map(|d| d.header.rank).collect();
+    let missing: Vec<usize> = (0..world).filter(|r| !ranks.contains(r)).collect();
+    let first_kept = |d: &Dump| d.recs.keys().next().copied().unwrap_or(u64::MAX);
+    let last = |d: &Dump| d.recs.keys().next_back().copied().unwrap_or(0);
+    let first_seq = dumps.iter().map(first_kept).max().unwrap_or(1).max(1);
+    let last_seq = dumps.iter().map(last).max().unwrap_or(0);
+    let same_host = dumps
+        .windows(2)
+        .all(|w| w[0].header.host == w[1].header.host);
+    let mut divergence = None;
+    for seq in first_seq..=last_seq {
+        if let Some(d) = diverges_at(&dumps, &missing, seq, seq == last_seq) {
+            divergence = Some(d);
+            break;
+        }
+    }
+    let (last_arrival, stragglers) = if same_host {
+        arrivals(
+            &dumps,
+            first_seq,
+            last_seq,
+            divergence.as_ref().map(|d| d.seq),
+        )
+    } else {
+        (None, Vec::new())
+    };
+    JobSummary {
+        job: dumps[0].header.job.clone(),
+        world,
+        ranks,
+        missing,
+        first_seq,
+        last_seq,
+        divergence,
+        last_arrival,
+        stragglers,
+        same_host,
+        errors: dumps
+            .iter()
+            .map(|d| RankError {
+                rank: d.header.rank,
+                file: d.file.clone(),
+                error: d.header.error.clone(),
+            })
+            .collect(),
+    }
+}
+
+/// How call `seq` parts the records, if it does; `last`: the last call recorded, which stands
+/// for the failure every record was written for even when every rank returned from it (on
+/// cuda a call returns once enqueued: the failure comes while it runs).
+fn diverges_at(dumps: &[Dump], missing: &[usize], seq: u64, last: bool) -> Option<Divergence> {
+    let made: Vec<(usize, &Rec)> = dumps
+        .iter()
+        .filter_map(|d| d.recs.get(&seq).map(|r| (d.header.rank, r)))
+        .collect();
+    let never_made: Vec<Odd> = dumps
+        .iter()
+        .filter(|d| !d.recs.contains_key(&seq))
+        .map(|d| Odd {
+            rank: d.header.rank,
+            detail: match d.recs.values().next_back() {
+                Some(r) => format!(
+                    "its last call was #{} {} ({})",
+                    r.seq,
+                    r.ident().describe(),
+                    r.state
+                ),
+                None => "it recorded no call".into(),
+            },
+        })
+        .collect();
+    // Groups of ranks that made the call alike, largest first (ties: the lowest rank's).
+    let mut groups: Vec<(Ident, Vec<usize>)> = Vec::new();
+    for (rank, r) in &made {
+        let id = r.ident();
+        match groups.iter_mut().find(|(g, _)| *g == id) {
+            Some((_, rs)) => rs.push(*rank),
+            None => groups.push((id, vec![*rank])),
+        }
+    }
+    groups.sort_by_key(|(_, rs)| (std::cmp::Reverse(rs.len()), rs[0]));
+    let failed_on: Vec<usize> = made
+        .iter()
+        .filter(|(_, r)| r.state != "ok")
+        .map(|(rank, _)| *rank)
+        .collect();
+    let (call, ranks) = groups.first().cloned()?;
+    let different: Vec<Odd> = groups[1..]
+        .iter()
+        .flat_map(|(id, rs)| {
+            rs.iter().map(|r| Odd {
+                rank: *r,
+                detail: id.differences(&call).join(", "),
+            })
+        })
+        .collect();
+    let mut culprits: Vec<usize> = different
+        .iter()
+        .chain(&never_made)
+        .map(|o| o.rank)
+        .collect();
+    culprits.sort_unstable();
+    let kind = if !never_made.is_empty() {
+        "never_made"
+    } else if !different.is_empty() {
+        "different"
+    } else if !failed_on.is_empty() {
+        culprits = missing.to_vec();
+        "failed"
+    } else if last {
+        culprits = missing.to_vec();
+        "last"
+    } else {
+        return None;
+    };
+    Some(Divergence {
+        seq,
+        kind,
+        call,
+        ranks,
+        different,
+        never_made,
+        failed_on,
+        culprits,
+    })
+}
+
+/// Who started call `at` last (the divergence, else the last call), and per rank how often it
+/// was the last to start a call and how late on average, over every call all ranks made.
+fn arrivals(
+    dumps: &[Dump],
+    first: u64,
+    last: u64,
+    at: Option<u64>,
+) -> (Option<Arrival>, Vec<Straggler>) {
+    let arrival = |seq: u64| -> Option<Arrival> {
+        let starts: Vec<(usize, u64)> = dumps
+            .iter()
+            .map(|d| Some((d.header.rank, d.recs.get(&seq)?.start_ns?)))
+            .collect::<Option<_>>()?;
+        if starts.len() < 2 {
+            return None;
+        }
+        let (first_rank, t0) = *starts.iter().min_by_key(|(r, t)| (*t, *r))?;
+        let (rank, t1) = *starts
+            .iter()
+            .max_by_key(|(r, t)| (*t, std::cmp::Reverse(*r)))?;
+        Some(Arrival {
+            seq,
+            rank,
+            first_rank,
+            after_us: (t1 - t0) as f64 / 1e3,
+        })
+    };
+    let mut per: BTreeMap<usize, (usize, f64)> = BTreeMap::new();
+    for seq in first..=last {
+        if let Some(a) = arrival(seq) {
+            let e = per.entry(a.rank).or_default();
+            e.0 += 1;
+            e.1 += a.after_us;
+        }
+    }
+    let mut stragglers: Vec<Straggler> = per
+        .into_iter()
+        .map(|(rank, (n, sum))| Straggler {
+            rank,
+            last_in: n,
+            mean_after_us: sum / n as f64,
+        })
+        .collect();
+    stragglers.sort_by_key(|s| (std::cmp::Reverse(s.last_in), s.rank));
+    (arrival(at.unwrap_or(last)), stragglers)
+}
+
+fn list(ranks: &[usize]) -> String {
+    let s: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+    format!(
+        "{} {}",
+        if ranks.len() == 1 { "rank" } else { "ranks" },
+        s.join(", ")
+    )
+}
+
+fn text(s: &JobSummary) -> String {
+    use std::fmt::Write;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "job {} (world {}): flight records of {}",
+        s.job,
+        s.world,
+        list(&s.ranks)
+    );
+    if !s.missing.is_empty() {
+        let _ = writeln!(
+            o,
+            "no record: {} (died before writing one, or never saw a failure)",
+            list(&s.missing)
+        );
+    }
+    let _ = writeln!(o, "calls #{}-#{} compared", s.first_seq, s.last_seq);
+    match &s.divergence {
+        None => {
+            let _ = writeln!(o, "no call recorded on any rank");
+        }
+        Some(d) => {
+            let what = match d.kind {
+                "never_made" => "a rank never made it",
+                "different" => "made differently",
+                "failed" => "made alike, did not complete everywhere",
+                _ => "the last call, made alike and returned on every rank: the failure came after it was issued",
+            };
+            let culprits = match d.culprits.as_slice() {
+                [] => String::new(),
+                c => format!("; look at {}", list(c)),
+            };
+            let _ = writeln!(o, "first divergence: call #{} ({what}){culprits}", d.seq);
+            let _ = writeln!(o, "  {}: {}", list(&d.ranks), d.call.describe());
+            for x in &d.different {
+                let _ = writeln!(o, "  rank {} made it differently: {}", x.rank, x.detail);
+            }
+            for x in &d.never_made {
+                let _ = writeln!(
+                    o,
+                    "  rank {} never made call #{}: {}",
+                    x.rank, d.seq, x.detail
+                );
+            }
+            if !d.failed_on.is_empty() {
+                let _ = writeln!(o, "  not completed on {}", list(&d.failed_on));
+            }
+            if !s.missing.is_empty() {
+                let _ = writeln!(
+                    o,
+                    "  unknown for {}: no record (dead, or never saw a failure)",
+                    list(&s.missing)
+                );
+            }
+        }
+    }
+    match &s.last_arrival {
+        Some(a) => {
+            let _ = writeln!(
+                o,
+                "last to arrive at #{}: rank {}, {:.1} us after rank {}",
+                a.seq, a.rank, a.after_us, a.first_rank
+            );
+        }
+        None if !s.same_host => {
+            let _ = writeln!(
+                o,
+                "arrival times not compared: the records come from different hosts"
+            );
+        }
+        None => {}
+    }
+    if !s.stragglers.is_empty() {
+        let parts: Vec<String> = s
+            .stragglers
+            .iter()
+            .map(|x| {
+                format!(
+                    "rank {} in {} (mean {:.1} us late)",
+                    x.rank, x.last_in, x.mean_after_us
+                )
+            })
+            .collect();
+        let _ = writeln!(o, "last to arrive, per call: {}", parts.join("; "));
+    }
+    let _ = writeln!(o, "errors:");
+    for e in &s.errors {
+        let _ = writeln!(o, "  {}", e.error);
+    }
+    o
+}
+
+fn summarize(inputs: &[PathBuf], json: bool) -> Result<String, String> {
+    let mut jobs: BTreeMap<String, Vec<Dump>> = BTreeMap::new();
+    for f in files(inputs)? {
+        let d = load(&f)?;
+        jobs.entry(d.header.job.clone()).or_default().push(d);
+    }
+    let summaries: Vec<JobSummary> = jobs.into_values().map(summarize_job).collect();
+    if json {
+        let v = serde_json::json!({ "jobs": summaries });
+        return Ok(serde_json::to_string_pretty(&v).expect("plain data") + "\n");
+    }
+    Ok(summaries.iter().map(text).collect::<Vec<_>>().join("\n"))
+}
+
+pub fn run(args: TraceArgs) -> i32 {
+    match args.what {
+        TraceCmd::Summarize { inputs, json } => match summarize(&inputs, json) {
+            Ok(out) => {
+                print!("{out}");
+                0
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                1
+            }
+        },
+    }
+}

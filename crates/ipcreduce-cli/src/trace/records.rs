@@ -1,0 +1,160 @@
+//! Reading flight records: the files (or the directories holding them) and their lines, and
+//! what two ranks' records of one call must agree on.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// A dump's first line.
+#[derive(Debug, Clone, Deserialize)]
+pub(super) struct Header {
+    pub flight_record: u32,
+    pub job: String,
+    pub rank: usize,
+    pub world: usize,
+    pub host: String,
+    pub dumped_ns: u64,
+    pub error: String,
+}
+
+/// One recorded call.
+#[derive(Debug, Clone, Deserialize)]
+pub(super) struct Rec {
+    pub seq: u64,
+    pub op: String,
+    pub path: Option<String>,
+    pub count: u64,
+    pub dtype: String,
+    pub reduce: String,
+    pub in_place: bool,
+    pub start_ns: Option<u64>,
+    pub state: String,
+}
+
+/// What ranks must agree on: everything but the times and the stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub(super) struct Ident {
+    pub op: String,
+    pub count: u64,
+    pub dtype: String,
+    pub reduce: String,
+    pub in_place: bool,
+    pub path: Option<String>,
+}
+
+impl Rec {
+    pub(super) fn ident(&self) -> Ident {
+        Ident {
+            op: self.op.clone(),
+            count: self.count,
+            dtype: self.dtype.clone(),
+            reduce: self.reduce.clone(),
+            in_place: self.in_place,
+            path: self.path.clone(),
+        }
+    }
+}
+
+impl Ident {
+    pub(super) fn describe(&self) -> String {
+        let place = if self.in_place { ", in place" } else { "" };
+        let path = self
+            .path
+            .as_deref()
+            .map(|p| format!(" ({p})"))
+            .unwrap_or_default();
+        format!(
+            "{} count {} {} {}{place}{path}",
+            self.op, self.count, self.dtype, self.reduce
+        )
+    }
+
+    /// `field mine vs theirs` for each field that differs.
+    pub(super) fn differences(&self, want: &Ident) -> Vec<String> {
+        let mut d = Vec::new();
+        let mut cmp = |name: &str, a: String, b: String| {
+            if a != b {
+                d.push(format!("{name} {a} vs {b}"));
+            }
+        };
+        cmp("op", self.op.clone(), want.op.clone());
+        cmp("count", self.count.to_string(), want.count.to_string());
+        cmp("dtype", self.dtype.clone(), want.dtype.clone());
+        cmp("reduce", self.reduce.clone(), want.reduce.clone());
+        cmp(
+            "in_place",
+            self.in_place.to_string(),
+            want.in_place.to_string(),
+        );
+        let p = |p: &Option<String>| p.clone().unwrap_or_else(|| "-".into());
+        cmp("path", p(&self.path), p(&want.path));
+        d
+    }
+}
+
+pub(super) struct Dump {
+    pub file: PathBuf,
+    pub header: Header,
+    pub recs: BTreeMap<u64, Rec>,
+}
+
+pub(super) fn load(file: &Path) -> Result<Dump, String> {
+    let text =
+        std::fs::read_to_string(file).map_err(|e| format!("reading {}: {e}", file.display()))?;
+    let mut lines = text.lines().enumerate();
+    let bad = |n: usize, e: serde_json::Error| format!("{} line {}: {e}", file.display(), n + 1);
+    let (n, first) = lines
+        .next()
+        .ok_or_else(|| format!("{}: empty, not a flight record", file.display()))?;
+    let header: Header = serde_json::from_str(first).map_err(|e| bad(n, e))?;
+    if header.flight_record != 1 {
+        return Err(format!(
+            "{}: flight record format {} (this ipcreduce reads 1)",
+            file.display(),
+            header.flight_record
+        ));
+    }
+    let mut recs = BTreeMap::new();
+    for (n, l) in lines.filter(|(_, l)| !l.trim().is_empty()) {
+        let r: Rec = serde_json::from_str(l).map_err(|e| bad(n, e))?;
+        recs.insert(r.seq, r);
+    }
+    Ok(Dump {
+        file: file.to_path_buf(),
+        header,
+        recs,
+    })
+}
+
+/// The files named, and in the directories named those called `ipcreduce-flight-*.jsonl`.
+pub(super) fn files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>, String> {
+    let mut out = Vec::new();
+    for p in inputs {
+        if p.is_dir() {
+            let rd = std::fs::read_dir(p).map_err(|e| format!("reading {}: {e}", p.display()))?;
+            let mut found: Vec<PathBuf> = rd
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|f| {
+                    f.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                        n.starts_with("ipcreduce-flight-") && n.ends_with(".jsonl")
+                    })
+                })
+                .collect();
+            found.sort();
+            out.extend(found);
+        } else {
+            out.push(p.clone());
+        }
+    }
+    if out.is_empty() {
+        return Err(format!(
+            "no flight records (ipcreduce-flight-*.jsonl) in {}",
+            inputs
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    Ok(out)
+}

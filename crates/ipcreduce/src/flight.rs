@@ -1,0 +1,587 @@
+//! The flight recorder: every rank keeps the identities of its last N collective calls
+//! (sequence number, operation, path, count, dtype, reduction, in place or not, stream, host
+//! start and end times) in a fixed ring, and writes them to a file when a call fails, so that
+//! what every rank was doing when a job broke can be lined up afterwards
+//! (`ipcreduce trace summarize`; the format is in docs/tracing.md).
+//!
+//! The ring is allocated once, at init: recording a call writes one fixed-size entry and reads
+//! the time stamp counter twice (a few ns each; the system clock costs 20-60 ns a read, as
+//! much as a fifth of an 8-byte host call), with no allocation and no lock (a communicator is
+//! used from one thread at a time). The counter is turned into wall-clock time when the ring
+//! is written out, from two readings of both (at init and at the dump).
+//! `IPCREDUCE_FLIGHT_TIMES=0` keeps the identities without times, for the smallest calls
+//! (docs/tracing.md has the measured costs).
+//!
+//! `IPCREDUCE_FLIGHT=N` sets the ring's size (default [`DEFAULT_CAPACITY`]; 0 turns
+//! recording and dumps off). The file goes to `IPCREDUCE_FLIGHT_DIR` (which `ipcreduce launch
+//! --log-dir DIR` sets to DIR for its ranks), else the temp directory, and is named after the
+//! job id and the rank: `ipcreduce-flight-<job>-rank<r>.jsonl`.
+
+use crate::backend::SgOp;
+use crate::error::{Error, Result};
+use crate::types::{Algorithm, DType, ReduceOp};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Entries kept when `IPCREDUCE_FLIGHT` is unset (about 64 bytes each).
+pub const DEFAULT_CAPACITY: usize = 1024;
+/// Largest ring `IPCREDUCE_FLIGHT` may ask for (64 MiB of entries).
+pub const MAX_CAPACITY: usize = 1 << 20;
+/// The `flight_record` field of a dump's header line: the format's version.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// How far a recorded call got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    /// Begun and not returned: the call the rank was in when the dump was written.
+    Running,
+    /// Returned Ok (on cuda: enqueued; the stream may still run it).
+    Ok,
+    /// Returned an error.
+    Failed,
+}
+
+impl State {
+    pub fn name(self) -> &'static str {
+        match self {
+            State::Running => "running",
+            State::Ok => "ok",
+            State::Failed => "failed",
+        }
+    }
+}
+
+/// One recorded call. `Copy` and fixed-size: the ring is written in place.
+#[derive(Debug, Clone, Copy)]
+pub struct Entry {
+    /// 1 for the communicator's first collective call, as the errors' `#N` on the host backend.
+    pub seq: u64,
+    pub op: SgOp,
+    /// What ran: the resolved algorithm; None where the backend chooses alone (reduce-scatter,
+    /// all-gather).
+    pub path: Option<Algorithm>,
+    /// The call's count argument (all-gather: sendcount; reduce-scatter: recvcount).
+    pub count: u64,
+    pub dtype: DType,
+    pub reduce: ReduceOp,
+    pub in_place: bool,
+    /// The `CUstream` passed (0: the communicator's own, or the host backend).
+    pub stream: u64,
+    /// Host wall clock (ns since the Unix epoch) when the call began and returned (0: not yet;
+    /// in the ring itself: [`stamp`] ticks, turned into ns by [`Recorder::entries`]).
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub state: State,
+}
+
+impl Entry {
+    const EMPTY: Entry = Entry {
+        seq: 0,
+        op: SgOp::AllReduce,
+        path: None,
+        count: 0,
+        dtype: DType::F32,
+        reduce: ReduceOp::Sum,
+        in_place: false,
+        stream: 0,
+        start_ns: 0,
+        end_ns: 0,
+        state: State::Running,
+    };
+
+    /// The entry as one JSON line (no newline).
+    pub fn to_json(&self) -> String {
+        let nonzero = |v: u64| (v != 0).then_some(v);
+        serde_json::json!({
+            "seq": self.seq,
+            "op": self.op.name(),
+            "path": self.path.map(Algorithm::name),
+            "count": self.count,
+            "dtype": self.dtype.name(),
+            "reduce": self.reduce.name(),
+            "in_place": self.in_place,
+            "stream": format!("{:#x}", self.stream),
+            "start_ns": nonzero(self.start_ns),
+            "end_ns": nonzero(self.end_ns),
+            "state": self.state.name(),
+        })
+        .to_string()
+    }
+}
+
+/// What a call is, as its caller gave it.
+#[derive(Debug, Clone, Copy)]
+pub struct CallId {
+    pub op: SgOp,
+    pub count: usize,
+    pub dtype: DType,
+    pub reduce: ReduceOp,
+    pub in_place: bool,
+    pub stream: *mut std::ffi::c_void,
+}
+
+/// Who this rank is, for the dump's name and header.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    pub job: String,
+    pub rank: usize,
+    pub world: usize,
+    pub host: String,
+}
+
+/// One communicator's ring and where its dump goes.
+pub struct Recorder {
+    ring: Box<[Entry]>,
+    /// Calls begun so far: the last one's `seq`.
+    calls: u64,
+    /// Where the current (last begun) call's entry is.
+    cur: usize,
+    /// [`stamp`] and the wall clock read together at init.
+    origin: (u64, u64),
+    /// Whether calls are time-stamped (`IPCREDUCE_FLIGHT_TIMES`, default on).
+    times: bool,
+    who: Option<Identity>,
+    dir: Option<PathBuf>,
+    /// The file written at the first failure; later failures name it again.
+    dumped: Option<PathBuf>,
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// A time stamp: the time stamp counter on x86_64 (invariant and common to all cores on the
+/// CPUs this runs on), else the wall clock in ns.
+#[inline]
+pub fn stamp() -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: rdtsc has no preconditions (x86_64 always has it).
+        unsafe { std::arch::x86_64::_rdtsc() }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        now_ns()
+    }
+}
+
+/// Turns stamps into wall-clock ns by the line through two (stamp, ns) readings.
+fn to_ns(t: u64, (t0, n0): (u64, u64), (t1, n1): (u64, u64)) -> u64 {
+    if t == 0 {
+        return 0;
+    }
+    if cfg!(not(target_arch = "x86_64")) || t1 <= t0 {
+        return t;
+    }
+    let per_tick = (n1.saturating_sub(n0)) as f64 / (t1 - t0) as f64;
+    (n0 as f64 + (t as f64 - t0 as f64) * per_tick) as u64
+}
+
+impl Recorder {
+    /// A recorder of `capacity` entries (0: off) dumping into `dir` (None: the temp dir).
+    pub fn new(capacity: usize, dir: Option<PathBuf>) -> Recorder {
+        Recorder {
+            ring: vec![Entry::EMPTY; capacity].into_boxed_slice(),
+            calls: 0,
+            cur: 0,
+            origin: (stamp(), now_ns()),
+            times: true,
+            who: None,
+            dir,
+            dumped: None,
+        }
+    }
+
+    /// `IPCREDUCE_FLIGHT` and `IPCREDUCE_FLIGHT_DIR` (see the module doc); an empty value
+    /// counts as unset.
+    pub fn from_env() -> Result<Recorder> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// [`Recorder::from_env`] over any variable source.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Recorder> {
+        let get = |k: &str| get(k).filter(|v| !v.is_empty());
+        let capacity = match get("IPCREDUCE_FLIGHT") {
+            None => DEFAULT_CAPACITY,
+            Some(v) => v
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|n| *n <= MAX_CAPACITY)
+                .ok_or_else(|| {
+                    Error::Config(format!(
+                        "IPCREDUCE_FLIGHT={v:?}: expected the number of calls the flight \
+                         recorder keeps, 0 (off) to {MAX_CAPACITY}"
+                    ))
+                })?,
+        };
+        let times = match get("IPCREDUCE_FLIGHT_TIMES").as_deref().map(str::trim) {
+            None | Some("1") => true,
+            Some("0") => false,
+            Some(v) => {
+                return Err(Error::Config(format!(
+                    "IPCREDUCE_FLIGHT_TIMES={v:?}: expected 1 (time-stamp every call, the \
+                     default) or 0 (identities only)"
+                )))
+            }
+        };
+        let mut r = Self::new(capacity, get("IPCREDUCE_FLIGHT_DIR").map(PathBuf::from));
+        r.times = times;
+        Ok(r)
+    }
+
+    /// Names the rank (once the bootstrap has connected); before that nothing is dumped.
+    pub fn identify(&mut self, who: Identity) {
+        self.who = Some(who);
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.ring.len()
+    }
+
+    /// Records the start of a call; it becomes the current entry.
+    #[inline]
+    pub fn begin(&mut self, id: &CallId) {
+        self.calls += 1;
+        let n = self.ring.len();
+        if n == 0 {
+            return;
+        }
+        // The next slot without a division: calls are numbered from 1, slots from 0.
+        self.cur = if self.calls == 1 || self.cur + 1 == n {
+            0
+        } else {
+            self.cur + 1
+        };
+        self.ring[self.cur] = Entry {
+            seq: self.calls,
+            op: id.op,
+            path: None,
+            count: id.count as u64,
+            dtype: id.dtype,
+            reduce: id.reduce,
+            in_place: id.in_place,
+            stream: id.stream as u64,
+            start_ns: if self.times { stamp() } else { 0 },
+            end_ns: 0,
+            state: State::Running,
+        };
+    }
+
+    #[inline]
+    fn current(&mut self) -> Option<&mut Entry> {
+        if self.calls == 0 {
+            return None;
+        }
+        self.ring.get_mut(self.cur)
+    }
+
+    /// Says what the current call runs.
+    #[inline]
+    pub fn path(&mut self, path: Algorithm) {
+        if let Some(e) = self.current() {
+            e.path = Some(path);
+        }
+    }
+
+    /// Records the end of the current call.
+    #[inline]
+    pub fn end(&mut self, ok: bool) {
+        let times = self.times;
+        if let Some(e) = self.current() {
+            e.end_ns = if times { stamp() } else { 0 };
+            e.state = if ok { State::Ok } else { State::Failed };
+        }
+    }
+
+    /// The kept entries, oldest first, their times in wall-clock ns.
+    pub fn entries(&self) -> Vec<Entry> {
+        let n = self.ring.len() as u64;
+        let first = self.calls.saturating_sub(n) + 1;
+        let now = (stamp(), now_ns());
+        (first..=self.calls)
+            .map(|s| {
+                let mut e = self.ring[((s - 1) % n) as usize];
+                e.start_ns = to_ns(e.start_ns, self.origin, now);
+                e.end_ns = to_ns(e.end_ns, self.origin, now);
+                e
+            })
+            .collect()
+    }
+
+    /// Where the dump goes.
+    pub fn file(&self) -> Option<PathBuf> {
+        let who = self.who.as_ref()?;
+        let dir = self.dir.clone().unwrap_or_else(std::env::temp_dir);
+        Some(dir.join(format!(
+            "ipcreduce-flight-{}-rank{}.jsonl",
+            who.job, who.rank
+        )))
+    }
+
+    /// `error` with the dump's file named in it: the ring is written at the first failure
+    /// (later ones name the same file; the ring no longer changes once the communicator is
+    /// aborted). Off, or when the file cannot be written (a warning says why), the error comes
+    /// back unchanged.
+    pub fn note(&mut self, error: Error) -> Error {
+        let path = match &self.dumped {
+            Some(p) => p.clone(),
+            None => match self.dump(&error) {
+                Some(p) => p,
+                None => return error,
+            },
+        };
+        // A call made of others (host slices over raw pointers) passes its inner call's error
+        // on, already noted.
+        if error.flight_record().as_deref() == Some(path.as_path()) {
+            return error;
+        }
+        error.with_flight_record(&path)
+    }
+
+    fn dump(&mut self, error: &Error) -> Option<PathBuf> {
+        if self.ring.is_empty() {
+            return None;
+        }
+        let path = self.file()?;
+        match self.write(&path, error) {
+            Ok(()) => {
+                self.dumped = Some(path.clone());
+                Some(path)
+            }
+            Err(e) => {
+                tracing::warn!("flight recorder: could not write {}: {e}", path.display());
+                None
+            }
+        }
+    }
+
+    /// Header line, then the entries oldest first; written beside and renamed, so a reader
+    /// never sees half a file.
+    fn write(&self, path: &Path, error: &Error) -> std::io::Result<()> {
+        let who = self.who.as_ref().expect("file() checked it");
+        let header = serde_json::json!({
+            "flight_record": FORMAT_VERSION,
+            "job": who.job,
+            "rank": who.rank,
+            "world": who.world,
+            "host": who.host,
+            "pid": std::process::id(),
+            "capacity": self.ring.len(),
+            "calls": self.calls,
+            "dumped_ns": now_ns(),
+            "error": error.to_string(),
+        });
+        let mut text = header.to_string();
+        text.push('\n');
+        for e in self.entries() {
+            text.push_str(&e.to_json());
+            text.push('\n');
+        }
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let tmp = path.with_extension(format!("jsonl.{}.tmp", std::process::id()));
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(text.as_bytes())?;
+        std::fs::rename(&tmp, path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(count: usize) -> CallId {
+        CallId {
+            op: SgOp::AllReduce,
+            count,
+            dtype: DType::F32,
+            reduce: ReduceOp::Sum,
+            in_place: false,
+            stream: std::ptr::null_mut(),
+        }
+    }
+
+    fn who(job: &str) -> Identity {
+        Identity {
+            job: job.into(),
+            rank: 3,
+            world: 4,
+            host: "h".into(),
+        }
+    }
+
+    #[test]
+    fn the_ring_keeps_the_last_calls_in_order() {
+        let mut r = Recorder::new(4, None);
+        for c in 1..=10 {
+            r.begin(&call(c * 100));
+            r.path(Algorithm::OneShot);
+            r.end(c != 10);
+        }
+        let e = r.entries();
+        let seqs: Vec<u64> = e.iter().map(|e| e.seq).collect();
+        assert_eq!(seqs, [7, 8, 9, 10]);
+        assert_eq!(e[0].count, 700);
+        assert_eq!(e[3].state, State::Failed);
+        assert_eq!(e[2].state, State::Ok);
+        assert!(e.iter().all(|e| e.start_ns > 0 && e.end_ns >= e.start_ns));
+        // Fewer calls than room.
+        let mut r = Recorder::new(8, None);
+        r.begin(&call(5));
+        let e = r.entries();
+        assert_eq!(e.len(), 1);
+        assert_eq!((e[0].seq, e[0].state, e[0].end_ns), (1, State::Running, 0));
+    }
+
+    #[test]
+    fn times_come_out_as_the_wall_clock() {
+        let mut r = Recorder::new(4, None);
+        let before = now_ns();
+        r.begin(&call(1));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        r.end(true);
+        // Calibration over a short span still has to land within a millisecond.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let after = now_ns();
+        let e = r.entries()[0];
+        let ms = 1_000_000;
+        assert!(
+            e.start_ns + ms >= before && e.start_ns <= before + ms,
+            "{e:?} {before}"
+        );
+        let took = e.end_ns - e.start_ns;
+        assert!((19 * ms..=30 * ms).contains(&took), "{took} ns");
+        assert!(e.end_ns < after, "{e:?} {after}");
+    }
+
+    #[test]
+    fn off_records_nothing_and_leaves_errors_alone() {
+        let mut r = Recorder::new(0, None);
+        r.identify(who("off"));
+        r.begin(&call(1));
+        r.path(Algorithm::OneShot);
+        r.end(true);
+        assert!(r.entries().is_empty());
+        let e = r.note(Error::invalid(3, "all_reduce", "null buffer pointer"));
+        assert_eq!(
+            e.to_string(),
+            "rank 3: invalid argument to all_reduce: null buffer pointer"
+        );
+    }
+
+    #[test]
+    fn the_first_failure_writes_the_file_and_every_error_names_it() {
+        let dir =
+            std::env::temp_dir().join(format!("ipcreduce-flight-unit-{}", std::process::id()));
+        let mut r = Recorder::new(16, Some(dir.clone()));
+        r.identify(who("unit-job"));
+        r.begin(&call(64));
+        r.end(true);
+        r.begin(&call(65));
+        let first = r.note(Error::Aborted {
+            rank: 3,
+            reason: "rank 0 died".into(),
+        });
+        let file = dir.join("ipcreduce-flight-unit-job-rank3.jsonl");
+        assert_eq!(first.flight_record(), Some(file.clone()));
+        assert!(
+            first.to_string().contains(&file.display().to_string()),
+            "{first}"
+        );
+        let text = std::fs::read_to_string(&file).unwrap();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert_eq!(lines[0]["flight_record"], 1);
+        assert_eq!(lines[0]["rank"], 3);
+        assert_eq!(lines[0]["world"], 4);
+        assert_eq!(lines[0]["job"], "unit-job");
+        assert!(lines[0]["error"].as_str().unwrap().contains("rank 0 died"));
+        assert_eq!(lines[1]["seq"], 1);
+        assert_eq!(lines[1]["state"], "ok");
+        assert_eq!(lines[2]["count"], 65);
+        assert_eq!(lines[2]["state"], "running");
+        assert!(lines[2]["end_ns"].is_null());
+        // A later error names the same file, and noting twice does not repeat it.
+        let later = r.note(Error::Aborted {
+            rank: 3,
+            reason: "refused".into(),
+        });
+        assert_eq!(later.flight_record(), Some(file.clone()));
+        let again = r.note(later);
+        assert_eq!(
+            again.to_string().matches("flight record").count(),
+            1,
+            "{again}"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// What recording costs per call (begin, path, end: two stamps and one entry written), in CPU
+    /// time:
+    /// `cargo test --release -p ipcreduce --lib flight::tests::cost -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn cost() {
+        for times in [true, false] {
+            let mut r = Recorder::new(DEFAULT_CAPACITY, None);
+            r.times = times;
+            let id = call(2);
+            let n = 2_000_000u32;
+            // This thread's CPU time, not the wall clock: other processes on the machine would
+            // count otherwise.
+            let cpu = || {
+                let mut t = libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: 0,
+                };
+                // SAFETY: writes one timespec.
+                unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+                t.tv_sec as f64 * 1e9 + t.tv_nsec as f64
+            };
+            let t = cpu();
+            for _ in 0..n {
+                r.begin(std::hint::black_box(&id));
+                r.path(Algorithm::OneShot);
+                r.end(true);
+            }
+            let ns = (cpu() - t) / f64::from(n);
+            println!("flight recorder, times {times}: {ns:.1} ns per call");
+            assert_eq!(r.entries().len(), DEFAULT_CAPACITY);
+        }
+    }
+
+    #[test]
+    fn bad_sizes_are_refused_by_name() {
+        let env = |v: &'static str| move |k: &str| (k == "IPCREDUCE_FLIGHT").then(|| v.to_string());
+        assert_eq!(
+            Recorder::from_lookup(env("")).unwrap().capacity(),
+            DEFAULT_CAPACITY
+        );
+        assert_eq!(Recorder::from_lookup(env("0")).unwrap().capacity(), 0);
+        assert_eq!(Recorder::from_lookup(env("32")).unwrap().capacity(), 32);
+        let times =
+            |v: &'static str| move |k: &str| (k == "IPCREDUCE_FLIGHT_TIMES").then(|| v.to_string());
+        assert!(Recorder::from_lookup(times("1")).unwrap().times);
+        assert!(!Recorder::from_lookup(times("0")).unwrap().times);
+        let e = Recorder::from_lookup(times("yes"))
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains("IPCREDUCE_FLIGHT_TIMES"), "{e}");
+        for bad in ["x", "-1", "99999999999"] {
+            let e = Recorder::from_lookup(env(bad))
+                .err()
+                .expect(bad)
+                .to_string();
+            assert!(e.contains("IPCREDUCE_FLIGHT"), "{e}");
+        }
+    }
+}

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The flight recorder on a one-GPU machine under MPS: what it costs, and what it tells.
+#   1. cost: bench rounds alternating the recorder off (IPCREDUCE_FLIGHT=0), on (default) and
+#      identities only (IPCREDUCE_FLIGHT_TIMES=0); host backend 8 B-64 KiB (2 ranks, the quiet
+#      cores of this machine) and cuda 8 B-1 MiB (2 ranks on the GPU); per size the median of
+#      the rounds' times and on/off, ids/off ratios -> cost-host.txt, cost-cuda.txt.
+#   2. dumps: the cuda fault scenarios mismatch-count and kill (4 ranks): every surviving
+#      rank's error must name a flight record, and `ipcreduce trace summarize` on them must
+#      name call #1 and rank 3 -> faults-*.log, summary-*.txt, summary-*.json.
+# Builds nothing: expects target/release/ipcreduce.
+# Usage: scripts/device/flight.sh OUT_DIR   Knobs: ROUNDS=5 BUDGET=540 LIB_TESTS=PATH
+set -u
+OUT=${1:?usage: flight.sh OUT_DIR}
+BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
+ROUNDS=${ROUNDS:-5}
+BUDGET=${BUDGET:-540}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0
+# shellcheck source=lib/steps.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib/steps.sh" || exit 2
+NGPU=1
+env_txt "flight recorder: cost (rounds $ROUNDS) and dumps"
+mps_on || exit 1
+status=0
+
+# bench_rounds BACKEND MAXBYTES: ROUNDS rounds of off/on/ids, JSON per run.
+bench_rounds() {
+  local backend=$1 max=$2 r mode
+  for r in $(seq 1 "$ROUNDS"); do
+    for mode in off on ids; do
+      budget_allows 60 || return 0
+      case $mode in
+        off) env IPCREDUCE_FLIGHT=0 "$BIN" bench --backend "$backend" --ranks 2 -b 8 -e "$max" -f 8 \
+               -a oneshot --json "$OUT/bench-$backend-$mode-$r.json" ;;
+        on) env -u IPCREDUCE_FLIGHT -u IPCREDUCE_FLIGHT_TIMES "$BIN" bench --backend "$backend" --ranks 2 \
+              -b 8 -e "$max" -f 8 -a oneshot --json "$OUT/bench-$backend-$mode-$r.json" ;;
+        ids) env IPCREDUCE_FLIGHT_TIMES=0 "$BIN" bench --backend "$backend" --ranks 2 -b 8 -e "$max" -f 8 \
+               -a oneshot --json "$OUT/bench-$backend-$mode-$r.json" ;;
+      esac >>"$OUT/bench-$backend.log" 2>&1 || echo "bench $backend $mode round $r failed"
+    done
+  done
+}
+
+# ratios BACKEND: per size the median over rounds of each mode's time, and the ratios.
+ratios() {
+  python3 - "$OUT" "$1" <<'EOF'
+import glob, json, statistics, sys
+out, backend = sys.argv[1], sys.argv[2]
+times = {}
+for mode in ("off", "on", "ids"):
+    for f in sorted(glob.glob(f"{out}/bench-{backend}-{mode}-*.json")):
+        for row in json.load(open(f))["rows"]:
+            times.setdefault((row["bytes"], mode), []).append(row["time_us"])
+sizes = sorted({b for b, _ in times})
+if not sizes:
+    sys.exit("no bench rows")
+print(f"{backend}: median over rounds of the time per call (us); on/off and ids/off")
+print(f"{'bytes':>9} {'off':>9} {'on':>9} {'ids':>9} {'on/off':>7} {'ids/off':>7} rounds")
+for b in sizes:
+    med = {m: statistics.median(times[(b, m)]) for m in ("off", "on", "ids") if (b, m) in times}
+    off = med.get("off")
+    r = lambda m: f"{med[m] / off:7.3f}" if off and m in med else "      -"
+    cell = lambda m: f"{med[m]:9.2f}" if m in med else "        -"
+    print(f"{b:>9} {cell('off')} {cell('on')} {cell('ids')} {r('on')} {r('ids')} {len(times.get((b, 'off'), []))}")
+EOF
+}
+
+# The recorder alone (CPU time per recorded call), when the library's unit-test executable is
+# given: LIB_TESTS=target/release/deps/ipcreduce-HASH (cargo test --release -p ipcreduce --lib
+# --no-run prints its path).
+if [ -n "${LIB_TESTS:-}" ] && [ -x "$LIB_TESTS" ]; then
+  "$LIB_TESTS" flight::tests::cost --ignored --nocapture 2>&1 | grep "ns per call" | tee "$OUT/cost-recorder.txt"
+fi
+echo "== [$SECONDS s] cost: host backend"
+bench_rounds host 64K
+ratios host | tee "$OUT/cost-host.txt"
+echo "== [$SECONDS s] cost: cuda backend"
+bench_rounds cuda 1M
+ratios cuda | tee "$OUT/cost-cuda.txt"
+
+# dumps SCENARIO SURVIVORS: the fault scenario with flight records into OUT/flight-SCENARIO.
+dumps() {
+  local scenario=$1 want=$2 dir="$OUT/flight-$1"
+  mkdir -p "$dir"
+  budget_fits 120 || { echo "SKIP dumps $scenario: out of time" | tee -a "$SUMMARY"; status=1; return; }
+  IPCREDUCE_FLIGHT_DIR=$dir timeout "$T" "$BIN" faults --backend cuda --ranks 4 --scenario "$scenario" \
+    >"$OUT/faults-$scenario.log" 2>&1
+  local named
+  named=$(grep -c "^PASS .*(flight record: $dir/ipcreduce-flight-" "$OUT/faults-$scenario.log")
+  "$BIN" trace summarize "$dir" >"$OUT/summary-$scenario.txt" 2>&1
+  "$BIN" trace summarize --json "$dir" >"$OUT/summary-$scenario.json" 2>&1
+  if [ "$named" -eq "$want" ] && grep -q "first divergence: call #1" "$OUT/summary-$scenario.txt" \
+    && grep -q "look at rank 3" "$OUT/summary-$scenario.txt"; then
+    echo "PASS dumps $scenario: $named ranks name their flight record; summary names call #1, rank 3" | tee -a "$SUMMARY"
+  else
+    echo "FAIL dumps $scenario: $named of $want ranks name a flight record, or the summary misses call #1 / rank 3" | tee -a "$SUMMARY"
+    status=1
+  fi
+  sed -n 1,8p "$OUT/summary-$scenario.txt"
+}
+dumps mismatch-count 4
+dumps kill 3
+
+cat "$SUMMARY"
+exit $status
