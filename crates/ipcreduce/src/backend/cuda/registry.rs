@@ -14,6 +14,8 @@
 //! Releasing a region drops our mappings; a peer's mapping of our memory keeps the physical
 //! memory alive until the peer drops it too, so no rank can ever touch freed memory.
 
+use super::identity::RegionAt;
+use super::kernels::MAX_RANKS;
 use super::workspace::{export_fd, export_vmm, import_vmm, Mapping};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
@@ -71,6 +73,34 @@ impl Registry {
         self.last_hit.set(i);
         let r = &self.regions[i];
         Some((r, ptr - r.base))
+    }
+
+    /// Where call identities name `[ptr, ptr + bytes)`: its region and `ptr`'s offset in it.
+    pub fn region_at(&self, ptr: u64, bytes: usize) -> Option<RegionAt> {
+        let (r, offset) = self.lookup(ptr, bytes.max(1))?;
+        Some(RegionAt {
+            id: r.id as u32,
+            offset,
+        })
+    }
+
+    /// Every rank's send and recv as mapped here (of `world` ranks), when both lie in
+    /// registered buffers.
+    pub fn peers_of(
+        &self,
+        send: u64,
+        recv: u64,
+        bytes: usize,
+        world: usize,
+    ) -> Option<([u64; MAX_RANKS], [u64; MAX_RANKS])> {
+        let (rs, so) = self.lookup(send, bytes)?;
+        let (rr, ro) = self.lookup(recv, bytes)?;
+        let (mut s, mut r) = ([0u64; MAX_RANKS], [0u64; MAX_RANKS]);
+        for p in 0..world {
+            s[p] = rs.peers[p] + so;
+            r[p] = rr.peers[p] + ro;
+        }
+        Some((s, r))
     }
 
     pub fn insert(&mut self, region: Region, rank: usize) -> Result<()> {
