@@ -15,7 +15,7 @@
 //! here can hang. Per lane and call: a barrier "inputs ready, outputs free, same call" (with the
 //! stamp check), one barrier per chunk, and one "every push has landed" at the end.
 
-use super::driver::ck;
+use super::driver;
 use super::kernels::{CHECK_BEGIN, CHECK_STAMPS, MAX_BLOCKS};
 use super::launcher::{CallArgs, Kernel, KernelArgs, Launcher};
 use crate::error::Result;
@@ -41,15 +41,7 @@ unsafe impl Send for Event {}
 
 impl Event {
     fn new(rank: usize) -> Result<Event> {
-        let mut ev = std::ptr::null_mut();
-        // SAFETY: writes one handle, owned by the Event.
-        ck(
-            unsafe {
-                sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
-            },
-            rank,
-            || "cuEventCreate (copy-engine path)".into(),
-        )?;
+        let ev = driver::event_create(rank, || "cuEventCreate (copy-engine path)".into())?;
         Ok(Event(ev))
     }
 }
@@ -57,10 +49,7 @@ impl Event {
 impl Drop for Event {
     fn drop(&mut self) {
         // SAFETY: created by cuEventCreate, destroyed once.
-        let res = unsafe { sys::cuEventDestroy_v2(self.0) };
-        if res != sys::CUresult::CUDA_SUCCESS {
-            tracing::warn!("cuEventDestroy failed: {res:?}");
-        }
+        unsafe { driver::event_destroy(self.0) }
     }
 }
 
@@ -144,12 +133,12 @@ pub(super) fn launch(
             return Ok(());
         }
         // SAFETY: both ranges lie in registered buffers (ours, and the peer's mapped here),
-        // inside the call's send/recv, which the caller vouched for.
-        ck(
-            unsafe { sys::cuMemcpyAsync(dst, src, bytes, s) },
-            rank,
-            || format!("copy-engine push of {bytes} bytes ({what}) to rank {peer}"),
-        )
+        // inside the call's send/recv, which the caller vouched for; `s` is a lane.
+        unsafe {
+            driver::copy_async(dst, src, bytes, s, rank, || {
+                format!("copy-engine push of {bytes} bytes ({what}) to rank {peer}")
+            })
+        }
     };
     // `first`: the lane's first barrier of the call, which compares the call's stamps; lane
     // 0's also starts the call (advances the call counter, posts the identity).
@@ -172,13 +161,16 @@ pub(super) fn launch(
         })
     };
     let record_wait = |ev: &Event, from: sys::CUstream, to: sys::CUstream| {
-        // SAFETY: plain stream ordering on streams and an event of our context.
-        ck(unsafe { sys::cuEventRecord(ev.0, from) }, rank, || {
-            "cuEventRecord (copy-engine path)".into()
-        })?;
-        ck(unsafe { sys::cuStreamWaitEvent(to, ev.0, 0) }, rank, || {
-            "cuStreamWaitEvent (copy-engine path)".into()
-        })
+        // SAFETY: plain stream ordering on streams and an event of our context (the
+        // caller's stream as its call vouched).
+        unsafe {
+            driver::event_record(ev.0, from, rank, || {
+                "cuEventRecord (copy-engine path)".into()
+            })?;
+            driver::stream_wait(to, ev.0, rank, || {
+                "cuStreamWaitEvent (copy-engine path)".into()
+            })
+        }
     };
 
     for j in 0..LANES {

@@ -2,7 +2,7 @@
 //! workspaces and the fabric, the launcher's memory, optionally NCCL beside us; across nodes,
 //! the node's communicator and NCCL between the nodes.
 
-use super::driver::{self, ck};
+use super::driver;
 use super::kernels::{self, LL_MAX_BYTES, MAX_BLOCKS, MAX_RANKS};
 use super::launcher::{data_offset, Agreed, Launcher, W_ABORT, W_ERR};
 use super::memory::{DeviceAlloc, MappedHostWords};
@@ -15,7 +15,7 @@ use crate::bootstrap::Bootstrap;
 use crate::config::{Config, Pdl};
 use crate::error::{Error, Result};
 use crate::plan::{Fabric, GridLimits};
-use cudarc::driver::{safe as cs, sys};
+use cudarc::driver::safe as cs;
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Weak};
 
@@ -165,14 +165,14 @@ impl CudaComm {
         }
         let state = DeviceAlloc::new(MAX_BLOCKS * 2 * 4 + 64, rank)?;
         let words = Arc::new(MappedHostWords::new(W_ERR + kernels::rec::WORDS, rank)?);
-        // SAFETY: zeroing memory we own (signal area of our workspace, private state).
+        ws.clear(rank, data_offset(world) as usize)?;
+        // SAFETY: zeroing memory we own (private state) that no kernel uses yet.
         unsafe {
-            ws.clear(rank, data_offset(world) as usize)?;
-            ck(sys::cuMemsetD8_v2(state.ptr, 0, state.bytes), rank, || {
+            driver::zero(state.ptr, state.bytes, rank, || {
                 "clearing the protocol state".into()
-            })?;
-            ck(sys::cuCtxSynchronize(), rank, || "cuCtxSynchronize".into())?;
-        }
+            })?
+        };
+        driver::ctx_synchronize(rank, || "cuCtxSynchronize".into())?;
         let abort = boot.abort_state();
         let weak: Weak<MappedHostWords> = Arc::downgrade(&words);
         abort.on_abort(Box::new(move || {
@@ -276,26 +276,11 @@ impl CudaComm {
 /// The device of the CUDA context current on this thread, if there is one: a caller that
 /// made its own context current (PyTorch does) gets its communicator on that GPU.
 fn current_device(rank: usize) -> Result<Option<usize>> {
-    let mut ctx: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: writes one handle (null when no context is current).
-    ck(unsafe { sys::cuCtxGetCurrent(&mut ctx) }, rank, || {
-        "cuCtxGetCurrent".into()
-    })?;
-    if ctx.is_null() {
+    let Some(dev) = driver::current_context_device(rank)? else {
         return Ok(None);
-    }
-    let mut dev: sys::CUdevice = 0;
-    // SAFETY: writes one device handle of the current context.
-    ck(unsafe { sys::cuCtxGetDevice(&mut dev) }, rank, || {
-        "cuCtxGetDevice".into()
-    })?;
+    };
     let count = cs::CudaContext::device_count().unwrap_or(0);
-    for ordinal in 0..count {
-        let mut d: sys::CUdevice = 0;
-        // SAFETY: writes one device handle.
-        if unsafe { sys::cuDeviceGet(&mut d, ordinal) } == sys::CUresult::CUDA_SUCCESS && d == dev {
-            return Ok(Some(ordinal as usize));
-        }
-    }
-    Ok(None)
+    Ok((0..count)
+        .find(|&ordinal| driver::device_of_ordinal(ordinal) == Some(dev))
+        .map(|ordinal| ordinal as usize))
 }

@@ -4,7 +4,7 @@
 use super::launcher::CallArgs;
 use super::memory::DeviceAlloc;
 use super::workspace::Mapping;
-use super::{driver::ck, hier, CudaComm};
+use super::{driver, hier, CudaComm};
 use crate::backend::{BackendOps, BufId, Call, RegisteredBuffer, TestBuffers};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
@@ -54,18 +54,7 @@ impl TestBuffers for CudaComm {
         // On our stream, then waited for: a plain cuMemcpyHtoD from pageable memory may return
         // before its DMA lands, and our (non-blocking) stream would not wait for it.
         // SAFETY: in bounds of our allocation; `data` outlives the synchronize below.
-        ck(
-            unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    ptr,
-                    data.as_ptr().cast(),
-                    data.len(),
-                    self.stream.cu_stream(),
-                )
-            },
-            self.rank,
-            || format!("copying {} bytes to the device", data.len()),
-        )?;
+        unsafe { driver::copy_to_device_async(ptr, data, self.stream.cu_stream(), self.rank)? };
         self.synchronize()
     }
 
@@ -74,18 +63,7 @@ impl TestBuffers for CudaComm {
         let (ptr, bytes) = self.buf(id)?;
         assert!(out.len() <= bytes);
         // SAFETY: in bounds of our allocation; `out` outlives the synchronize below.
-        ck(
-            unsafe {
-                sys::cuMemcpyDtoHAsync_v2(
-                    out.as_mut_ptr().cast(),
-                    ptr,
-                    out.len(),
-                    self.stream.cu_stream(),
-                )
-            },
-            self.rank,
-            || format!("copying {} bytes from the device", out.len()),
-        )?;
+        unsafe { driver::copy_from_device_async(out, ptr, self.stream.cu_stream(), self.rank)? };
         self.synchronize()
     }
 
