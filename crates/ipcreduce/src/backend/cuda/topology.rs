@@ -8,8 +8,8 @@
 
 use super::peers::visible_devices;
 use crate::bootstrap::Bootstrap;
-use crate::config::Topology;
 use crate::error::{Error, Result};
+use crate::plan::Topology;
 use crate::plan::{self, Fabric};
 use cudarc::driver::sys;
 
