@@ -87,13 +87,14 @@ fn part(s: Span, k: usize, chunk: usize, size: usize) -> (u64, usize) {
 
 /// The copy-engine path's lanes, made at its first call.
 pub(super) struct Engine {
-    ctx: Arc<cs::CudaContext>,
+    // The lanes (streams and events) go before the context they were made in.
     lanes: Option<Lanes>,
+    ctx: Arc<cs::CudaContext>,
 }
 
 impl Engine {
     pub fn new(ctx: Arc<cs::CudaContext>) -> Engine {
-        Engine { ctx, lanes: None }
+        Engine { lanes: None, ctx }
     }
 
     /// The lanes, made now if this is the path's first call.

@@ -35,7 +35,7 @@ impl Drop for Own {
     fn drop(&mut self) {
         if let Own::Retained(handle) = *self {
             // SAFETY: releases the reference cuMemRetainAllocationHandle gave us, once.
-            let res = unsafe { sys::cuMemRelease(handle) };
+            let res = unsafe { super::driver::release(handle) };
             if res != sys::CUresult::CUDA_SUCCESS {
                 tracing::warn!("releasing a registered buffer's handle failed: {res:?}");
             }
@@ -215,30 +215,25 @@ const HOW_TO_ALLOCATE: &str = "register() takes memory from cuMemCreate with \
 fn export_callers(ptr: u64, bytes: usize, rank: usize) -> Result<(Own, OwnedFd, u64, usize)> {
     let refuse =
         |what: String| Error::invalid(rank, "register", format!("{what}: {HOW_TO_ALLOCATE}"));
-    let (mut base, mut size) = (0u64, 0usize);
-    // SAFETY: writes two values; fails cleanly for pointers the driver does not know.
-    let res = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
-    if res != sys::CUresult::CUDA_SUCCESS {
-        return Err(refuse(format!(
+    let (base, size) = super::driver::address_range(ptr).map_err(|res| {
+        refuse(format!(
             "{ptr:#x} is not device memory ({})",
             super::driver::describe(res)
-        )));
-    }
+        ))
+    })?;
     if ptr + bytes as u64 > base + size as u64 {
         return Err(refuse(format!(
             "[{ptr:#x}, +{bytes}) runs past its allocation [{base:#x}, +{size})"
         )));
     }
-    let mut handle = 0;
-    // SAFETY: takes a reference to the handle of the allocation mapped at ptr.
-    let res =
-        unsafe { sys::cuMemRetainAllocationHandle(&mut handle, ptr as *mut std::ffi::c_void) };
-    if res != sys::CUresult::CUDA_SUCCESS {
-        return Err(refuse(format!(
+    // A reference to the handle of the allocation mapped at ptr: given back by Own's Drop, or
+    // by export_fd when the export fails.
+    let handle = super::driver::retain_allocation_handle(ptr).map_err(|res| {
+        refuse(format!(
             "{ptr:#x} was not allocated with cuMemCreate ({})",
             super::driver::describe(res)
-        )));
-    }
+        ))
+    })?;
     let fd = export_fd(handle, rank).map_err(|e| {
         refuse(format!(
             "its allocation cannot be exported as a POSIX fd ({e})"

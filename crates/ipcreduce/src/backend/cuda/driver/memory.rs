@@ -213,3 +213,62 @@ pub unsafe fn host_unregister(host: *mut std::ffi::c_void) {
         tracing::warn!("cuMemHostUnregister of a host-staged workspace failed: {res:?}");
     }
 }
+
+/// Attributes `attrs` of `ptr` in one `cuPointerGetAttributes` call, each in a zeroed 8-byte
+/// slot: the driver writes a 4-byte enum, bool or int, or an 8-byte address or size, at the
+/// slot's start (little-endian, so the slot reads the value). For a pointer CUDA does not know
+/// it still succeeds and leaves every attribute zero.
+pub fn pointer_attributes<const N: usize>(
+    ptr: u64,
+    mut attrs: [sys::CUpointer_attribute; N],
+) -> std::result::Result<[u64; N], sys::CUresult> {
+    let mut slots = [0u64; N];
+    let mut data: Vec<*mut std::ffi::c_void> =
+        slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
+    // SAFETY: N attributes, N writable 8-byte slots that outlive the call; `ptr` is only
+    // looked up.
+    let res = unsafe {
+        sys::cuPointerGetAttributes(N as u32, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr)
+    };
+    if res != sys::CUresult::CUDA_SUCCESS {
+        return Err(res);
+    }
+    Ok(slots)
+}
+
+/// The allocation holding `ptr`: (start, bytes). Fails cleanly for pointers the driver does
+/// not know.
+pub fn address_range(ptr: u64) -> std::result::Result<(u64, usize), sys::CUresult> {
+    let (mut base, mut size) = (0u64, 0usize);
+    // SAFETY: writes two values; `ptr` is only looked up.
+    let res = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
+    if res != sys::CUresult::CUDA_SUCCESS {
+        return Err(res);
+    }
+    Ok((base, size))
+}
+
+/// A reference to the handle of the `cuMemCreate` allocation mapped at `ptr`, to be given
+/// back with [`release`].
+pub fn retain_allocation_handle(
+    ptr: u64,
+) -> std::result::Result<sys::CUmemGenericAllocationHandle, sys::CUresult> {
+    let mut handle = 0;
+    // SAFETY: writes one handle; `ptr` is only looked up.
+    let res =
+        unsafe { sys::cuMemRetainAllocationHandle(&mut handle, ptr as *mut std::ffi::c_void) };
+    if res != sys::CUresult::CUDA_SUCCESS {
+        return Err(res);
+    }
+    Ok(handle)
+}
+
+/// Gives back one reference to an allocation handle.
+///
+/// # Safety
+/// The caller holds that reference (from `cuMemCreate`, an import or
+/// [`retain_allocation_handle`]) and gives it back once.
+pub unsafe fn release(handle: sys::CUmemGenericAllocationHandle) -> sys::CUresult {
+    // SAFETY: as the caller vouched.
+    unsafe { sys::cuMemRelease(handle) }
+}
