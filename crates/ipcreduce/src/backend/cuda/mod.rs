@@ -27,7 +27,7 @@
 //! | `workspace.rs`, `transport.rs`, `host_staged.rs`, `peers.rs`, `topology.rs` | workspaces and the fabric |
 //! | `residency.rs` | how many CTAs every rank can keep resident |
 //! | `memory.rs` | small owners of device and mapped host memory |
-//! | `driver.rs` | checked driver calls: errors with rank and operation |
+//! | `driver.rs`, `driver/` | the backend's raw driver calls (residency.rs's and modules.rs's aside), as small wrappers whose errors name the rank and the operation |
 //! | `nccl.rs` | NCCL, as a baseline and between nodes |
 //! | `teardown.rs` | leaving a job: bounded waits, what is leaked rather than freed |
 //! | `testbufs.rs` | backend-owned buffers and timing for the benchmark (`test-support`) |
