@@ -1,8 +1,7 @@
 //! What the CUDA-side commands (bench, overlap, tune) share: the communicator's GPU context,
-//! and cudarc errors mapped to ours.
+//! device memory, and cudarc errors mapped to ours.
 
-use cudarc::driver::{safe as cs, DriverError};
-use ipcreduce::backend::cuda::memory::DeviceAlloc;
+use cudarc::driver::{result, safe as cs, sys, DriverError};
 use ipcreduce::error::{Error, Result};
 use ipcreduce::Communicator;
 use std::sync::Arc;
@@ -13,6 +12,84 @@ pub fn cu(rank: usize, op: &'static str) -> impl Fn(DriverError) -> Error {
         rank,
         op: op.into(),
         detail: e.to_string(),
+    }
+}
+
+/// Maps a cudarc error of a raw driver call to ours, keeping the driver's result code (as
+/// the library's errors do), naming the rank and what was being done.
+pub fn driver(rank: usize, op: impl Into<String>) -> impl FnOnce(DriverError) -> Error {
+    let op = op.into();
+    move |e| Error::CudaDriver {
+        rank,
+        op,
+        code: e.0,
+        detail: match (e.error_name(), e.error_string()) {
+            (Ok(name), Ok(text)) => {
+                format!("{}: {}", name.to_string_lossy(), text.to_string_lossy())
+            }
+            _ => format!("{:?}", e.0),
+        },
+    }
+}
+
+/// Launches `f` (one-dimensional grid and block, no dynamic shared memory) on `stream` with
+/// `params`, with programmatic dependent launch when `pdl`: the kernel may then start while
+/// the kernel before it on `stream` finishes, so it must wait on the device
+/// (`griddepcontrol.wait`) before it reads anything that kernel wrote. (cudarc's safe layer
+/// has no launch attributes.)
+///
+/// # Safety
+/// `params` must point to the kernel's parameters as `cuLaunchKernel` takes them, each valid
+/// for the launch; the kernel must only touch memory the caller vouches for.
+pub unsafe fn launch(
+    f: sys::CUfunction,
+    (grid, threads): (u32, u32),
+    stream: sys::CUstream,
+    params: *mut *mut std::ffi::c_void,
+    pdl: bool,
+) -> std::result::Result<(), DriverError> {
+    // SAFETY: an all-zero attribute is plain data (id 0, a zeroed value union); both fields
+    // that matter are set below.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: threads,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: stream,
+        attrs: &mut attr,
+        numAttrs: u32::from(pdl),
+    };
+    // SAFETY: `config` and `attr` outlive the call; `params` as the caller vouched.
+    unsafe { sys::cuLaunchKernelEx(&config, f, params, std::ptr::null_mut()) }.result()
+}
+
+/// Plain device memory of the current context, freed on drop.
+pub struct DeviceMem {
+    pub ptr: sys::CUdeviceptr,
+}
+
+impl DeviceMem {
+    /// `bytes` (at least 1) of the context current on this thread.
+    pub fn new(bytes: usize, rank: usize) -> Result<DeviceMem> {
+        // SAFETY: allocates; the pointer is owned by the DeviceMem and freed once, in Drop.
+        let ptr = unsafe { result::malloc_sync(bytes.max(1)) }
+            .map_err(driver(rank, format!("cuMemAlloc({bytes} bytes)")))?;
+        Ok(DeviceMem { ptr })
+    }
+}
+
+impl Drop for DeviceMem {
+    fn drop(&mut self) {
+        // SAFETY: from cuMemAlloc, freed once; the owners wait for their work first.
+        if let Err(e) = unsafe { result::free_sync(self.ptr) } {
+            tracing::warn!("cuMemFree failed: {e}");
+        }
     }
 }
 
@@ -30,7 +107,7 @@ pub fn comm_context(comm: &Communicator) -> Result<Arc<cs::CudaContext>> {
 /// Device memory for the buffers an all-reduce reads and writes: plain, or registered with
 /// every peer by `Communicator::alloc` (zero-copy calls).
 pub enum Memory {
-    Plain(DeviceAlloc),
+    Plain(DeviceMem),
     Registered(ipcreduce::RegisteredBuffer),
 }
 
@@ -40,7 +117,7 @@ impl Memory {
         Ok(if registered {
             Memory::Registered(comm.alloc(bytes)?)
         } else {
-            Memory::Plain(DeviceAlloc::new(bytes, comm.rank())?)
+            Memory::Plain(DeviceMem::new(bytes, comm.rank())?)
         })
     }
 

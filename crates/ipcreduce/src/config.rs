@@ -7,6 +7,7 @@
 //! the backends and the communicator read it, it reads none of them.
 
 use crate::error::{Error, Result};
+pub use crate::plan::Topology;
 use crate::types::{Algorithm, BackendChoice};
 use std::time::Duration;
 
@@ -97,25 +98,6 @@ impl Pdl {
     /// never with PDL off.
     pub fn trigger(self, configured: Option<bool>, ranks_per_gpu: usize) -> bool {
         self != Pdl::Off && configured.unwrap_or(ranks_per_gpu == 1)
-    }
-}
-
-/// What the cuda backend assumes about the links between GPUs, when forced
-/// (`IPCREDUCE_TOPOLOGY`); unset, it is classified from the P2P attributes of every pair.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Topology {
-    /// PCIe between GPUs: peer-memory pushes in passes and fewer CTAs (the PCIe policy).
-    Pcie,
-    /// NVLink (or one GPU): no PCIe policy, whatever the classification says.
-    Nvlink,
-}
-
-impl Topology {
-    pub fn name(self) -> &'static str {
-        match self {
-            Topology::Pcie => "pcie",
-            Topology::Nvlink => "nvlink",
-        }
     }
 }
 

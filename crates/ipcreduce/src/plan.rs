@@ -4,8 +4,27 @@
 //! All thresholds live here. They are first guesses until tuned on real hardware; the
 //! benchmark's JSON is the evidence for changing them.
 
-use crate::config::Topology;
+pub use crate::shards::Span;
 use crate::types::{Algorithm, BackendKind};
+
+/// What the cuda backend assumes about the links between GPUs, when forced
+/// (`IPCREDUCE_TOPOLOGY`); unset, it is classified from the P2P attributes of every pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Topology {
+    /// PCIe between GPUs: peer-memory pushes in passes and fewer CTAs (the PCIe policy).
+    Pcie,
+    /// NVLink (or one GPU): no PCIe policy, whatever the classification says.
+    Nvlink,
+}
+
+impl Topology {
+    pub fn name(self) -> &'static str {
+        match self {
+            Topology::Pcie => "pcie",
+            Topology::Nvlink => "nvlink",
+        }
+    }
+}
 
 /// What the cuda backend's data crosses, agreed by every rank at init ([`fabric`]). It shapes
 /// `Auto`'s algorithm, the staged chunk size, the CTA cap and the kernels' push order.
@@ -363,22 +382,6 @@ pub fn block_threads(path: CudaPath, bytes: usize, grid: u32, full: u32) -> u32 
     };
     let items = bytes.div_ceil(per_thread).max(1) as u32;
     items.div_ceil(32).saturating_mul(32).min(full)
-}
-
-/// A half-open element range `[start, end)`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Span {
-    pub start: usize,
-    pub end: usize,
-}
-
-impl Span {
-    pub fn len(&self) -> usize {
-        self.end - self.start
-    }
-    pub fn is_empty(&self) -> bool {
-        self.end == self.start
-    }
 }
 
 /// Cuts `count` elements into chunks of at most `chunk_elems` elements.
@@ -836,6 +839,24 @@ mod tests {
                 next = s.end;
             }
             prop_assert_eq!(next, len);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn aligned_shards_partition_and_agree_with_plan(
+            total in 0usize..200_000, parts in 1usize..9, align in 1usize..17
+        ) {
+            let s = crate::shards::Shards::aligned(total, parts, align);
+            let mut next = 0;
+            for i in 0..parts {
+                let span = s.span(i);
+                prop_assert_eq!(span.start, next);
+                prop_assert!(span.start.is_multiple_of(align) || span.start == total);
+                prop_assert_eq!(span, shard(total, parts, i, align));
+                next = span.end;
+            }
+            prop_assert_eq!(next, total);
         }
     }
 }

@@ -9,10 +9,8 @@
 
 use super::pattern;
 use super::{Measure, Measured};
-use crate::gpu::{comm_context, cu, load_kernels, Memory};
-use cudarc::driver::{safe as cs, sys};
-use ipcreduce::backend::cuda::driver::{ck, launch};
-use ipcreduce::backend::cuda::memory::DeviceAlloc;
+use crate::gpu::{comm_context, cu, driver, launch, load_kernels, DeviceMem, Memory};
+use cudarc::driver::{result, safe as cs, sys};
 use ipcreduce::error::{Error, Result};
 use ipcreduce::types::{DType, ReduceOp};
 use ipcreduce::Communicator;
@@ -56,8 +54,8 @@ pub struct CudaRunner {
     send: Option<Memory>,
     recv: Option<Memory>,
     /// The measured loop's state, and a scratch one for timing the refresh alone.
-    state: DeviceAlloc,
-    scratch: DeviceAlloc,
+    state: DeviceMem,
+    scratch: DeviceMem,
     capacity: usize,
     refresh: [cs::CudaFunction; 3],
     max_grid: u32,
@@ -96,8 +94,8 @@ impl CudaRunner {
             rank,
             send: Some(send),
             recv: Some(recv),
-            state: DeviceAlloc::new(STATE_BYTES, rank)?,
-            scratch: DeviceAlloc::new(STATE_BYTES, rank)?,
+            state: DeviceMem::new(STATE_BYTES, rank)?,
+            scratch: DeviceMem::new(STATE_BYTES, rank)?,
             capacity,
             refresh,
             // Enough blocks to fill the GPU a few times over; the loop is grid-strided.
@@ -158,20 +156,19 @@ impl CudaRunner {
         // SAFETY: the kernel takes one RefreshArgs (copied at launch); it touches `count`
         // elements of our send and recv buffers (capacity checked in `measure`) and the
         // 16-byte state.
-        ck(
-            unsafe {
-                launch(
-                    self.kernel(m.dtype).cu_function(),
-                    grid,
-                    REFRESH_THREADS,
-                    self.stream.cu_stream(),
-                    params.as_mut_ptr(),
-                    self.pdl.consumer,
-                )
-            },
+        unsafe {
+            launch(
+                self.kernel(m.dtype).cu_function(),
+                (grid, REFRESH_THREADS),
+                self.stream.cu_stream(),
+                params.as_mut_ptr(),
+                self.pdl.consumer,
+            )
+        }
+        .map_err(driver(
             self.rank,
-            || format!("launching the refresh kernel ({} x {})", m.count, m.dtype),
-        )
+            format!("launching the refresh kernel ({} x {})", m.count, m.dtype),
+        ))
     }
 
     /// Sets a state to {iter, 0, 0}.
@@ -179,18 +176,8 @@ impl CudaRunner {
         let mut bytes = [0u8; STATE_BYTES];
         bytes[..4].copy_from_slice(&iter.to_le_bytes());
         // SAFETY: 16 bytes into our 16-byte allocation; synchronized before `bytes` goes.
-        ck(
-            unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    state,
-                    bytes.as_ptr().cast(),
-                    STATE_BYTES,
-                    self.stream.cu_stream(),
-                )
-            },
-            self.rank,
-            || "writing the refresh state".into(),
-        )?;
+        unsafe { result::memcpy_htod_async(state, &bytes, self.stream.cu_stream()) }
+            .map_err(driver(self.rank, "writing the refresh state"))?;
         self.sync()
     }
 
@@ -199,18 +186,8 @@ impl CudaRunner {
         let mut bytes = [0u8; STATE_BYTES];
         self.sync()?;
         // SAFETY: 16 bytes from our allocation into a live array, waited for below.
-        ck(
-            unsafe {
-                sys::cuMemcpyDtoHAsync_v2(
-                    bytes.as_mut_ptr().cast(),
-                    state,
-                    STATE_BYTES,
-                    self.stream.cu_stream(),
-                )
-            },
-            self.rank,
-            || "reading the refresh state".into(),
-        )?;
+        unsafe { result::memcpy_dtoh_async(&mut bytes, state, self.stream.cu_stream()) }
+            .map_err(driver(self.rank, "reading the refresh state"))?;
         self.sync()?;
         let iter = u32::from_le_bytes(bytes[..4].try_into().unwrap_or_default());
         let wrong = u64::from_le_bytes(bytes[8..].try_into().unwrap_or_default());
@@ -227,18 +204,15 @@ impl CudaRunner {
     fn prepare(&self, m: &Measure) -> Result<()> {
         let (_, recv) = self.ptrs();
         // SAFETY: the first `bytes` of our recv buffer.
-        ck(
-            unsafe {
-                sys::cuMemsetD8Async(
-                    recv,
-                    0xFF,
-                    m.count * m.dtype.size(),
-                    self.stream.cu_stream(),
-                )
-            },
-            self.rank,
-            || "poisoning the output".into(),
-        )?;
+        unsafe {
+            result::memset_d8_async(
+                recv,
+                0xFF,
+                m.count * m.dtype.size(),
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(driver(self.rank, "poisoning the output"))?;
         self.reset_state(self.state.ptr, u32::MAX)?;
         self.launch_refresh(m, self.state.ptr, false)?;
         self.sync()
@@ -369,17 +343,11 @@ impl CudaRunner {
         // The last call's output, checked here element by element.
         let mut out = vec![0u8; bytes];
         // SAFETY: `bytes` from our recv buffer into `out`, waited for below.
-        ck(
-            unsafe {
-                sys::cuMemcpyDtoHAsync_v2(
-                    out.as_mut_ptr().cast(),
-                    recv,
-                    bytes,
-                    self.stream.cu_stream(),
-                )
-            },
-            self.rank,
-            || format!("copying {bytes} bytes of results from the device"),
+        unsafe { result::memcpy_dtoh_async(&mut out, recv, self.stream.cu_stream()) }.map_err(
+            driver(
+                self.rank,
+                format!("copying {bytes} bytes of results from the device"),
+            ),
         )?;
         self.sync()?;
         let salts = pattern::salts(m.seed, m.world);

@@ -40,10 +40,13 @@ impl SgOp {
     }
 }
 
-/// Handle of a test/benchmark buffer owned by a backend.
+/// Handle of a test/benchmark buffer owned by a backend (`test-support`).
+#[cfg(feature = "test-support")]
 pub type BufId = usize;
 
-/// One all-reduce call, as the backends see it (algorithm already resolved).
+/// One all-reduce call on backend-owned buffers, as the backends see it (algorithm already
+/// resolved; `test-support`).
+#[cfg(feature = "test-support")]
 #[derive(Debug, Clone, Copy)]
 pub struct Call {
     pub send: BufId,

@@ -15,12 +15,11 @@
 //! here can hang. Per lane and call: a barrier "inputs ready, outputs free, same call" (with the
 //! stamp check), one barrier per chunk, and one "every push has landed" at the end.
 
-use super::driver::ck;
+use super::driver;
 use super::kernels::{CHECK_BEGIN, CHECK_STAMPS, MAX_BLOCKS};
-use super::{CudaComm, KernelArgs};
+use super::launcher::{CallArgs, Kernel, KernelArgs, Launcher};
 use crate::error::Result;
 use crate::plan::{shard, Span};
-use crate::types::{DType, ReduceOp};
 use cudarc::driver::{safe as cs, sys};
 use std::sync::Arc;
 
@@ -42,15 +41,7 @@ unsafe impl Send for Event {}
 
 impl Event {
     fn new(rank: usize) -> Result<Event> {
-        let mut ev = std::ptr::null_mut();
-        // SAFETY: writes one handle, owned by the Event.
-        ck(
-            unsafe {
-                sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
-            },
-            rank,
-            || "cuEventCreate (copy-engine path)".into(),
-        )?;
+        let ev = driver::event_create(rank, || "cuEventCreate (copy-engine path)".into())?;
         Ok(Event(ev))
     }
 }
@@ -58,10 +49,7 @@ impl Event {
 impl Drop for Event {
     fn drop(&mut self) {
         // SAFETY: created by cuEventCreate, destroyed once.
-        let res = unsafe { sys::cuEventDestroy_v2(self.0) };
-        if res != sys::CUresult::CUDA_SUCCESS {
-            tracing::warn!("cuEventDestroy failed: {res:?}");
-        }
+        unsafe { driver::event_destroy(self.0) }
     }
 }
 
@@ -97,105 +85,128 @@ fn part(s: Span, k: usize, chunk: usize, size: usize) -> (u64, usize) {
     ((a * size) as u64, (b - a) * size)
 }
 
-impl CudaComm {
-    /// Enqueues the copy-engine all-reduce of `args` (registered buffers, two ranks, out of
-    /// place) on `stream`; `ctas` for the reduce kernel.
-    pub(super) fn launch_ce(
-        &mut self,
-        args: &KernelArgs,
-        dtype: DType,
-        op: ReduceOp,
-        ctas: u32,
-        stream: sys::CUstream,
-    ) -> Result<()> {
-        let rank = self.rank;
-        if self.ce.is_none() {
-            self.ce = Some(Lanes::new(&self.ctx, rank)?);
-        }
-        let lanes = self.ce.as_ref().expect("made above");
-        let lane = |j: usize| lanes.streams[j].cu_stream();
-        let size = dtype.size();
-        let peer = 1 - rank;
-        let count = args.count as usize;
-        let mine = shard(count, 2, rank, 16 / size);
-        let theirs = shard(count, 2, peer, 16 / size);
-        let chunk = CHUNK_BYTES / size;
-        // Both ranks cut the same number of chunks: every lane passes the same barriers.
-        let chunks = mine.len().max(theirs.len()).div_ceil(chunk).max(1);
-        let (send, recv, peer_recv) = (args.send, args.recv, args.rrecv[peer]);
-        let reduce = self
-            .gpu
-            .function(crate::plan::CudaPath::Ce, dtype, op, rank)?;
+/// The copy-engine path's lanes, made at its first call.
+pub(super) struct Engine {
+    // The lanes (streams and events) go before the context they were made in.
+    lanes: Option<Lanes>,
+    ctx: Arc<cs::CudaContext>,
+}
 
-        let copy = |dst: u64, src: u64, bytes: usize, s: sys::CUstream, what: &str| {
-            if bytes == 0 {
-                return Ok(());
-            }
-            // SAFETY: both ranges lie in registered buffers (ours, and the peer's mapped here),
-            // inside the call's send/recv, which the caller vouched for.
-            ck(
-                unsafe { sys::cuMemcpyAsync(dst, src, bytes, s) },
-                rank,
-                || format!("copy-engine push of {bytes} bytes ({what}) to rank {peer}"),
-            )
+impl Engine {
+    pub fn new(ctx: Arc<cs::CudaContext>) -> Engine {
+        Engine { lanes: None, ctx }
+    }
+
+    /// The lanes, made now if this is the path's first call.
+    pub fn lanes(&mut self, rank: usize) -> Result<&Lanes> {
+        if self.lanes.is_none() {
+            self.lanes = Some(Lanes::new(&self.ctx, rank)?);
+        }
+        Ok(self.lanes.as_ref().expect("made above"))
+    }
+}
+
+/// Enqueues the copy-engine all-reduce of `args` (registered buffers, two ranks, out of place)
+/// on `call`'s stream; `ctas` for the reduce kernel.
+pub(super) fn launch(
+    l: &Launcher,
+    lanes: &Lanes,
+    args: &KernelArgs,
+    call: &CallArgs,
+    ctas: u32,
+) -> Result<()> {
+    let (dtype, op, stream) = (call.dtype, call.op, call.stream);
+    let rank = l.rank;
+    let lane = |j: usize| lanes.streams[j].cu_stream();
+    let size = dtype.size();
+    let peer = 1 - rank;
+    let count = args.count as usize;
+    let mine = shard(count, 2, rank, 16 / size);
+    let theirs = shard(count, 2, peer, 16 / size);
+    let chunk = CHUNK_BYTES / size;
+    // Both ranks cut the same number of chunks: every lane passes the same barriers.
+    let chunks = mine.len().max(theirs.len()).div_ceil(chunk).max(1);
+    let (send, recv, peer_recv) = (args.send, args.recv, args.rrecv[peer]);
+    let reduce = l.gpu.function(crate::plan::CudaPath::Ce, dtype, op, rank)?;
+
+    let copy = |dst: u64, src: u64, bytes: usize, s: sys::CUstream, what: &str| {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges lie in registered buffers (ours, and the peer's mapped here),
+        // inside the call's send/recv, which the caller vouched for; `s` is a lane.
+        unsafe {
+            driver::copy_async(dst, src, bytes, s, rank, || {
+                format!("copy-engine push of {bytes} bytes ({what}) to rank {peer}")
+            })
+        }
+    };
+    // `first`: the lane's first barrier of the call, which compares the call's stamps; lane
+    // 0's also starts the call (advances the call counter, posts the identity).
+    let barrier = |j: usize, first: bool| {
+        let mut a = *args;
+        a.lane = (FIRST_LANE_SLOT + j) as i32;
+        a.check = match (first, j) {
+            (true, 0) => CHECK_STAMPS | CHECK_BEGIN,
+            (true, _) => CHECK_STAMPS,
+            _ => 0,
         };
-        // `first`: the lane's first barrier of the call, which compares the call's stamps; lane
-        // 0's also starts the call (advances the call counter, posts the identity).
-        let barrier = |j: usize, first: bool| {
-            let mut a = *args;
-            a.lane = (FIRST_LANE_SLOT + j) as i32;
-            a.check = match (first, j) {
-                (true, 0) => CHECK_STAMPS | CHECK_BEGIN,
-                (true, _) => CHECK_STAMPS,
-                _ => 0,
-            };
-            self.launch_kernel(
-                self.gpu.ce_barrier(),
-                1,
-                BARRIER_THREADS,
-                lane(j),
-                &mut a,
-                || format!("launching the copy-engine barrier (lane {j})"),
-            )
+        let k = Kernel {
+            f: l.gpu.ce_barrier(),
+            grid: 1,
+            threads: BARRIER_THREADS,
+            stream: lane(j),
         };
-        let record_wait = |ev: &Event, from: sys::CUstream, to: sys::CUstream| {
-            // SAFETY: plain stream ordering on streams and an event of our context.
-            ck(unsafe { sys::cuEventRecord(ev.0, from) }, rank, || {
+        l.launch(k, &mut a, || {
+            format!("launching the copy-engine barrier (lane {j})")
+        })
+    };
+    let record_wait = |ev: &Event, from: sys::CUstream, to: sys::CUstream| {
+        // SAFETY: plain stream ordering on streams and an event of our context (the
+        // caller's stream as its call vouched).
+        unsafe {
+            driver::event_record(ev.0, from, rank, || {
                 "cuEventRecord (copy-engine path)".into()
             })?;
-            ck(unsafe { sys::cuStreamWaitEvent(to, ev.0, 0) }, rank, || {
+            driver::stream_wait(to, ev.0, rank, || {
                 "cuStreamWaitEvent (copy-engine path)".into()
             })
-        };
+        }
+    };
 
-        for j in 0..LANES {
-            record_wait(&lanes.fork, stream, lane(j))?;
-            barrier(j, true)?; // inputs ready, outputs free, the same call on both ranks
-        }
-        for k in 0..chunks {
-            let j = k % LANES;
-            let (off, bytes) = part(theirs, k, chunk, size);
-            copy(peer_recv + off, send + off, bytes, lane(j), "input")?;
-            barrier(j, false)?; // the peer's input for our chunk k has landed
-            let (off, bytes) = part(mine, k, chunk, size);
-            if bytes > 0 {
-                let mut a = *args;
-                a.send = send + off;
-                a.recv = recv + off;
-                let n = bytes / size;
-                a.count = n as u64;
-                self.launch_kernel(reduce, ctas, REDUCE_THREADS, lane(j), &mut a, || {
-                    format!("launching the copy-engine reduce ({n} x {dtype} {op})")
-                })?;
-            }
-            copy(peer_recv + off, recv + off, bytes, lane(j), "result")?;
-        }
-        for j in 0..LANES {
-            barrier(j, false)?; // every push into our output has landed
-            record_wait(&lanes.joins[j], lane(j), stream)?;
-        }
-        Ok(())
+    for j in 0..LANES {
+        record_wait(&lanes.fork, stream, lane(j))?;
+        barrier(j, true)?; // inputs ready, outputs free, the same call on both ranks
     }
+    for k in 0..chunks {
+        let j = k % LANES;
+        let (off, bytes) = part(theirs, k, chunk, size);
+        copy(peer_recv + off, send + off, bytes, lane(j), "input")?;
+        barrier(j, false)?; // the peer's input for our chunk k has landed
+        let (off, bytes) = part(mine, k, chunk, size);
+        if bytes > 0 {
+            let mut a = *args;
+            a.send = send + off;
+            a.recv = recv + off;
+            let n = bytes / size;
+            a.count = n as u64;
+            let kernel = Kernel {
+                f: reduce,
+                grid: ctas,
+                threads: REDUCE_THREADS,
+                stream: lane(j),
+            };
+            l.launch(kernel, &mut a, || {
+                format!("launching the copy-engine reduce ({n} x {dtype} {op})")
+            })?;
+        }
+        copy(peer_recv + off, recv + off, bytes, lane(j), "result")?;
+    }
+    for j in 0..LANES {
+        barrier(j, false)?; // every push into our output has landed
+        record_wait(&lanes.joins[j], lane(j), stream)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

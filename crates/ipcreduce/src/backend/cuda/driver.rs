@@ -1,6 +1,19 @@
 //! Checked driver calls: every failure becomes an [`Error::CudaDriver`] that names the rank and
 //! what was being done, and keeps the driver's result code. The raw `cudarc::driver::sys` calls of the backend go
-//! through [`ck`].
+//! through [`ck`], most of them in the small wrappers of
+//! [`device`], [`memory`], [`streams`] and [`vmm`]: each returns our error naming the rank and what was
+//! being done; those that write memory or take a caller's handle stay `unsafe` (the caller
+//! vouches for the pointer or the handle).
+
+mod device;
+mod memory;
+mod streams;
+mod vmm;
+
+pub use device::*;
+pub use memory::*;
+pub use streams::*;
+pub use vmm::*;
 
 use crate::error::{Error, Result};
 use cudarc::driver::sys;

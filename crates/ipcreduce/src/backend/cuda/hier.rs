@@ -1,7 +1,7 @@
 //! Jobs across hosts: the hierarchical all-reduce.
 //!
 //! Each node's ranks form a group of their own ([`Bootstrap::node_group`], over a Unix socket,
-//! sharing the job's abort state); the peer-memory communicator ([`CudaComm`]) is built over
+//! sharing the job's abort state); the peer-memory communicator ([`super::CudaComm`]) is built over
 //! that group, and one NCCL communicator per local rank spans the nodes (local rank i of every
 //! node; its unique id made by node 0's rank i and sent through the job's bootstrap). An
 //! all-reduce of `count` elements is then, on the caller's stream:
@@ -17,16 +17,15 @@
 //! calling with other arguments fails with a mismatch inside its node), and the NCCL
 //! communicator is aborted with the job.
 
+use super::launcher::{CallArgs, Launcher};
 use super::nccl::Nccl;
-use super::CudaComm;
+use super::registry::Registry;
+use super::scatter_gather;
 use crate::backend::SgOp;
 use crate::bootstrap::Bootstrap;
-use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::plan::PathInfo;
 use crate::shards::Shards;
-use crate::types::{DType, ReduceOp};
-use cudarc::driver::sys;
 
 /// Names the NCCL step in errors (and tells them apart from the node's steps').
 const BETWEEN_NODES: &str = "between nodes";
@@ -45,19 +44,12 @@ pub(super) struct Inter {
     members: Vec<usize>,
 }
 
-impl CudaComm {
-    /// Collective over the job: the node's group, the communicator over it, then NCCL between
-    /// the nodes. `boot` is the job's bootstrap.
-    pub fn new_across_nodes(boot: &mut Bootstrap, config: &Config) -> Result<CudaComm> {
+impl Inter {
+    /// NCCL among the ranks with this rank's local rank (one per node), beside the node's
+    /// communicator built over `group`. Collective over the job (`boot`).
+    pub(super) fn new(boot: &mut Bootstrap, group: Bootstrap) -> Result<Inter> {
         let layout = boot.layout().clone();
         let (rank, node) = (boot.rank(), layout.node());
-        let mut group = boot.node_group()?;
-        // NCCL beside ours (the baseline) spans the job, not the node: built below.
-        let node_config = Config {
-            with_nccl: false,
-            ..config.clone()
-        };
-        let mut comm = CudaComm::new(&mut group, &node_config)?;
         let members = layout.same_local_rank(layout.local_rank());
         let nccl =
             Nccl::init_among(boot, &members, "ipcreduce-inter").map_err(|e| Error::Cuda {
@@ -68,126 +60,79 @@ impl CudaComm {
                 ),
                 detail: e.to_string(),
             })?;
-        if config.with_nccl {
-            comm.nccl = Nccl::init(boot, config.nccl_shared_gpu()).map_err(|e| e.to_string());
-        }
-        comm.inter = Some(Inter {
+        Ok(Inter {
             nccl,
             group: Some(group),
             rank,
             node,
             node_ranks: layout.node_ranks(node).to_vec(),
             members,
-        });
-        Ok(comm)
-    }
-
-    /// Runs `f` with the bootstrap the node's collectives use: the node's group when the job
-    /// spans nodes, else `boot` (the job's).
-    pub(super) fn with_node_boot<R>(
-        &mut self,
-        boot: &mut Bootstrap,
-        f: impl FnOnce(&mut Self, &mut Bootstrap) -> R,
-    ) -> R {
-        let taken = self.inter.as_mut().and_then(|i| i.group.take());
-        match taken {
-            None => f(self, boot),
-            Some(mut group) => {
-                let r = f(self, &mut group);
-                if let Some(i) = self.inter.as_mut() {
-                    i.group = Some(group);
-                }
-                r
-            }
-        }
-    }
-
-    /// The hierarchical all-reduce (see the module's text), enqueued on `stream`.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn launch_hierarchical(
-        &mut self,
-        send: u64,
-        recv: u64,
-        count: usize,
-        dtype: DType,
-        op: ReduceOp,
-        stream: sys::CUstream,
-    ) -> Result<()> {
-        self.launch_hierarchical_marked(send, recv, count, dtype, op, stream, &mut |_, _| Ok(()))
-    }
-
-    /// [`Self::launch_hierarchical`], calling `mark(self, k)` before step k (0, 1, 2) and
-    /// after the last (3): where the phase timing records its events.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_hierarchical_marked(
-        &mut self,
-        send: u64,
-        recv: u64,
-        count: usize,
-        dtype: DType,
-        op: ReduceOp,
-        stream: sys::CUstream,
-        mark: &mut dyn FnMut(&mut Self, usize) -> Result<()>,
-    ) -> Result<()> {
-        let size = dtype.size();
-        let shards = Shards::aligned16(count, self.world, size);
-        let mine = shards.span(self.rank);
-        let at = recv + (mine.start * size) as u64;
-        mark(self, 0)?;
-        // Errors of the node's steps are put in the job's terms by the caller (all_reduce_raw).
-        self.launch_sg(SgOp::ReduceScatter, send, at, shards, dtype, op, stream)?;
-        let intra = self.last_path;
-        mark(self, 1)?;
-        if !mine.is_empty() {
-            let inter = self
-                .inter
-                .as_mut()
-                .expect("hierarchical calls need NCCL between nodes");
-            let (rank, node, members) = (inter.rank, inter.node, inter.members.clone());
-            // SAFETY: `at` holds our shard (`mine.len()` elements) of `recv`, which the caller
-            // vouched for.
-            unsafe {
-                inter.nccl.all_reduce(
-                    at as *const std::ffi::c_void,
-                    at as *mut std::ffi::c_void,
-                    mine.len(),
-                    dtype,
-                    op,
-                    stream,
-                )
-            }
-            .map_err(|e| Error::Cuda {
-                rank,
-                op: format!(
-                    "all_reduce {BETWEEN_NODES} (node {node}, NCCL with ranks {members:?})"
-                ),
-                detail: e.to_string(),
-            })?;
-        }
-        mark(self, 2)?;
-        self.launch_sg(SgOp::AllGather, at, recv, shards, dtype, op, stream)?;
-        mark(self, 3)?;
-        let registered = intra.is_some_and(|p| p.registered);
-        self.last_path = Some(PathInfo {
-            name: if registered {
-                "hierarchical-reg"
-            } else {
-                "hierarchical"
-            },
-            ctas: intra.map_or(0, |p| p.ctas),
-            registered,
-        });
-        Ok(())
+        })
     }
 
     /// An error of the node's communicator in the job's terms: the job's rank numbers (the
     /// node's communicator numbers its ranks by local rank), and the node in the operation.
     pub(super) fn in_job(&self, e: Error) -> Error {
-        match &self.inter {
-            Some(i) => job_terms(e, i.rank, i.node, &i.node_ranks),
-            None => e,
-        }
+        job_terms(e, self.rank, self.node, &self.node_ranks)
     }
+}
+
+/// The hierarchical all-reduce of `call` (see the module's text), calling `mark(k)` before
+/// step k (0, 1, 2) and after the last (3): where the phase timing records its events. Each
+/// step is a call of its own (begun by the step).
+pub(super) fn all_reduce(
+    l: &mut Launcher,
+    registry: &Registry,
+    inter: &mut Inter,
+    call: &CallArgs,
+    mark: &mut dyn FnMut(usize) -> Result<()>,
+) -> Result<()> {
+    let (dtype, op, stream) = (call.dtype, call.op, call.stream);
+    let size = dtype.size();
+    let shards = Shards::aligned16(call.count, l.world, size);
+    let mine = shards.span(l.rank);
+    let at = call.recv + (mine.start * size) as u64;
+    mark(0)?;
+    // Errors of the node's steps are put in the job's terms by the caller (all_reduce_raw).
+    let scatter = CallArgs { recv: at, ..*call };
+    scatter_gather::launch(l, registry, SgOp::ReduceScatter, shards, &scatter)?;
+    let intra = l.last_path;
+    mark(1)?;
+    if !mine.is_empty() {
+        let (rank, node, members) = (inter.rank, inter.node, &inter.members);
+        // SAFETY: `at` holds our shard (`mine.len()` elements) of `recv`, which the caller
+        // vouched for.
+        unsafe {
+            inter.nccl.all_reduce(
+                at as *const std::ffi::c_void,
+                at as *mut std::ffi::c_void,
+                mine.len(),
+                dtype,
+                op,
+                stream,
+            )
+        }
+        .map_err(|e| Error::Cuda {
+            rank,
+            op: format!("all_reduce {BETWEEN_NODES} (node {node}, NCCL with ranks {members:?})"),
+            detail: e.to_string(),
+        })?;
+    }
+    mark(2)?;
+    let gather = CallArgs { send: at, ..*call };
+    scatter_gather::launch(l, registry, SgOp::AllGather, shards, &gather)?;
+    mark(3)?;
+    let registered = intra.is_some_and(|p| p.registered);
+    l.last_path = Some(PathInfo {
+        name: if registered {
+            "hierarchical-reg"
+        } else {
+            "hierarchical"
+        },
+        ctas: intra.map_or(0, |p| p.ctas),
+        registered,
+    });
+    Ok(())
 }
 
 /// `e`, an error of node `node`'s communicator (which numbers the node's ranks by local rank),
@@ -213,68 +158,6 @@ impl Inter {
     /// Makes NCCL end with ncclCommAbort (the job is aborted or work may still run).
     pub(super) fn abort_on_drop(&mut self) {
         self.nccl.abort_on_drop();
-    }
-}
-
-/// The time of each step of the hierarchical all-reduce, for the benchmark (`test-support`).
-#[cfg(feature = "test-support")]
-impl CudaComm {
-    /// Mean microseconds of the intra-node reduce-scatter, the NCCL all-reduce between nodes
-    /// and the intra-node all-gather of `call` on backend-owned buffers, over `iters` calls
-    /// after `warmup` (events between the steps, on the communicator's stream). None when the
-    /// job has one node.
-    pub fn time_phases(
-        &mut self,
-        call: &crate::backend::Call,
-        warmup: usize,
-        iters: usize,
-    ) -> Result<Option<[f64; 3]>> {
-        use crate::backend::TestBuffers;
-        if self.inter.is_none() {
-            return Ok(None);
-        }
-        for _ in 0..warmup {
-            self.run(call)?;
-        }
-        self.synchronize_here()?;
-        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let events = (0..4)
-            .map(|_| self.ctx.new_event(flags))
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| self.cuda_err("cuEventCreate".into(), e))?;
-        let (send, recv) = (self.buf(call.send)?.0, self.buf(call.recv)?.0);
-        let (send, recv) = (send + call.offset as u64, recv + call.offset as u64);
-        let stream = self.stream.cu_stream();
-        let mut total = [0f64; 3];
-        for _ in 0..iters.max(1) {
-            self.in_stream_order(stream, |c| {
-                c.launch_hierarchical_marked(
-                    send,
-                    recv,
-                    call.count,
-                    call.dtype,
-                    call.op,
-                    stream,
-                    &mut |c, k| {
-                        events[k]
-                            .record(&c.stream)
-                            .map_err(|e| c.cuda_err("cuEventRecord".into(), e))
-                    },
-                )
-            })?;
-            self.synchronize_here()?;
-            for (k, t) in total.iter_mut().enumerate() {
-                let ms = events[k]
-                    .elapsed_ms(&events[k + 1])
-                    .map_err(|e| self.cuda_err("cuEventElapsedTime".into(), e))?;
-                *t += ms as f64 * 1000.0;
-            }
-        }
-        Ok(Some(total.map(|t| t / iters.max(1) as f64)))
-    }
-
-    fn synchronize_here(&mut self) -> Result<()> {
-        crate::backend::BackendOps::synchronize(self)
     }
 }
 

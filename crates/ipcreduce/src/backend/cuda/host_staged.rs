@@ -18,7 +18,7 @@
 //!   TLP, naturally aligned); NCCL's LL protocol makes the same assumption on its PCIe and
 //!   shared-memory transports. `auto` therefore keeps LL on this transport.
 
-use super::driver::ck;
+use super::driver;
 use crate::backend::host::arena::{sealed_memfd, Mapping};
 use crate::bootstrap::Bootstrap;
 use crate::error::Result;
@@ -49,10 +49,7 @@ unsafe impl Send for Registered {}
 impl Drop for Registered {
     fn drop(&mut self) {
         // SAFETY: `host` was registered by us, once, and is still mapped (the Mapping drops after).
-        let res = unsafe { sys::cuMemHostUnregister(self.host) };
-        if res != sys::CUresult::CUDA_SUCCESS {
-            tracing::warn!("cuMemHostUnregister of a host-staged workspace failed: {res:?}");
-        }
+        unsafe { driver::host_unregister(self.host) }
     }
 }
 
@@ -136,19 +133,11 @@ impl HostWorkspaces {
 /// Registers `map` (its whole length) with the current context and returns its device address.
 fn register(map: &Mapping, len: usize, rank: usize, whose: usize) -> Result<Registered> {
     let host = map.base().cast::<std::ffi::c_void>();
-    let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
     // SAFETY: a live, page-aligned mapping of `len` bytes; unregistered by Registered's Drop.
-    ck(
-        unsafe { sys::cuMemHostRegister_v2(host, len, flags) },
-        rank,
-        || format!("cuMemHostRegister of rank {whose}'s host-staged workspace ({len} bytes)"),
-    )?;
-    let mut reg = Registered { host, device: 0 };
-    // SAFETY: `host` is registered with DEVICEMAP just above.
-    ck(
-        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut reg.device, host, 0) },
-        rank,
-        || format!("cuMemHostGetDevicePointer of rank {whose}'s host-staged workspace"),
-    )?;
-    Ok(reg)
+    let device = unsafe {
+        driver::host_register(host, len, rank, &|| {
+            format!("rank {whose}'s host-staged workspace")
+        })?
+    };
+    Ok(Registered { host, device })
 }

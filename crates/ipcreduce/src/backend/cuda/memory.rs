@@ -1,6 +1,6 @@
 //! Small owners of device and pinned host memory. Drop never panics: a failed free is logged.
 
-use super::driver::ck;
+use super::driver;
 use crate::error::Result;
 use cudarc::driver::sys;
 
@@ -12,13 +12,7 @@ pub struct DeviceAlloc {
 
 impl DeviceAlloc {
     pub fn new(bytes: usize, rank: usize) -> Result<Self> {
-        let mut ptr = 0;
-        // SAFETY: writes one pointer; a zero-byte request is rounded up to 1.
-        ck(
-            unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) },
-            rank,
-            || format!("cuMemAlloc({bytes} bytes)"),
-        )?;
+        let ptr = driver::mem_alloc(bytes, rank)?;
         Ok(DeviceAlloc { ptr, bytes })
     }
 }
@@ -26,10 +20,7 @@ impl DeviceAlloc {
 impl Drop for DeviceAlloc {
     fn drop(&mut self) {
         // SAFETY: ptr came from cuMemAlloc and is freed once.
-        let res = unsafe { sys::cuMemFree_v2(self.ptr) };
-        if res != sys::CUresult::CUDA_SUCCESS {
-            tracing::warn!("cuMemFree failed: {res:?}");
-        }
+        unsafe { driver::mem_free(self.ptr) }
     }
 }
 
@@ -48,23 +39,14 @@ unsafe impl Sync for MappedHostWords {}
 
 impl MappedHostWords {
     pub fn new(len: usize, rank: usize) -> Result<Self> {
-        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
-        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
-        // SAFETY: allocates len words of pinned memory.
-        ck(
-            unsafe { sys::cuMemHostAlloc(&mut host, len * 4, flags) },
-            rank,
-            || "cuMemHostAlloc(mapped words)".into(),
-        )?;
-        let mut device = 0;
-        // SAFETY: host is a live mapped allocation.
-        let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) };
+        let (host, mapped) = driver::host_alloc_mapped(len * 4, rank)?;
+        // Owned (freed on error too) before the device address is looked at.
         let words = MappedHostWords {
             host: host.cast(),
-            device,
+            device: *mapped.as_ref().unwrap_or(&0),
             len,
         };
-        ck(mapped, rank, || "cuMemHostGetDevicePointer".into())?;
+        mapped?;
         for i in 0..len {
             words.set(i, 0);
         }
@@ -87,9 +69,6 @@ impl MappedHostWords {
 impl Drop for MappedHostWords {
     fn drop(&mut self) {
         // SAFETY: allocated by cuMemHostAlloc, freed once.
-        let res = unsafe { sys::cuMemFreeHost(self.host.cast()) };
-        if res != sys::CUresult::CUDA_SUCCESS {
-            tracing::warn!("cuMemFreeHost failed: {res:?}");
-        }
+        unsafe { driver::free_host(self.host.cast()) }
     }
 }

@@ -1,7 +1,7 @@
 //! Checks that every pair of ranks can really reach each other's memory: the P2P query for
 //! peers on other GPUs, and a cross-process write/read through every mapping.
 
-use super::driver::ck;
+use super::driver;
 use super::PROBE_OFFSET;
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
@@ -28,16 +28,12 @@ pub(super) fn mapping_test(
     let mine = pattern(rank);
     // SAFETY: 16 bytes inside our own workspace. The copy may return before its DMA lands:
     // synchronize before telling the peers.
-    let wrote = ck(
-        unsafe { sys::cuMemcpyHtoD_v2(base(rank) + PROBE_OFFSET, mine.as_ptr().cast(), 16) },
-        rank,
-        || "writing the cross-process probe".into(),
-    )
-    .and_then(|_| {
-        ck(unsafe { sys::cuCtxSynchronize() }, rank, || {
-            "cuCtxSynchronize".into()
+    let wrote = unsafe {
+        driver::copy_to_device(base(rank) + PROBE_OFFSET, &mine, rank, || {
+            "writing the cross-process probe".into()
         })
-    });
+    }
+    .and_then(|_| driver::ctx_synchronize(rank, || "cuCtxSynchronize".into()));
     boot.barrier()?;
     let mut seen = wrote.err().map(|e| (rank, e.to_string()));
     for peer in 0..boot.world() {
@@ -46,11 +42,12 @@ pub(super) fn mapping_test(
         }
         let mut got = [0u8; 16];
         // SAFETY: 16 bytes inside the peer's mapped workspace.
-        let res =
-            unsafe { sys::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), base(peer) + PROBE_OFFSET, 16) };
-        if let Err(e) = ck(res, rank, || {
-            format!("reading rank {peer}'s probe through {what}")
-        }) {
+        let res = unsafe {
+            driver::copy_from_device(&mut got, base(peer) + PROBE_OFFSET, rank, || {
+                format!("reading rank {peer}'s probe through {what}")
+            })
+        };
+        if let Err(e) = res {
             seen = Some((peer, e.to_string()));
         } else if got != pattern(peer) {
             seen = Some((
@@ -64,25 +61,14 @@ pub(super) fn mapping_test(
     Ok(seen)
 }
 
-pub(super) fn device_uuid(device: sys::CUdevice, rank: usize) -> Result<Vec<u8>> {
-    // SAFETY: a plain C struct filled by the driver.
-    let mut uuid: sys::CUuuid = unsafe { std::mem::zeroed() };
-    ck(
-        unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, device) },
-        rank,
-        || "cuDeviceGetUuid".into(),
-    )?;
-    Ok(uuid.bytes.iter().map(|b| *b as u8).collect())
-}
+pub(super) use super::driver::device_uuid;
 
 /// The GPUs this process sees, by UUID: (ordinal, device handle).
 pub(super) fn visible_devices(rank: usize) -> Result<HashMap<Vec<u8>, (i32, sys::CUdevice)>> {
     let count = cs::CudaContext::device_count().unwrap_or(0);
     let mut visible = HashMap::new();
     for ord in 0..count {
-        let mut dev = 0;
-        // SAFETY: writes one device handle.
-        if unsafe { sys::cuDeviceGet(&mut dev, ord) } == sys::CUresult::CUDA_SUCCESS {
+        if let Some(dev) = driver::device_of_ordinal(ord) {
             visible.insert(device_uuid(dev, rank)?, (ord, dev));
         }
     }
@@ -111,14 +97,7 @@ pub(super) fn check_peer_access(
                         .into(),
             });
         };
-        let mut can = 0;
-        // SAFETY: writes one int.
-        ck(
-            unsafe { sys::cuDeviceCanAccessPeer(&mut can, device, peer_dev) },
-            rank,
-            || "cuDeviceCanAccessPeer".into(),
-        )?;
-        if can == 0 {
+        if !driver::can_access_peer(device, peer_dev, rank)? {
             return Err(Error::PeerAccess {
                 rank,
                 peer,

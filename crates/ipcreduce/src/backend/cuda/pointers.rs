@@ -116,31 +116,15 @@ impl PointerCache {
 /// not know it still succeeds and leaves every attribute zero (memory type 0: `Other`).
 pub(super) fn query(ptr: u64) -> Result<Facts, sys::CUresult> {
     use sys::CUpointer_attribute as A;
-    let mut attrs = [
+    let attrs = [
         A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
         A::CU_POINTER_ATTRIBUTE_IS_MANAGED,
         A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
         A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
         A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
     ];
-    // One zeroed 8-byte slot each: the driver writes a 4-byte enum, bool or int, or an 8-byte
-    // address or size, at the slot's start (little-endian, so the slot reads the value).
-    let mut slots = [0u64; 5];
-    let mut data: Vec<*mut std::ffi::c_void> =
-        slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
-    // SAFETY: five attributes, five writable 8-byte slots that outlive the call.
-    let res = unsafe {
-        sys::cuPointerGetAttributes(
-            attrs.len() as u32,
-            attrs.as_mut_ptr(),
-            data.as_mut_ptr(),
-            ptr,
-        )
-    };
-    if res != sys::CUresult::CUDA_SUCCESS {
-        return Err(res);
-    }
-    let [memory_type, managed, ordinal, start, bytes] = slots;
+    let [memory_type, managed, ordinal, start, bytes] =
+        super::driver::pointer_attributes(ptr, attrs)?;
     Ok(Facts {
         kind: kind_of(memory_type as u32, managed != 0),
         ordinal: ordinal as u32 as i32,

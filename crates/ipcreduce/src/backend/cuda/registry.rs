@@ -14,6 +14,8 @@
 //! Releasing a region drops our mappings; a peer's mapping of our memory keeps the physical
 //! memory alive until the peer drops it too, so no rank can ever touch freed memory.
 
+use super::identity::RegionAt;
+use super::kernels::MAX_RANKS;
 use super::workspace::{export_fd, export_vmm, import_vmm, Mapping};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
@@ -33,7 +35,7 @@ impl Drop for Own {
     fn drop(&mut self) {
         if let Own::Retained(handle) = *self {
             // SAFETY: releases the reference cuMemRetainAllocationHandle gave us, once.
-            let res = unsafe { sys::cuMemRelease(handle) };
+            let res = unsafe { super::driver::release(handle) };
             if res != sys::CUresult::CUDA_SUCCESS {
                 tracing::warn!("releasing a registered buffer's handle failed: {res:?}");
             }
@@ -71,6 +73,34 @@ impl Registry {
         self.last_hit.set(i);
         let r = &self.regions[i];
         Some((r, ptr - r.base))
+    }
+
+    /// Where call identities name `[ptr, ptr + bytes)`: its region and `ptr`'s offset in it.
+    pub fn region_at(&self, ptr: u64, bytes: usize) -> Option<RegionAt> {
+        let (r, offset) = self.lookup(ptr, bytes.max(1))?;
+        Some(RegionAt {
+            id: r.id as u32,
+            offset,
+        })
+    }
+
+    /// Every rank's send and recv as mapped here (of `world` ranks), when both lie in
+    /// registered buffers.
+    pub fn peers_of(
+        &self,
+        send: u64,
+        recv: u64,
+        bytes: usize,
+        world: usize,
+    ) -> Option<([u64; MAX_RANKS], [u64; MAX_RANKS])> {
+        let (rs, so) = self.lookup(send, bytes)?;
+        let (rr, ro) = self.lookup(recv, bytes)?;
+        let (mut s, mut r) = ([0u64; MAX_RANKS], [0u64; MAX_RANKS]);
+        for p in 0..world {
+            s[p] = rs.peers[p] + so;
+            r[p] = rr.peers[p] + ro;
+        }
+        Some((s, r))
     }
 
     pub fn insert(&mut self, region: Region, rank: usize) -> Result<()> {
@@ -185,30 +215,25 @@ const HOW_TO_ALLOCATE: &str = "register() takes memory from cuMemCreate with \
 fn export_callers(ptr: u64, bytes: usize, rank: usize) -> Result<(Own, OwnedFd, u64, usize)> {
     let refuse =
         |what: String| Error::invalid(rank, "register", format!("{what}: {HOW_TO_ALLOCATE}"));
-    let (mut base, mut size) = (0u64, 0usize);
-    // SAFETY: writes two values; fails cleanly for pointers the driver does not know.
-    let res = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
-    if res != sys::CUresult::CUDA_SUCCESS {
-        return Err(refuse(format!(
+    let (base, size) = super::driver::address_range(ptr).map_err(|res| {
+        refuse(format!(
             "{ptr:#x} is not device memory ({})",
             super::driver::describe(res)
-        )));
-    }
+        ))
+    })?;
     if ptr + bytes as u64 > base + size as u64 {
         return Err(refuse(format!(
             "[{ptr:#x}, +{bytes}) runs past its allocation [{base:#x}, +{size})"
         )));
     }
-    let mut handle = 0;
-    // SAFETY: takes a reference to the handle of the allocation mapped at ptr.
-    let res =
-        unsafe { sys::cuMemRetainAllocationHandle(&mut handle, ptr as *mut std::ffi::c_void) };
-    if res != sys::CUresult::CUDA_SUCCESS {
-        return Err(refuse(format!(
+    // A reference to the handle of the allocation mapped at ptr: given back by Own's Drop, or
+    // by export_fd when the export fails.
+    let handle = super::driver::retain_allocation_handle(ptr).map_err(|res| {
+        refuse(format!(
             "{ptr:#x} was not allocated with cuMemCreate ({})",
             super::driver::describe(res)
-        )));
-    }
+        ))
+    })?;
     let fd = export_fd(handle, rank).map_err(|e| {
         refuse(format!(
             "its allocation cannot be exported as a POSIX fd ({e})"

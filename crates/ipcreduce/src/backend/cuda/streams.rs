@@ -16,7 +16,7 @@
 //! The decisions ([`Tracker`]) are plain logic over an [`Events`] implementation, so they are
 //! tested without a GPU; [`CudaEvents`] carries them out with the driver.
 
-use super::driver::{ck, driver_error};
+use super::driver;
 use crate::error::Result;
 use cudarc::driver::sys;
 use std::collections::HashMap;
@@ -176,14 +176,8 @@ impl CudaEvents {
         if let Some(e) = self.events.get(&stream) {
             return Ok(*e);
         }
-        let mut e: sys::CUevent = std::ptr::null_mut();
-        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        // SAFETY: creates one event, destroyed in forget() or Drop.
-        ck(
-            unsafe { sys::cuEventCreate(&mut e, flags) },
-            self.rank,
-            || "cuEventCreate (stream order)".into(),
-        )?;
+        // Destroyed in forget() or Drop.
+        let e = driver::event_create(self.rank, || "cuEventCreate (stream order)".into())?;
         self.events.insert(stream, e);
         Ok(e)
     }
@@ -193,21 +187,21 @@ impl Events for CudaEvents {
     fn record(&mut self, stream: Key) -> Result<()> {
         let e = self.event(stream)?;
         // SAFETY: our event on the caller's stream handle.
-        ck(
-            unsafe { sys::cuEventRecord(e, stream as sys::CUstream) },
-            self.rank,
-            || format!("cuEventRecord on stream {stream:#x}"),
-        )
+        unsafe {
+            driver::event_record(e, stream as sys::CUstream, self.rank, || {
+                format!("cuEventRecord on stream {stream:#x}")
+            })
+        }
     }
 
     fn wait(&mut self, waiter: Key, on: Key) -> Result<()> {
         let e = self.event(on)?;
         // SAFETY: our event; the waiter is the caller's live stream.
-        ck(
-            unsafe { sys::cuStreamWaitEvent(waiter as sys::CUstream, e, 0) },
-            self.rank,
-            || format!("stream {waiter:#x} waiting for the previous call on stream {on:#x}"),
-        )
+        unsafe {
+            driver::stream_wait(waiter as sys::CUstream, e, self.rank, || {
+                format!("stream {waiter:#x} waiting for the previous call on stream {on:#x}")
+            })
+        }
     }
 
     fn done(&mut self, stream: Key) -> Result<bool> {
@@ -215,21 +209,17 @@ impl Events for CudaEvents {
             return Ok(true);
         };
         // SAFETY: our event.
-        match unsafe { sys::cuEventQuery(e) } {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
-            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            res => Err(driver_error(
-                self.rank,
-                format!("cuEventQuery (work on stream {stream:#x})"),
-                res,
-            )),
+        unsafe {
+            driver::event_done(e, self.rank, || {
+                format!("cuEventQuery (work on stream {stream:#x})")
+            })
         }
     }
 
     fn forget(&mut self, stream: Key) {
         if let Some(e) = self.events.remove(&stream) {
             // SAFETY: our event, destroyed once.
-            unsafe { sys::cuEventDestroy_v2(e) };
+            unsafe { driver::event_destroy(e) };
         }
     }
 
@@ -242,21 +232,15 @@ impl Drop for CudaEvents {
     fn drop(&mut self) {
         for (_, e) in self.events.drain() {
             // SAFETY: our event, destroyed once (a pending record completes on its own).
-            unsafe { sys::cuEventDestroy_v2(e) };
+            unsafe { driver::event_destroy(e) };
         }
     }
 }
 
 /// Whether `stream` is capturing into a CUDA graph.
 pub(super) fn capturing(stream: sys::CUstream, rank: usize) -> Result<bool> {
-    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: writes one enum.
-    ck(
-        unsafe { sys::cuStreamIsCapturing(stream, &mut status) },
-        rank,
-        || format!("cuStreamIsCapturing on stream {:#x}", stream as usize),
-    )?;
-    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    // SAFETY: the caller's stream (its call vouched for it), or ours.
+    unsafe { driver::stream_capturing(stream, rank) }
 }
 
 #[cfg(test)]

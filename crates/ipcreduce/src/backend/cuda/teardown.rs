@@ -51,14 +51,15 @@ impl CudaComm {
             return;
         }
         self.streams.used_own();
-        let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
+        let deadline = Instant::now() + self.launch.timeout + Duration::from_secs(1);
         match self.streams.drain(&mut self.events, deadline) {
             Ok(true) => return,
             Ok(false) => {}
             Err(e) => tracing::warn!(rank = self.rank, "waiting for work at teardown: {e}"),
         }
         // Tell our kernels to stop, then give them a moment.
-        self.abort
+        self.launch
+            .abort
             .abort("teardown: work of this communicator still ran at its deadline");
         if !matches!(
             self.streams
@@ -80,7 +81,7 @@ impl Drop for CudaComm {
         if !self.left {
             self.quiesce();
         }
-        if self.abort.is_aborted() || self.leak != Leak::Nothing {
+        if self.launch.abort.is_aborted() || self.leak != Leak::Nothing {
             if let Ok(nccl) = &mut self.nccl {
                 nccl.abort_on_drop();
             }
@@ -97,8 +98,8 @@ impl Drop for CudaComm {
                 // Registered memory is cuMem memory: a peer's mapping keeps it alive, so only
                 // our own unfinished work keeps it from being released.
                 ManuallyDrop::drop(&mut self.registry);
-                ManuallyDrop::drop(&mut self.state);
-                ManuallyDrop::drop(&mut self.words);
+                ManuallyDrop::drop(&mut self.launch.state);
+                ManuallyDrop::drop(&mut self.launch.words);
             }
         }
     }

@@ -1,9 +1,10 @@
 //! Backend-owned device buffers and CUDA-event timing for the benchmark and the correctness
 //! sweeps (`test-support` feature): kept apart from the data plane.
 
+use super::launcher::CallArgs;
 use super::memory::DeviceAlloc;
 use super::workspace::Mapping;
-use super::{driver::ck, CudaComm};
+use super::{driver, hier, CudaComm};
 use crate::backend::{BackendOps, BufId, Call, RegisteredBuffer, TestBuffers};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
@@ -21,9 +22,7 @@ impl TestBuffers for CudaComm {
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<BufId> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| self.cuda_err("binding the context".into(), e))?;
+        self.bind()?;
         let buf = DeviceAlloc::new(bytes, self.rank)?;
         self.bufs.push(Some(TestBuf::Plain(buf)));
         Ok(self.bufs.len() - 1)
@@ -55,18 +54,7 @@ impl TestBuffers for CudaComm {
         // On our stream, then waited for: a plain cuMemcpyHtoD from pageable memory may return
         // before its DMA lands, and our (non-blocking) stream would not wait for it.
         // SAFETY: in bounds of our allocation; `data` outlives the synchronize below.
-        ck(
-            unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    ptr,
-                    data.as_ptr().cast(),
-                    data.len(),
-                    self.stream.cu_stream(),
-                )
-            },
-            self.rank,
-            || format!("copying {} bytes to the device", data.len()),
-        )?;
+        unsafe { driver::copy_to_device_async(ptr, data, self.stream.cu_stream(), self.rank)? };
         self.synchronize()
     }
 
@@ -75,18 +63,7 @@ impl TestBuffers for CudaComm {
         let (ptr, bytes) = self.buf(id)?;
         assert!(out.len() <= bytes);
         // SAFETY: in bounds of our allocation; `out` outlives the synchronize below.
-        ck(
-            unsafe {
-                sys::cuMemcpyDtoHAsync_v2(
-                    out.as_mut_ptr().cast(),
-                    ptr,
-                    out.len(),
-                    self.stream.cu_stream(),
-                )
-            },
-            self.rank,
-            || format!("copying {} bytes from the device", out.len()),
-        )?;
+        unsafe { driver::copy_from_device_async(out, ptr, self.stream.cu_stream(), self.rank)? };
         self.synchronize()
     }
 
@@ -98,8 +75,15 @@ impl TestBuffers for CudaComm {
         }
         let (s, r) = (s.0 + call.offset as u64, r.0 + call.offset as u64);
         // The path of a caller's call (stream order included), on our own stream.
-        let stream = self.stream.cu_stream();
-        self.enqueue(s, r, call.count, call.dtype, call.op, call.algo, stream)
+        let args = CallArgs {
+            send: s,
+            recv: r,
+            count: call.count,
+            dtype: call.dtype,
+            op: call.op,
+            stream: self.stream.cu_stream(),
+        };
+        self.enqueue(&args, call.algo)
     }
 
     fn time(
@@ -212,6 +196,69 @@ impl CudaComm {
         };
         self.bufs.push(Some(TestBuf::Registered(buf, own)));
         Ok(self.bufs.len() - 1)
+    }
+}
+
+/// The time of each step of the hierarchical all-reduce, for the benchmark (`test-support`).
+impl CudaComm {
+    /// Mean microseconds of the intra-node reduce-scatter, the NCCL all-reduce between nodes
+    /// and the intra-node all-gather of `call` on backend-owned buffers, over `iters` calls
+    /// after `warmup` (events between the steps, on the communicator's stream). None when the
+    /// job has one node.
+    pub fn time_phases(
+        &mut self,
+        call: &crate::backend::Call,
+        warmup: usize,
+        iters: usize,
+    ) -> Result<Option<[f64; 3]>> {
+        use crate::backend::TestBuffers;
+        if self.inter.is_none() {
+            return Ok(None);
+        }
+        for _ in 0..warmup {
+            self.run(call)?;
+        }
+        self.synchronize_here()?;
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let events = (0..4)
+            .map(|_| self.ctx.new_event(flags))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| self.cuda_err("cuEventCreate".into(), e))?;
+        let (send, recv) = (self.buf(call.send)?.0, self.buf(call.recv)?.0);
+        let (send, recv) = (send + call.offset as u64, recv + call.offset as u64);
+        let stream = self.stream.cu_stream();
+        let mut total = [0f64; 3];
+        for _ in 0..iters.max(1) {
+            let args = CallArgs {
+                send,
+                recv,
+                count: call.count,
+                dtype: call.dtype,
+                op: call.op,
+                stream,
+            };
+            self.in_stream_order(stream, |c| {
+                let inter = c.inter.as_mut().expect("checked above");
+                let (own, rank) = (&c.stream, c.rank);
+                hier::all_reduce(&mut c.launch, &c.registry, inter, &args, &mut |k| {
+                    events[k]
+                        .record(own)
+                        .map_err(|e| super::driver::from_cudarc(rank, "cuEventRecord", e))
+                })
+            })?;
+            self.synchronize_here()?;
+            for (k, t) in total.iter_mut().enumerate() {
+                let ms = events[k]
+                    .elapsed_ms(&events[k + 1])
+                    .map_err(|e| self.cuda_err("cuEventElapsedTime".into(), e))?;
+                *t += ms as f64 * 1000.0;
+            }
+        }
+        Ok(Some(total.map(|t| t / iters.max(1) as f64)))
+    }
+
+    fn synchronize_here(&mut self) -> Result<()> {
+        crate::backend::BackendOps::synchronize(self)
     }
 }
 

@@ -8,20 +8,15 @@
 
 use super::peers::visible_devices;
 use crate::bootstrap::Bootstrap;
-use crate::config::Topology;
 use crate::error::{Error, Result};
+use crate::plan::Topology;
 use crate::plan::{self, Fabric};
 use cudarc::driver::sys;
 
 /// Whether `src` reaches `dst` by P2P over PCIe (see the module's note).
 fn pcie_link(src: sys::CUdevice, dst: sys::CUdevice) -> bool {
     use sys::CUdevice_P2PAttribute as A;
-    let get = |attr: A| {
-        let mut v = 0;
-        // SAFETY: writes one int.
-        let r = unsafe { sys::cuDeviceGetP2PAttribute(&mut v, attr, src, dst) };
-        (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
-    };
+    let get = |attr: A| super::driver::p2p_attribute(attr, src, dst);
     get(A::CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED) == Some(1)
         && get(A::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED) == Some(0)
 }

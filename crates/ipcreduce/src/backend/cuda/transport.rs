@@ -10,7 +10,6 @@
 //! error; `host` skips the checks. After every step the ranks exchange what they saw and decide
 //! with the same pure function ([`decide`]) on the same reports, so they always agree.
 
-use super::driver::ck;
 use super::host_staged::HostWorkspaces;
 use super::peers::{check_peer_access, mapping_test};
 use super::workspace::Workspaces;
@@ -192,11 +191,11 @@ impl SharedWorkspaces {
     pub fn clear(&self, rank: usize, bytes: usize) -> Result<()> {
         match &self.inner {
             // SAFETY: the range lies in our own workspace; no kernel uses it yet.
-            Inner::Peer(w) => ck(
-                unsafe { sys::cuMemsetD8_v2(w.base(rank), 0, bytes) },
-                rank,
-                || "clearing the signal and LL areas".into(),
-            ),
+            Inner::Peer(w) => unsafe {
+                super::driver::zero(w.base(rank), bytes, rank, || {
+                    "clearing the signal and LL areas".into()
+                })
+            },
             Inner::Host(w) => {
                 w.clear(rank, bytes);
                 Ok(())

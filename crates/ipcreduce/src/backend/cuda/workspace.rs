@@ -10,7 +10,7 @@
 //! `Config::sharing` (`IPCREDUCE_SHARE=vmm|ipc`) picks one; by default VMM is tried and IPC
 //! used if it fails.
 
-use super::driver::ck;
+use super::driver;
 use crate::bootstrap::Bootstrap;
 use crate::config::Sharing;
 use crate::error::{Error, Result};
@@ -45,16 +45,16 @@ impl Drop for Mapping {
         let res = unsafe {
             match *self {
                 Mapping::Vmm { ptr, size, handle } => {
-                    let a = sys::cuMemUnmap(ptr, size);
-                    let b = sys::cuMemAddressFree(ptr, size);
-                    let c = sys::cuMemRelease(handle);
+                    let a = driver::unmap(ptr, size);
+                    let b = driver::address_free(ptr, size);
+                    let c = driver::release(handle);
                     [a, b, c]
                         .into_iter()
                         .find(|r| *r != sys::CUresult::CUDA_SUCCESS)
                         .unwrap_or(sys::CUresult::CUDA_SUCCESS)
                 }
-                Mapping::Owned { ptr } => sys::cuMemFree_v2(ptr),
-                Mapping::Opened { ptr } => sys::cuIpcCloseMemHandle(ptr),
+                Mapping::Owned { ptr } => driver::ipc_free(ptr),
+                Mapping::Opened { ptr } => driver::ipc_close(ptr),
             }
         };
         if res != sys::CUresult::CUDA_SUCCESS {
@@ -136,23 +136,6 @@ fn vmm_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
     prop
 }
 
-fn granularity(prop: &sys::CUmemAllocationProp, rank: usize) -> Result<usize> {
-    let mut g = 0usize;
-    // SAFETY: writes one usize.
-    ck(
-        unsafe {
-            sys::cuMemGetAllocationGranularity(
-                &mut g,
-                prop,
-                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
-            )
-        },
-        rank,
-        || "cuMemGetAllocationGranularity".into(),
-    )?;
-    Ok(g.max(1))
-}
-
 /// Reserves an address range, maps `handle` there and gives `device` read/write access.
 fn map_handle(
     handle: sys::CUmemGenericAllocationHandle,
@@ -161,30 +144,25 @@ fn map_handle(
     rank: usize,
     what: &str,
 ) -> Result<Mapping> {
-    let mut ptr = 0;
-    // SAFETY: reserve/map/set-access on a range we own; undone by Mapping's Drop.
+    // SAFETY: reserve/map/set-access on a range we own; undone by Mapping's Drop (or here,
+    // step by step, when a step fails); `handle` is the caller's reference, ours from here.
     unsafe {
-        if let Err(e) = ck(
-            sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0),
-            rank,
-            || format!("cuMemAddressReserve for {what}"),
-        ) {
-            sys::cuMemRelease(handle);
-            return Err(e);
-        }
-        if let Err(e) = ck(sys::cuMemMap(ptr, size, 0, handle, 0), rank, || {
-            format!("cuMemMap of {what}")
-        }) {
-            sys::cuMemAddressFree(ptr, size);
-            sys::cuMemRelease(handle);
+        let ptr =
+            match driver::address_reserve(size, rank, || format!("cuMemAddressReserve for {what}"))
+            {
+                Ok(ptr) => ptr,
+                Err(e) => {
+                    driver::release(handle);
+                    return Err(e);
+                }
+            };
+        if let Err(e) = driver::mem_map(ptr, size, handle, rank, || format!("cuMemMap of {what}")) {
+            driver::address_free(ptr, size);
+            driver::release(handle);
             return Err(e);
         }
         let mapping = Mapping::Vmm { ptr, size, handle };
-        let mut access: sys::CUmemAccessDesc = std::mem::zeroed();
-        access.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        access.location.id = device;
-        access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-        ck(sys::cuMemSetAccess(ptr, size, &access, 1), rank, || {
+        driver::set_access(ptr, size, device, rank, || {
             format!("cuMemSetAccess (peer access) on {what}")
         })?;
         Ok(mapping)
@@ -199,33 +177,22 @@ pub(super) fn export_vmm(
     rank: usize,
 ) -> Result<(Mapping, OwnedFd)> {
     let prop = vmm_prop(device);
-    let size = bytes.div_ceil(granularity(&prop, rank)?) * granularity(&prop, rank)?;
-    let mut handle = 0;
-    // SAFETY: creates one physical allocation, owned by the Mapping below.
-    ck(
-        unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) },
-        rank,
-        || format!("cuMemCreate({size} bytes, POSIX fd handle)"),
-    )?;
+    let size =
+        bytes.div_ceil(driver::granularity(&prop, rank)?) * driver::granularity(&prop, rank)?;
+    // One physical allocation, owned by the Mapping below.
+    let handle = driver::mem_create(size, &prop, rank)?;
     let fd = export_fd(handle, rank)?;
     let mapping = map_handle(handle, size, device, rank, "own workspace")?;
     Ok((mapping, fd))
 }
 
 fn export_ipc(bytes: usize, rank: usize) -> Result<(Mapping, sys::CUipcMemHandle)> {
-    let mut ptr = 0;
-    // SAFETY: plain allocation, owned by the Mapping.
-    ck(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }, rank, || {
+    let ptr = driver::ipc_alloc(bytes, rank, || {
         format!("cuMemAlloc({bytes} bytes) for the workspace")
     })?;
+    // Owned by the Mapping (freed if the handle cannot be had).
     let mapping = Mapping::Owned { ptr };
-    // SAFETY: a plain C struct filled by the driver.
-    let mut handle: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
-    ck(
-        unsafe { sys::cuIpcGetMemHandle(&mut handle, ptr) },
-        rank,
-        || "cuIpcGetMemHandle".into(),
-    )?;
+    let handle = driver::ipc_handle(ptr, rank)?;
     Ok((mapping, handle))
 }
 
@@ -282,16 +249,8 @@ fn import_all(
                 let handle = sys::CUipcMemHandle {
                     reserved: arr.map(|b| b as std::ffi::c_char),
                 };
-                let mut ptr = 0;
-                // SAFETY: opens the peer's allocation; closed by Mapping's Drop.
-                let res = unsafe {
-                    sys::cuIpcOpenMemHandle_v2(
-                        &mut ptr,
-                        handle,
-                        sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-                    )
-                };
-                ck(res, rank, || {
+                // The peer's allocation, closed by Mapping's Drop.
+                let ptr = driver::ipc_open(handle, rank, || {
                     format!("cuIpcOpenMemHandle of rank {peer}'s workspace")
                 })
                 .map_err(|e| peer_access(rank, peer, "open IPC handle", e))?;
@@ -312,21 +271,14 @@ fn import_all(
 /// Exports `handle` as a POSIX fd (ours to close). On failure the handle is released: the
 /// caller's reference to it is gone either way.
 pub(super) fn export_fd(handle: sys::CUmemGenericAllocationHandle, rank: usize) -> Result<OwnedFd> {
-    let mut fd: std::ffi::c_int = -1;
-    // SAFETY: exports the handle as a new fd, which we then own.
-    let exported = unsafe {
-        sys::cuMemExportToShareableHandle(
-            (&mut fd as *mut std::ffi::c_int).cast(),
-            handle,
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            0,
-        )
+    let fd = match driver::export_posix_fd(handle, rank) {
+        Ok(fd) => fd,
+        Err(e) => {
+            // SAFETY: drops the caller's reference, as documented.
+            unsafe { driver::release(handle) };
+            return Err(e);
+        }
     };
-    if let Err(e) = ck(exported, rank, || "cuMemExportToShareableHandle".into()) {
-        // SAFETY: drops the caller's reference, as documented.
-        unsafe { sys::cuMemRelease(handle) };
-        return Err(e);
-    }
     // SAFETY: the driver handed us a fresh fd.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
@@ -341,16 +293,8 @@ pub(super) fn import_vmm(
     peer: usize,
     what: &str,
 ) -> Result<Mapping> {
-    let mut handle = 0;
-    // SAFETY: imports the peer's allocation from its fd (the driver dups it).
-    let res = unsafe {
-        sys::cuMemImportFromShareableHandle(
-            &mut handle,
-            fd.as_raw_fd() as usize as *mut std::ffi::c_void,
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-        )
-    };
-    ck(res, rank, || {
+    // The peer's allocation, from its fd (the driver dups it).
+    let handle = driver::import_posix_fd(fd.as_raw_fd(), rank, || {
         format!("cuMemImportFromShareableHandle of rank {peer}'s {what}")
     })
     .map_err(|e| peer_access(rank, peer, "import", e))?;

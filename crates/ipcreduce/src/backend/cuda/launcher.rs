@@ -1,0 +1,409 @@
+//! The launcher: what every call of every operation goes through, whatever its path.
+//!
+//! - [`CallArgs`]: one call's buffers, size, element type, reduction and stream;
+//! - [`Launcher::begin`]: refuses a call after a failure and numbers it (`seq`);
+//! - [`Launcher::kernel_args`]: the kernels' arguments, with the call's identity stamped in
+//!   them ([`CallIdentity`]: every rank compares its peers' before it touches their data);
+//! - [`Launcher::launch`]: one kernel on the caller's stream (programmatic dependent launch
+//!   where chosen);
+//! - [`Launcher::empty`]: a call of zero elements, which still meets its peers' calls;
+//! - [`Launcher::check_health`]: the kernels' error record (and the abort state) as our error.
+//!
+//! The operations (allreduce.rs, scatter_gather.rs, ce.rs, hier.rs) choose a path and fill
+//! the arguments; nothing here depends on which operation runs.
+
+use super::driver::{self, ck};
+use super::identity::{self, CallIdentity, IDENT_WORDS};
+use super::kernels::{rec, ERR_MISMATCH, ERR_TIMEOUT, MAX_RANKS, SIG_BYTES, STATE_ERR_WORD};
+use super::memory::{DeviceAlloc, MappedHostWords};
+use super::modules::Loaded;
+use super::paths::CudaPath;
+use crate::abort::AbortState;
+use crate::backend::SgOp;
+use crate::config::Pdl;
+use crate::error::{Error, Result};
+use crate::plan::{Fabric, GridLimits, PathInfo};
+use crate::types::{DType, ReduceOp};
+use cudarc::driver::sys;
+use std::ffi::c_void;
+use std::mem::ManuallyDrop;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Threads per block of the all-reduce kernels (their `__launch_bounds__`).
+pub(super) const THREADS: u32 = 512;
+
+// Words of the host-mapped area shared with the kernels.
+pub(super) const W_ABORT: usize = 0;
+// The kernels' error record (kernels::rec, REC_* in kernels/prims.cuh).
+pub(super) const W_ERR: usize = 1;
+
+/// Where the data slots of a `world`-rank workspace start: after the signal and LL areas.
+pub(super) fn data_offset(world: usize) -> u64 {
+    (SIG_BYTES + super::kernels::ll_bytes(world)) as u64
+}
+
+/// Where the start-up mapping test writes its probe: the LL area, cleared after the test.
+pub(super) const PROBE_OFFSET: u64 = SIG_BYTES as u64;
+
+/// Kernel arguments; must match `struct Args` in kernels/prims.cuh field by field.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(super) struct KernelArgs {
+    pub send: u64,
+    pub recv: u64,
+    pub count: u64,
+    pub data: [u64; MAX_RANKS],
+    pub ll: [u64; MAX_RANKS],
+    pub sig: [u64; MAX_RANKS],
+    pub rsend: [u64; MAX_RANKS],
+    pub rrecv: [u64; MAX_RANKS],
+    pub counters: u64,
+    pub abort_flag: u64,
+    pub err: u64,
+    pub host_err: u64,
+    pub slot_bytes: u64,
+    pub timeout_ns: u64,
+    pub digest: u64,
+    pub seq: u64,
+    pub ident: [u32; IDENT_WORDS],
+    pub rank: i32,
+    pub world: i32,
+    pub aligned: i32,
+    pub lane: i32,
+    pub check: i32,
+    pub mode: i32,
+    pub chunk_bytes: u64,
+}
+
+/// One call as the caller made it. `count`: elements of the whole message (all-reduce: of
+/// each buffer; reduce-scatter: of send; all-gather: of recv). `stream` 0 is the legacy
+/// default stream. The pointers were checked by the caller (device memory of our GPU).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct CallArgs {
+    pub send: u64,
+    pub recv: u64,
+    pub count: usize,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub stream: sys::CUstream,
+}
+
+impl CallArgs {
+    pub fn bytes(&self) -> usize {
+        self.count * self.dtype.size()
+    }
+}
+
+/// One kernel launch: the function, its grid and block, and the stream.
+#[derive(Clone, Copy)]
+pub(super) struct Kernel {
+    pub f: sys::CUfunction,
+    pub grid: u32,
+    pub threads: u32,
+    pub stream: sys::CUstream,
+}
+
+/// What every call uses, agreed by every rank at start-up, and the call counter.
+pub(super) struct Launcher {
+    pub rank: usize,
+    pub world: usize,
+    pub gpu: Arc<Loaded>,
+    /// Every rank's workspace as mapped here (fixed for the communicator's life).
+    bases: [u64; MAX_RANKS],
+    // Memory kernels use: freed by the communicator's Drop unless work may still run on it
+    // (see teardown.rs).
+    pub words: ManuallyDrop<Arc<MappedHostWords>>,
+    /// Private device state: counters[MAX_BLOCKS][2], then the error word.
+    pub state: ManuallyDrop<DeviceAlloc>,
+    pub limits: GridLimits,
+    /// The agreed tuning table: its CTA counts for the calls whose algorithm it chose.
+    pub tune: crate::tune::Table,
+    /// What the data crosses (agreed at init): chunk sizes, CTA cap, push order.
+    pub fabric: Fabric,
+    /// Whether the workspaces are peer memory (registered buffers are possible), not staged
+    /// through host memory.
+    pub peer_memory: bool,
+    pub slot_bytes: usize,
+    pub timeout: Duration,
+    pub abort: Arc<AbortState>,
+    /// Calls issued so far (for error messages and the kernels' stamps).
+    pub seq: u64,
+    pub last_path: Option<PathInfo>,
+    /// When kernels are launched with programmatic dependent launch (Off where the GPU lacks
+    /// it), and whether the call being issued is (see [`Launcher::launch`]).
+    pub pdl: Pdl,
+    pub launch_pdl: bool,
+    /// The LL kernels let the next kernel launch early (MODE_LET_NEXT_LAUNCH).
+    pub let_next_launch: bool,
+}
+
+/// What [`Launcher::new`] takes beside the memory it owns.
+pub(super) struct Agreed {
+    pub limits: GridLimits,
+    pub fabric: Fabric,
+    pub peer_memory: bool,
+    pub slot_bytes: usize,
+    pub timeout: Duration,
+    pub pdl: Pdl,
+    pub let_next_launch: bool,
+}
+
+impl Launcher {
+    pub fn new(
+        (rank, world): (usize, usize),
+        gpu: Arc<Loaded>,
+        bases: [u64; MAX_RANKS],
+        (words, state): (Arc<MappedHostWords>, DeviceAlloc),
+        abort: Arc<AbortState>,
+        agreed: Agreed,
+    ) -> Launcher {
+        Launcher {
+            rank,
+            world,
+            gpu,
+            bases,
+            words: ManuallyDrop::new(words),
+            state: ManuallyDrop::new(state),
+            limits: agreed.limits,
+            tune: crate::tune::Table::builtin(),
+            fabric: agreed.fabric,
+            peer_memory: agreed.peer_memory,
+            slot_bytes: agreed.slot_bytes,
+            timeout: agreed.timeout,
+            abort,
+            seq: 0,
+            last_path: None,
+            pdl: agreed.pdl,
+            launch_pdl: false,
+            let_next_launch: agreed.let_next_launch,
+        }
+    }
+
+    /// Every call starts here: refused after a failure, else numbered.
+    pub fn begin(&mut self) -> Result<()> {
+        self.check_health()?;
+        self.seq += 1;
+        Ok(())
+    }
+
+    /// Records the path the call takes (for [`crate::backend::BackendOps::last_path`]).
+    pub fn took(&mut self, path: CudaPath, ctas: u32) {
+        self.last_path = Some(PathInfo {
+            name: path.name(),
+            ctas,
+            registered: path.registered(),
+        });
+    }
+
+    /// Fails if the communicator was aborted or a kernel recorded a failure.
+    pub fn check_health(&self) -> Result<()> {
+        let code = self.words.get(W_ERR + rec::CODE);
+        if code != 0 {
+            let err = self.recorded(code);
+            self.abort.abort(err.to_string());
+            return Err(err);
+        }
+        if self.abort.is_aborted() {
+            return Err(Error::Aborted {
+                rank: self.rank,
+                reason: self.abort.reason().unwrap_or_default(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The error the kernels recorded (non-zero `code`), in words.
+    fn recorded(&self, code: u32) -> Error {
+        let word = |i| self.words.get(W_ERR + i);
+        let peer = word(rec::PEER) as usize;
+        // The call that failed, as the kernel recorded it (not the latest one issued).
+        let seq = word(rec::SEQ) as u64 | (word(rec::SEQ + 1) as u64) << 32;
+        let ident = |at: usize| {
+            let mut w = [0u32; IDENT_WORDS];
+            for (k, x) in w.iter_mut().enumerate() {
+                *x = word(at + k);
+            }
+            CallIdentity::decode(&w)
+        };
+        let mine = ident(rec::MINE);
+        let op = mine.map_or("all_reduce", |m| m.op.name());
+        match code {
+            ERR_TIMEOUT => Error::Timeout {
+                rank: self.rank,
+                peer,
+                op: format!("{op} (kernel wait)"),
+                seq,
+                waited: self.timeout,
+            },
+            ERR_MISMATCH => {
+                let theirs = (word(rec::THEIRS_KNOWN) != 0)
+                    .then(|| ident(rec::THEIRS))
+                    .flatten();
+                let detail = match &mine {
+                    Some(m) => identity::describe_mismatch(self.rank, m, peer, theirs.as_ref()),
+                    None => "the error record holds no readable call".into(),
+                };
+                Error::Mismatch {
+                    rank: self.rank,
+                    peer,
+                    op: op.into(),
+                    seq,
+                    detail,
+                }
+            }
+            _ => Error::Aborted {
+                rank: self.rank,
+                reason: self
+                    .abort
+                    .reason()
+                    .unwrap_or_else(|| format!("kernel stopped waiting for rank {peer}")),
+            },
+        }
+    }
+
+    /// The kernels' arguments for `call`, stamped with `ident`. `zero_copy`: every rank's send
+    /// and recv as mapped here (registered buffers).
+    pub fn kernel_args(
+        &self,
+        call: &CallArgs,
+        ident: &CallIdentity,
+        zero_copy: Option<([u64; MAX_RANKS], [u64; MAX_RANKS])>,
+    ) -> KernelArgs {
+        let mut data = [0u64; MAX_RANKS];
+        let mut ll = [0u64; MAX_RANKS];
+        let mut sig = [0u64; MAX_RANKS];
+        for r in 0..self.world {
+            sig[r] = self.bases[r];
+            ll[r] = self.bases[r] + SIG_BYTES as u64;
+            data[r] = self.bases[r] + data_offset(self.world);
+        }
+        let (rsend, rrecv) = zero_copy.unwrap_or(([0; MAX_RANKS], [0; MAX_RANKS]));
+        let all16 = |v: &[u64; MAX_RANKS]| v[..self.world].iter().all(|p| p % 16 == 0);
+        KernelArgs {
+            send: call.send,
+            recv: call.recv,
+            count: call.count as u64,
+            data,
+            ll,
+            sig,
+            rsend,
+            rrecv,
+            counters: self.state.ptr,
+            abort_flag: self.words.device + 4 * W_ABORT as u64,
+            err: self.state.ptr + (STATE_ERR_WORD * 4) as u64,
+            host_err: self.words.device + 4 * W_ERR as u64,
+            slot_bytes: self.slot_bytes as u64,
+            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            digest: ident.digest(),
+            seq: self.seq,
+            ident: ident.encode(),
+            rank: self.rank as i32,
+            world: self.world as i32,
+            aligned: all16(&rsend) as i32 | (all16(&rrecv) as i32) << 1,
+            lane: 0,
+            check: 0,
+            mode: (self.fabric.kernel_mode()
+                | if self.let_next_launch {
+                    crate::plan::MODE_LET_NEXT_LAUNCH
+                } else {
+                    0
+                }) as i32,
+            chunk_bytes: self.slot_bytes as u64,
+        }
+    }
+
+    /// Launches `k` with `args` (copied at launch). With programmatic dependent launch
+    /// (`self.launch_pdl`, set per call from `self.pdl`), the kernel may start while the kernel
+    /// before it on the stream finishes: every entry point waits on the device for that
+    /// kernel's completion before it reads anything (`wait_for_previous_kernel` in
+    /// convert.cuh), so stream order holds and only the launch gap is hidden. Stream capture
+    /// turns the attribute into a programmatic edge of the graph.
+    pub fn launch<A>(&self, k: Kernel, args: &mut A, what: impl FnOnce() -> String) -> Result<()> {
+        // `A`: the kernel's one by-value parameter (KernelArgs, or a struct that starts with it).
+        let mut params = [(args as *mut A).cast::<c_void>()];
+        // SAFETY: the kernel reads `args` (copied at launch) and only touches the buffers in it,
+        // which the caller vouched for and we own.
+        ck(
+            unsafe {
+                driver::launch(
+                    k.f,
+                    k.grid,
+                    k.threads,
+                    k.stream,
+                    params.as_mut_ptr(),
+                    self.launch_pdl,
+                )
+            },
+            self.rank,
+            what,
+        )
+    }
+
+    /// A call of zero elements of operation `what`: the LL kernel with one line of no data
+    /// ([`CudaPath::Empty`]), so it still meets the peers' calls, is compared with them (a
+    /// count-0 call against a real one is a mismatch on every rank) and advances the call
+    /// number with theirs. Its pointers are never read (they may be null).
+    pub fn empty(
+        &mut self,
+        what: SgOp,
+        dtype: DType,
+        op: ReduceOp,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        let path = CudaPath::Empty;
+        let reduce = match what {
+            SgOp::AllGather => ReduceOp::Sum,
+            _ => op,
+        };
+        // Where nothing is read or written, pointers and placement are nobody's business.
+        let ident = CallIdentity {
+            op: what,
+            path,
+            dtype,
+            reduce,
+            count: 0,
+            in_place: false,
+            send: None,
+            recv: None,
+        };
+        let f = self.gpu.function(path, dtype, reduce, self.rank)?;
+        self.took(path, 1);
+        let call = CallArgs {
+            send: 0,
+            recv: 0,
+            count: 0,
+            dtype,
+            op: reduce,
+            stream,
+        };
+        let mut args = self.kernel_args(&call, &ident, None);
+        let threads = crate::plan::block_threads(path, 0, 1, THREADS);
+        let k = Kernel {
+            f,
+            grid: 1,
+            threads,
+            stream,
+        };
+        self.launch(k, &mut args, || {
+            format!("launching the empty {} kernel", what.name())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The PTX declares the kernel's parameter as a byte array of the struct's size: it must
+    /// equal ours, or the kernel would read garbage.
+    #[test]
+    fn kernel_args_size_matches_the_ptx() {
+        if !super::super::kernels::nvrtc_for_tests() {
+            return;
+        }
+        let ptx = super::super::kernels::compile("sm_90", 2).unwrap().to_src();
+        let want = format!("_param_0[{}]", std::mem::size_of::<KernelArgs>());
+        assert!(ptx.contains(&want), "PTX parameter is not {want}");
+    }
+}
