@@ -343,4 +343,6 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll12(const Ar
 #define LL_KERNELS(DT, OPN, D, OP)                                                            \
     ENTRY(2, ipcr_oneshotll_##DT##_##OPN, (one_shot_ll<D, OP, IPCR_W>(a)))                    \
     ENTRY(2, ipcr_oneshotll12_##DT##_##OPN, (one_shot_ll12<D, OP, IPCR_W>(a)))
+#if !defined(IPCR_ONE_GROUP) || defined(IPCR_GROUP_LL)
 FOR_EACH_DTYPE_OP(LL_KERNELS)
+#endif

@@ -52,4 +52,6 @@ template <typename D, typename Op, int W, int LOADS> __device__ void two_shot_re
           (two_shot_reg<D, OP, W, DEEP_LOADS_IN_FLIGHT(W)>(a)))
 #define ZC_KERNELS_FOR(DT, OPN, D, OP, W) ZC_KERNELS_W(DT, OPN, D, OP, W)
 #define ZC_KERNELS(DT, OPN, D, OP) ZC_KERNELS_FOR(DT, OPN, D, OP, IPCR_W)
+#if !defined(IPCR_ONE_GROUP) || defined(IPCR_GROUP_ZEROCOPY)
 FOR_EACH_DTYPE_OP(ZC_KERNELS)
+#endif

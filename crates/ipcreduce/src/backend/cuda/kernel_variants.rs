@@ -1,0 +1,478 @@
+//! The kernel variants: the entry points compiled together (one protocol file's kernels for one
+//! dtype and op, at one world-size class), their NVRTC options, and their compilation straight
+//! to a CUBIN for the device's real architecture (`sm_XX`: no PTX left for the driver to JIT),
+//! through the on-disk cache ([`super::cache`]).
+//!
+//! Compiling every kernel of every path at once took tens of seconds per rank (NVRTC, then the
+//! driver's JIT of all of it); a job needs a handful. A variant is selected by preprocessor
+//! guards around the entry points (`-DIPCR_ONE_GROUP -DIPCR_GROUP_<NAME>`, `-DIPCR_SEL_*`, see
+//! prims.cuh): the source is the same for every variant, only the entry points emitted differ.
+
+use super::cache::{self, Outcome};
+use super::{all_sources, allreduce_options, options, require_nvrtc, CE_BARRIER_KERNEL};
+use super::{world_class, CONVERT_SOURCE};
+use crate::error::{Error, Result};
+use crate::plan::CudaPath;
+use crate::types::{DType, ReduceOp};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The entry points of one kernel source file, compiled together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Group {
+    /// ll.cu: the LL one-shots (8 and 12 data bytes per line), also the empty call's kernel.
+    Ll,
+    /// staged.cu: one-shot and two-shot through the workspace.
+    Staged,
+    /// zerocopy.cu: the registered one-shot and two-shot, plain and deep.
+    ZeroCopy,
+    /// ce.cu: the copy-engine path's reduce kernel and its barrier kernel.
+    Ce,
+    /// scatter_gather.cu: reduce-scatter and all-gather, staged and registered.
+    ScatterGather,
+}
+
+impl Group {
+    pub const ALL: [Group; 5] = [
+        Group::Ll,
+        Group::Staged,
+        Group::ZeroCopy,
+        Group::Ce,
+        Group::ScatterGather,
+    ];
+
+    /// The group whose module holds `path`'s kernels.
+    pub fn of(path: CudaPath) -> Group {
+        use CudaPath::*;
+        match path {
+            OneShotLl | OneShotLl12 | Empty => Group::Ll,
+            OneShotStaged | TwoShotStaged => Group::Staged,
+            OneShotReg | TwoShotReg | OneShotRegDeep | TwoShotRegDeep => Group::ZeroCopy,
+            Ce => Group::Ce,
+            ReduceScatterStaged | ReduceScatterReg | AllGatherStaged | AllGatherReg => {
+                Group::ScatterGather
+            }
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Group::Ll => "ll",
+            Group::Staged => "staged",
+            Group::ZeroCopy => "zerocopy",
+            Group::Ce => "ce",
+            Group::ScatterGather => "scatter_gather",
+        }
+    }
+
+    /// The guard that emits this group's entry points (prims.cuh, `IPCR_ONE_GROUP`).
+    fn define(self) -> &'static str {
+        match self {
+            Group::Ll => "IPCR_GROUP_LL",
+            Group::Staged => "IPCR_GROUP_STAGED",
+            Group::ZeroCopy => "IPCR_GROUP_ZEROCOPY",
+            Group::Ce => "IPCR_GROUP_CE",
+            Group::ScatterGather => "IPCR_GROUP_SCATTER_GATHER",
+        }
+    }
+
+    /// The paths whose kernels this group holds.
+    pub fn paths(self) -> impl Iterator<Item = CudaPath> {
+        CudaPath::ALL
+            .into_iter()
+            .filter(move |p| Group::of(*p) == self)
+    }
+}
+
+/// One compilation unit: a group's entry points for one dtype and (effective) op, at one
+/// world-size class ([`world_class`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Variant {
+    pub group: Group,
+    /// The world-size class (2, 4 or 8), `-DIPCR_W`.
+    pub w: usize,
+    pub dtype: DType,
+    pub op: ReduceOp,
+}
+
+impl Variant {
+    /// The variant holding the kernel of `path` for (`dtype`, `op`) at world-size class `w`.
+    pub fn of(path: CudaPath, w: usize, dtype: DType, op: ReduceOp) -> Variant {
+        Variant {
+            group: Group::of(path),
+            w,
+            dtype,
+            op: path.effective_op(op),
+        }
+    }
+
+    /// Every variant `auto` (or an explicit algorithm, registered or not, any operation) can
+    /// pick at world-size class `w`: what `ipcreduce warmup` compiles.
+    pub fn every(w: usize) -> Vec<Variant> {
+        let mut all = Vec::new();
+        for group in Group::ALL {
+            // The copy-engine path is written for two ranks (world class 2).
+            if group == Group::Ce && w != 2 {
+                continue;
+            }
+            for dtype in DType::ALL {
+                for op in ReduceOp::ALL {
+                    all.push(Variant {
+                        group,
+                        w,
+                        dtype,
+                        op,
+                    });
+                }
+            }
+        }
+        all
+    }
+
+    /// Every world-size class of 1 to `max_world` ranks.
+    pub fn classes(max_world: usize) -> Vec<usize> {
+        let mut c: Vec<usize> = (1..=max_world.max(1)).map(world_class).collect();
+        c.dedup();
+        c
+    }
+
+    /// The kernels of this variant: every path of the group it serves, and its entry point.
+    /// (All-gather reduces nothing: its kernels are in the sum variant only.)
+    pub fn kernels(self) -> Vec<(CudaPath, String)> {
+        self.group
+            .paths()
+            .filter(|p| p.effective_op(self.op) == self.op)
+            .map(|p| (p, p.kernel_name(self.w, self.dtype, self.op)))
+            .collect()
+    }
+
+    /// Entry points beside the paths' kernels (the copy-engine barrier, in the ce group).
+    pub fn extra_kernels(self) -> &'static [&'static str] {
+        match self.group {
+            Group::Ce => &[CE_BARRIER_KERNEL],
+            _ => &[],
+        }
+    }
+
+    /// NVRTC's options after the architecture: the module's (world class, path codes), then
+    /// the guards that select this variant's entry points.
+    pub fn options(self) -> Vec<String> {
+        let (dt, d) = match self.dtype {
+            DType::F32 => ("f32", "F32"),
+            DType::F16 => ("f16", "F16"),
+            DType::Bf16 => ("bf16", "BF16"),
+        };
+        let op = match self.op {
+            ReduceOp::Sum => "OpSum",
+            ReduceOp::Max => "OpMax",
+            ReduceOp::Min => "OpMin",
+        };
+        let mut o = allreduce_options(self.w);
+        o.push("-DIPCR_ONE_GROUP".into());
+        o.push(format!("-D{}", self.group.define()));
+        o.push(format!("-DIPCR_SEL_DT={dt}"));
+        o.push(format!("-DIPCR_SEL_OPN={}", self.op.name()));
+        o.push(format!("-DIPCR_SEL_D={d}"));
+        o.push(format!("-DIPCR_SEL_OP={op}"));
+        if self.op == ReduceOp::Sum {
+            o.push("-DIPCR_SEL_GATHER".into());
+        }
+        o
+    }
+
+    /// For messages: "ll w2 f32 sum".
+    pub fn label(self) -> String {
+        format!(
+            "{} w{} {} {}",
+            self.group.name(),
+            self.w,
+            self.dtype,
+            self.op.name()
+        )
+    }
+}
+
+/// The source every variant is compiled from (the guards pick the entry points).
+pub fn source() -> String {
+    format!("{CONVERT_SOURCE}\n{}", all_sources())
+}
+
+/// NVRTC's version ("13.0"), or why it cannot be read.
+pub fn nvrtc_version() -> Result<String> {
+    require_nvrtc()?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: writes two ints.
+    let res = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    if res != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(Error::Cuda {
+            rank: 0,
+            op: "nvrtcVersion".into(),
+            detail: format!("{res:?}"),
+        });
+    }
+    Ok(format!("{major}.{minor}"))
+}
+
+/// The CUDA driver's version as `cuDriverGetVersion` gives it (e.g. 13000), 0 without a driver.
+pub fn driver_version_number() -> i32 {
+    if !super::super::driver::driver_present() {
+        return 0;
+    }
+    let mut v = 0;
+    // SAFETY: writes one int.
+    let res = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+    if res == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        v
+    } else {
+        0
+    }
+}
+
+/// What a CUBIN is compiled for, beside the variant: the architecture and the tool versions
+/// that make it (all part of the cache key).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Target {
+    /// A real architecture, e.g. "sm_90".
+    pub arch: String,
+    pub nvrtc: String,
+    /// `cuDriverGetVersion` (0: no driver where it was compiled).
+    pub driver: i32,
+}
+
+impl Target {
+    /// For `arch` with this machine's NVRTC and driver.
+    pub fn here(arch: &str) -> Result<Target> {
+        Ok(Target {
+            arch: arch.to_string(),
+            nvrtc: nvrtc_version()?,
+            driver: driver_version_number(),
+        })
+    }
+}
+
+/// Compiles `variant` with NVRTC to a CUBIN for `arch` (a real `sm_XX`). Needs only NVRTC,
+/// no GPU. Takes a fraction of a second to a few seconds: callers go through [`cubin`].
+pub fn compile_cubin(variant: Variant, arch: &str) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::{result, sys};
+    require_nvrtc()?;
+    let fail = |what: &str, detail: String| Error::Cuda {
+        rank: 0,
+        op: format!("NVRTC {what} of the {} kernels for {arch}", variant.label()),
+        detail,
+    };
+    let source = std::ffi::CString::new(source()).map_err(|e| fail("source", e.to_string()))?;
+    let prog = result::create_program(&source, Some(c"ipcreduce.cu"))
+        .map_err(|e| fail("program creation", e.to_string()))?;
+    let extra = variant.options();
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let opts = options(arch, &extra);
+    // SAFETY: `prog` was just created and is destroyed once, below; `source` outlives it; the
+    // CUBIN buffer is sized by NVRTC's own figure.
+    let out = unsafe {
+        let compiled = result::compile_program(prog, &opts);
+        let got = match compiled {
+            Ok(()) => {
+                let mut size = 0usize;
+                let r = sys::nvrtcGetCUBINSize(prog, &mut size);
+                if r != sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+                    Err(fail(
+                        "CUBIN size",
+                        format!("{r:?}, {size} bytes (is {arch} a real architecture?)"),
+                    ))
+                } else {
+                    let mut buf = vec![0u8; size];
+                    let r = sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast());
+                    match r {
+                        sys::nvrtcResult::NVRTC_SUCCESS => Ok(buf),
+                        r => Err(fail("CUBIN", format!("{r:?}"))),
+                    }
+                }
+            }
+            Err(e) => {
+                let log: String = result::get_program_log(prog)
+                    .map(|l| {
+                        l.iter()
+                            .take_while(|c| **c != 0)
+                            .map(|c| *c as u8 as char)
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                Err(fail("compile", format!("{e}: {log}")))
+            }
+        };
+        let _ = result::destroy_program(prog);
+        got
+    };
+    out
+}
+
+/// The cache key of `variant` for `target`: everything the CUBIN depends on.
+pub fn key(variant: Variant, target: &Target) -> String {
+    let mut opts = options(&target.arch, &[]);
+    opts.extend(variant.options());
+    cache::key_text(&source(), &target.arch, &target.nvrtc, target.driver, &opts)
+}
+
+/// The CUBIN of `variant` for `target`: from this process's memory, else the cache directory
+/// ([`cache::Cache::from_env`]), else compiled (and stored). Kept in memory for the life of the
+/// process, so several GPUs of one process, or a directory that cannot be written, compile once.
+pub fn cubin(variant: Variant, target: &Target) -> Result<(Arc<[u8]>, Outcome)> {
+    type Mem = Mutex<HashMap<String, Arc<[u8]>>>;
+    static MEM: OnceLock<Mem> = OnceLock::new();
+    let key = key(variant, target);
+    let mem = MEM.get_or_init(Default::default);
+    if let Some(c) = mem.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return Ok((c.clone(), Outcome::Memory));
+    }
+    let (bytes, outcome) =
+        cache::Cache::from_env().get(&key, || compile_cubin(variant, &target.arch))?;
+    mem.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(key, bytes.clone());
+    Ok((bytes, outcome))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_path_has_one_group_and_every_kernel_one_variant() {
+        for path in CudaPath::ALL {
+            for dtype in DType::ALL {
+                for op in ReduceOp::ALL {
+                    let v = Variant::of(path, 4, dtype, op);
+                    let name = path.kernel_name(4, dtype, op);
+                    assert!(
+                        v.kernels().iter().any(|(p, n)| *p == path && *n == name),
+                        "{path:?} {dtype} {op}: {name} not in {v:?}"
+                    );
+                }
+            }
+        }
+        // All-gather reduces nothing: its max/min calls use the sum variant's kernel.
+        assert_eq!(
+            Variant::of(CudaPath::AllGatherReg, 2, DType::F16, ReduceOp::Max).op,
+            ReduceOp::Sum
+        );
+        let rs_max = Variant::of(CudaPath::ReduceScatterReg, 2, DType::F16, ReduceOp::Max);
+        assert!(rs_max.kernels().iter().all(|(p, _)| p.row().kernel.per_op));
+        assert_eq!(Variant::classes(8), vec![2, 4, 8]);
+        assert_eq!(Variant::classes(2), vec![2]);
+        assert_eq!(Variant::classes(3), vec![2, 4]);
+        // 5 groups x 9 (dtype, op) at two ranks, the copy-engine group only there.
+        assert_eq!(Variant::every(2).len(), 45);
+        assert_eq!(Variant::every(8).len(), 36);
+    }
+
+    #[test]
+    fn the_key_follows_the_variant_and_the_target() {
+        let t = Target {
+            arch: "sm_90".into(),
+            nvrtc: "13.0".into(),
+            driver: 13000,
+        };
+        let v = Variant::of(CudaPath::OneShotLl, 2, DType::F32, ReduceOp::Sum);
+        let k = key(v, &t);
+        assert_eq!(k, key(v, &t.clone()));
+        let other_op = Variant {
+            op: ReduceOp::Max,
+            ..v
+        };
+        let other_w = Variant { w: 4, ..v };
+        let other_group = Variant {
+            group: Group::Staged,
+            ..v
+        };
+        for (what, k2) in [
+            ("op", key(other_op, &t)),
+            ("world class", key(other_w, &t)),
+            ("group", key(other_group, &t)),
+            (
+                "arch",
+                key(
+                    v,
+                    &Target {
+                        arch: "sm_80".into(),
+                        ..t.clone()
+                    },
+                ),
+            ),
+            (
+                "nvrtc",
+                key(
+                    v,
+                    &Target {
+                        nvrtc: "12.9".into(),
+                        ..t.clone()
+                    },
+                ),
+            ),
+            (
+                "driver",
+                key(
+                    v,
+                    &Target {
+                        driver: 12080,
+                        ..t.clone()
+                    },
+                ),
+            ),
+        ] {
+            assert_ne!(k, k2, "the key ignores the {what}");
+        }
+    }
+
+    /// A variant compiled to a CUBIN for sm_90 (NVRTC, no GPU): an ELF image holding exactly the
+    /// variant's entry points.
+    #[test]
+    fn a_variant_compiles_to_a_cubin_with_its_entry_points_only() {
+        if !super::super::nvrtc_for_tests() {
+            return;
+        }
+        let v = Variant::of(CudaPath::OneShotLl, 2, DType::Bf16, ReduceOp::Max);
+        let t0 = std::time::Instant::now();
+        let cubin = compile_cubin(v, "sm_90").unwrap_or_else(|e| panic!("{e}"));
+        eprintln!("{}: {} bytes in {:?}", v.label(), cubin.len(), t0.elapsed());
+        assert_eq!(&cubin[..4], b"\x7fELF", "not an ELF image");
+        let has = |name: &str| {
+            cubin
+                .windows(name.len() + 1)
+                .any(|w| &w[..name.len()] == name.as_bytes() && w[name.len()] == 0)
+        };
+        assert!(has("ipcr_oneshotll_bf16_max") && has("ipcr_oneshotll12_bf16_max"));
+        assert!(
+            !has("ipcr_oneshotll_bf16_sum"),
+            "another op's kernel was emitted"
+        );
+        assert!(
+            !has("ipcr_oneshot_w2_bf16_max"),
+            "another group's kernel was emitted"
+        );
+        let ce = compile_cubin(
+            Variant::of(CudaPath::Ce, 2, DType::F32, ReduceOp::Sum),
+            "sm_90",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(cubin_has(&ce, "ipcr_cereduce_f32_sum") && cubin_has(&ce, CE_BARRIER_KERNEL));
+        let sg_max = compile_cubin(
+            Variant::of(CudaPath::ReduceScatterStaged, 4, DType::F16, ReduceOp::Max),
+            "sm_90",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(cubin_has(&sg_max, "ipcr_reducescatter_w4_f16_max"));
+        assert!(
+            !cubin_has(&sg_max, "ipcr_allgather_f16"),
+            "all-gather is in the sum variant"
+        );
+        // A virtual architecture has no CUBIN: refused with a message, not a crash.
+        let e = compile_cubin(v, "compute_90").unwrap_err().to_string();
+        assert!(e.contains("compute_90"), "{e}");
+    }
+
+    fn cubin_has(cubin: &[u8], name: &str) -> bool {
+        cubin
+            .windows(name.len() + 1)
+            .any(|w| &w[..name.len()] == name.as_bytes() && w[name.len()] == 0)
+    }
+}
