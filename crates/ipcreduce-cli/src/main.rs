@@ -1,4 +1,4 @@
-//! The `ipcreduce` command: `launch`, `bench`, `check`, `overlap`, `model`, `topo`.
+//! The `ipcreduce` command: `launch`, `bench`, `check`, `overlap`, `model`, `topo`, `warmup`.
 
 mod bench;
 mod check;
@@ -15,6 +15,7 @@ mod report;
 mod split;
 mod topo;
 mod tune;
+mod warmup;
 
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
@@ -85,6 +86,9 @@ enum Cmd {
     /// Jobs across nodes (cuda): the hierarchical all-reduce's time per step (intra-node
     /// reduce-scatter, NCCL between nodes, intra-node all-gather) beside flat NCCL.
     Split(crate::split::SplitArgs),
+    /// Compile every kernel variant `auto` can pick for this machine into the kernel cache
+    /// (IPCREDUCE_CACHE_DIR), so that jobs start without compiling: for images and CI.
+    Warmup(crate::warmup::WarmupArgs),
     /// Provoke failures (mismatch, timeout, killed rank, create/destroy cycles) and check that
     /// every rank reports them.
     #[command(hide = true)]
@@ -185,6 +189,7 @@ fn main() -> ExitCode {
         Cmd::Model(args) => exit(crate::model::run(args)),
         Cmd::Topo(args) => exit(crate::topo::run(args)),
         Cmd::Split(args) => exit(crate::split::run(args)),
+        Cmd::Warmup(args) => exit(crate::warmup::run(args)),
     }
 }
 

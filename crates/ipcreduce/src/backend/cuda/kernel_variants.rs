@@ -253,24 +253,32 @@ impl Target {
 /// Compiles `variant` with NVRTC to a CUBIN for `arch` (a real `sm_XX`). Needs only NVRTC,
 /// no GPU. Takes a fraction of a second to a few seconds: callers go through [`cubin`].
 pub fn compile_cubin(variant: Variant, arch: &str) -> Result<Vec<u8>> {
-    use cudarc::nvrtc::{result, sys};
-    require_nvrtc()?;
-    let fail = |what: &str, detail: String| Error::Cuda {
-        rank: 0,
-        op: format!("NVRTC {what} of the {} kernels for {arch}", variant.label()),
-        detail,
-    };
-    let source = std::ffi::CString::new(source()).map_err(|e| fail("source", e.to_string()))?;
-    let prog = result::create_program(&source, Some(c"ipcreduce.cu"))
-        .map_err(|e| fail("program creation", e.to_string()))?;
     let extra = variant.options();
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let opts = options(arch, &extra);
+    nvrtc_cubin(
+        &format!("the {} kernels", variant.label()),
+        &source(),
+        &options(arch, &extra),
+        arch,
+    )
+}
+
+/// NVRTC's CUBIN of `source` with `opts` (which name the real architecture `arch`).
+fn nvrtc_cubin(what: &str, source: &str, opts: &[String], arch: &str) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::{result, sys};
+    require_nvrtc()?;
+    let fail = |step: &str, detail: String| Error::Cuda {
+        rank: 0,
+        op: format!("NVRTC {step} of {what} for {arch}"),
+        detail,
+    };
+    let source = std::ffi::CString::new(source).map_err(|e| fail("source", e.to_string()))?;
+    let prog = result::create_program(&source, Some(c"ipcreduce.cu"))
+        .map_err(|e| fail("program creation", e.to_string()))?;
     // SAFETY: `prog` was just created and is destroyed once, below; `source` outlives it; the
     // CUBIN buffer is sized by NVRTC's own figure.
-    let out = unsafe {
-        let compiled = result::compile_program(prog, &opts);
-        let got = match compiled {
+    unsafe {
+        let got = match result::compile_program(prog, opts) {
             Ok(()) => {
                 let mut size = 0usize;
                 let r = sys::nvrtcGetCUBINSize(prog, &mut size);
@@ -281,8 +289,7 @@ pub fn compile_cubin(variant: Variant, arch: &str) -> Result<Vec<u8>> {
                     ))
                 } else {
                     let mut buf = vec![0u8; size];
-                    let r = sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast());
-                    match r {
+                    match sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast()) {
                         sys::nvrtcResult::NVRTC_SUCCESS => Ok(buf),
                         r => Err(fail("CUBIN", format!("{r:?}"))),
                     }
@@ -302,8 +309,22 @@ pub fn compile_cubin(variant: Variant, arch: &str) -> Result<Vec<u8>> {
         };
         let _ = result::destroy_program(prog);
         got
-    };
-    out
+    }
+}
+
+/// A command's own kernel source (`name`, e.g. the benchmark's input refresh) compiled like
+/// the crate's ([`super::compile_source`]'s options and prelude) to a CUBIN for `target`,
+/// through the same memory and disk caches as the variants.
+pub fn source_cubin(
+    name: &str,
+    source: &str,
+    target: &Target,
+    extra: &[&str],
+) -> Result<(Arc<[u8]>, Outcome)> {
+    let full = format!("{CONVERT_SOURCE}\n{source}");
+    let opts = options(&target.arch, extra);
+    let key = cache::key_text(&full, &target.arch, &target.nvrtc, target.driver, &opts);
+    through_caches(key, || nvrtc_cubin(name, &full, &opts, &target.arch))
 }
 
 /// The cache key of `variant` for `target`: everything the CUBIN depends on.
@@ -317,15 +338,22 @@ pub fn key(variant: Variant, target: &Target) -> String {
 /// ([`cache::Cache::from_env`]), else compiled (and stored). Kept in memory for the life of the
 /// process, so several GPUs of one process, or a directory that cannot be written, compile once.
 pub fn cubin(variant: Variant, target: &Target) -> Result<(Arc<[u8]>, Outcome)> {
+    through_caches(key(variant, target), || {
+        compile_cubin(variant, &target.arch)
+    })
+}
+
+fn through_caches(
+    key: String,
+    compile: impl FnOnce() -> Result<Vec<u8>>,
+) -> Result<(Arc<[u8]>, Outcome)> {
     type Mem = Mutex<HashMap<String, Arc<[u8]>>>;
     static MEM: OnceLock<Mem> = OnceLock::new();
-    let key = key(variant, target);
     let mem = MEM.get_or_init(Default::default);
     if let Some(c) = mem.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         return Ok((c.clone(), Outcome::Memory));
     }
-    let (bytes, outcome) =
-        cache::Cache::from_env().get(&key, || compile_cubin(variant, &target.arch))?;
+    let (bytes, outcome) = cache::Cache::from_env().get(&key, compile)?;
     mem.lock()
         .unwrap_or_else(|e| e.into_inner())
         .insert(key, bytes.clone());
