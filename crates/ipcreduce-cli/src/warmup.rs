@@ -16,7 +16,7 @@ pub struct WarmupArgs {
     /// The largest job to prepare for: the kernels of every world size from 1 to N ranks.
     #[arg(long, default_value_t = MAX_RANKS)]
     pub world: usize,
-    /// Compile for this real architecture (e.g. sm_90) instead of this machine's GPUs: for an
+    /// Compile for this real architecture (sm_XX, e.g. sm_90) instead of this machine's GPUs: for an
     /// image or a CI job built where there is no GPU.
     #[arg(long)]
     pub arch: Option<String>,

@@ -86,10 +86,13 @@ pub fn measure(
 impl Startup {
     /// The header lines (rank 0).
     pub fn print(&self) {
+        let setup = match self.kernel_cache_dir {
+            Some(_) => format!(", its buffers and refresh kernels {:.3} s", self.setup_s),
+            None => String::new(),
+        };
         println!(
-            "# start-up (slowest rank): init {:.3} s, first call {:.3} s ({}), its buffers and \
-             refresh kernels {:.3} s",
-            self.init_s, self.first_call_s, self.first_call, self.setup_s
+            "# start-up (slowest rank): init {:.3} s, first call {:.3} s ({}){setup}",
+            self.init_s, self.first_call_s, self.first_call
         );
         if let Some(dir) = &self.kernel_cache_dir {
             println!(

@@ -1,5 +1,5 @@
 //! The on-disk cache of compiled kernels (`IPCREDUCE_CACHE_DIR`, default
-//! `~/.cache/ipcreduce/kernels`): one file per key, shared by the ranks of a node and by jobs.
+//! `~/.cache/ipcreduce/kernels`, see [`default_dir`]): one file per key, shared by the ranks of a node and by jobs.
 //!
 //! - A file is written to a temporary name and renamed into place, so a reader sees the whole
 //!   file or none (rename is atomic within a directory).
@@ -83,8 +83,8 @@ pub struct Cache {
 static WARNED: AtomicBool = AtomicBool::new(false);
 
 impl Cache {
-    /// `IPCREDUCE_CACHE_DIR`, else `$HOME/.cache/ipcreduce/kernels` (else `/tmp/ipcreduce-<uid>
-    /// /kernels` where there is no home), with `IPCREDUCE_CACHE_WAIT_MS`.
+    /// [`default_dir`] (`/tmp/ipcreduce-<uid>/kernels` where there is no home), with
+    /// `IPCREDUCE_CACHE_WAIT_MS`.
     pub fn from_env() -> Cache {
         let wait = std::env::var("IPCREDUCE_CACHE_WAIT_MS")
             .ok()
@@ -254,10 +254,14 @@ enum FileState {
     Missing,
 }
 
-/// `IPCREDUCE_CACHE_DIR`, else `$HOME/.cache/ipcreduce/kernels`.
+/// `IPCREDUCE_CACHE_DIR`, else `$XDG_CACHE_HOME/ipcreduce/kernels`, else
+/// `$HOME/.cache/ipcreduce/kernels` (as the tuning table's directory).
 pub fn default_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("IPCREDUCE_CACHE_DIR").filter(|d| !d.is_empty()) {
         return PathBuf::from(d);
+    }
+    if let Some(x) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(x).join("ipcreduce/kernels");
     }
     match std::env::var_os("HOME").filter(|h| !h.is_empty()) {
         Some(h) => PathBuf::from(h).join(".cache/ipcreduce/kernels"),
