@@ -411,7 +411,9 @@ fn bench(args: &BenchArgs) -> Result<bool> {
         consumer: args.pdl_consumer,
     };
     // The table's first row's call, once, timed from the end of init (kernels compiled or
-    // read from the cache on first use): the start-up figures.
+    // read from the cache on first use): the start-up figures. With -G, captured in a graph:
+    // the first use of a kernel then happens inside a stream capture.
+    let first_graph = modes.iter().find_map(|&(_, g)| g);
     let startup = match (dtypes.first(), algos.first()) {
         (Some(&dtype), Some(&algo)) => Some(startup::measure(
             &mut comm,
@@ -420,6 +422,7 @@ fn bench(args: &BenchArgs) -> Result<bool> {
             args.op,
             algo,
             args.min_bytes,
+            first_graph,
             pdl,
         )?),
         _ => None,

@@ -26,8 +26,10 @@ pub struct Startup {
     pub kernel_cache_dir: Option<String>,
 }
 
-/// Runs one checked all-reduce of `dtype`, `bytes` and `algo` (the table's first row) and
-/// returns the start-up figures with `init` (this rank's init time).
+/// Runs one checked all-reduce of `dtype`, `bytes` and `algo` (the table's first row), or with
+/// `graph` K of them captured in a CUDA graph and replayed (so the kernels are first needed
+/// inside a stream capture), and returns the start-up figures with `init` (this rank's init
+/// time).
 pub fn measure(
     comm: &mut Communicator,
     init: Duration,
@@ -35,6 +37,7 @@ pub fn measure(
     op: ReduceOp,
     algo: Algorithm,
     bytes: usize,
+    graph: Option<usize>,
     pdl: super::cuda::RefreshPdl,
 ) -> Result<Startup> {
     let count = (bytes / dtype.size()).max(1);
@@ -50,7 +53,7 @@ pub fn measure(
         seed: 0x0057_4741_5254_5550,
         warmup: 0,
         iters: 1,
-        graph: None,
+        graph,
     };
     let t1 = Instant::now();
     let got = runner.measure(comm, &m)?;
@@ -73,7 +76,9 @@ pub fn measure(
             count * dtype.size(),
             algo.name(),
             if wrong == 0 { ", checked" } else { ", WRONG" }
-        ),
+        ) + &graph.map_or(String::new(), |k| {
+            format!(", {k} calls captured in a CUDA graph, replayed")
+        }),
         wrong,
         kernel_cache_dir: (comm.backend() == BackendKind::Cuda).then(|| {
             ipcreduce::backend::cuda::kernels::cache::default_dir()
