@@ -25,7 +25,7 @@ pub struct WarmupArgs {
     /// no driver.
     #[arg(long)]
     pub driver_version: Option<i32>,
-    /// Only the kernels of these files, comma separated: ll, staged, zerocopy, ce,
+    /// Only these kernel groups, comma separated: ll, ll12, staged, zerocopy, zerocopy16, ce,
     /// scatter_gather (default: all).
     #[arg(long, value_delimiter = ',')]
     pub only: Option<Vec<String>>,
@@ -52,9 +52,11 @@ pub fn run(args: WarmupArgs) -> i32 {
                 match Group::ALL.iter().find(|x| x.name() == n.trim()) {
                     Some(x) => g.push(*x),
                     None => {
+                        let all: Vec<&str> = Group::ALL.iter().map(|g| g.name()).collect();
                         return refuse(&format!(
-                        "--only {n}: not a kernel file (ll, staged, zerocopy, ce, scatter_gather)"
-                    ))
+                            "--only {n}: not a kernel group ({})",
+                            all.join(", ")
+                        ));
                     }
                 }
             }

@@ -1,5 +1,5 @@
-//! The kernel variants: the entry points compiled together (one protocol file's kernels for one
-//! dtype and op, at one world-size class), their NVRTC options, and their compilation straight
+//! The kernel variants: the entry points compiled together (one protocol file's kernels, or one
+//! flavour of them, for one dtype and op, at one world-size class), their NVRTC options, and their compilation straight
 //! to a CUBIN for the device's real architecture (`sm_XX`: no PTX left for the driver to JIT),
 //! through the on-disk cache ([`super::cache`]).
 //!
@@ -20,12 +20,17 @@ use std::sync::{Arc, Mutex, OnceLock};
 /// The entry points of one kernel source file, compiled together.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Group {
-    /// ll.cu: the LL one-shots (8 and 12 data bytes per line), also the empty call's kernel.
+    /// ll.cu: the LL one-shot (8 data bytes per line), also the empty call's kernel.
     Ll,
+    /// ll.cu: the LL one-shot with 12 data bytes per line (`IPCREDUCE_LL_DATA=12`).
+    Ll12,
     /// staged.cu: one-shot and two-shot through the workspace.
     Staged,
-    /// zerocopy.cu: the registered one-shot and two-shot, plain and deep.
+    /// zerocopy.cu: the registered one-shot and two-shot, 8 loads in flight
+    /// (`IPCREDUCE_REG_LOADS=8`).
     ZeroCopy,
+    /// zerocopy.cu: the deep registered one-shot and two-shot (16 loads, the default).
+    ZeroCopyDeep,
     /// ce.cu: the copy-engine path's reduce kernel and its barrier kernel.
     Ce,
     /// scatter_gather.cu: reduce-scatter and all-gather, staged and registered.
@@ -33,10 +38,12 @@ pub enum Group {
 }
 
 impl Group {
-    pub const ALL: [Group; 5] = [
+    pub const ALL: [Group; 7] = [
         Group::Ll,
+        Group::Ll12,
         Group::Staged,
         Group::ZeroCopy,
+        Group::ZeroCopyDeep,
         Group::Ce,
         Group::ScatterGather,
     ];
@@ -45,9 +52,11 @@ impl Group {
     pub fn of(path: CudaPath) -> Group {
         use CudaPath::*;
         match path {
-            OneShotLl | OneShotLl12 | Empty => Group::Ll,
+            OneShotLl | Empty => Group::Ll,
+            OneShotLl12 => Group::Ll12,
             OneShotStaged | TwoShotStaged => Group::Staged,
-            OneShotReg | TwoShotReg | OneShotRegDeep | TwoShotRegDeep => Group::ZeroCopy,
+            OneShotReg | TwoShotReg => Group::ZeroCopy,
+            OneShotRegDeep | TwoShotRegDeep => Group::ZeroCopyDeep,
             Ce => Group::Ce,
             ReduceScatterStaged | ReduceScatterReg | AllGatherStaged | AllGatherReg => {
                 Group::ScatterGather
@@ -58,8 +67,10 @@ impl Group {
     pub fn name(self) -> &'static str {
         match self {
             Group::Ll => "ll",
+            Group::Ll12 => "ll12",
             Group::Staged => "staged",
             Group::ZeroCopy => "zerocopy",
+            Group::ZeroCopyDeep => "zerocopy16",
             Group::Ce => "ce",
             Group::ScatterGather => "scatter_gather",
         }
@@ -69,8 +80,10 @@ impl Group {
     fn define(self) -> &'static str {
         match self {
             Group::Ll => "IPCR_GROUP_LL",
+            Group::Ll12 => "IPCR_GROUP_LL12",
             Group::Staged => "IPCR_GROUP_STAGED",
             Group::ZeroCopy => "IPCR_GROUP_ZEROCOPY",
+            Group::ZeroCopyDeep => "IPCR_GROUP_ZEROCOPY16",
             Group::Ce => "IPCR_GROUP_CE",
             Group::ScatterGather => "IPCR_GROUP_SCATTER_GATHER",
         }
@@ -388,9 +401,9 @@ mod tests {
         assert_eq!(Variant::classes(8), vec![2, 4, 8]);
         assert_eq!(Variant::classes(2), vec![2]);
         assert_eq!(Variant::classes(3), vec![2, 4]);
-        // 5 groups x 9 (dtype, op) at two ranks, the copy-engine group only there.
-        assert_eq!(Variant::every(2).len(), 45);
-        assert_eq!(Variant::every(8).len(), 36);
+        // 7 groups x 9 (dtype, op) at two ranks, the copy-engine group only there.
+        assert_eq!(Variant::every(2).len(), 63);
+        assert_eq!(Variant::every(8).len(), 54);
     }
 
     #[test]
@@ -468,7 +481,11 @@ mod tests {
                 .windows(name.len() + 1)
                 .any(|w| &w[..name.len()] == name.as_bytes() && w[name.len()] == 0)
         };
-        assert!(has("ipcr_oneshotll_bf16_max") && has("ipcr_oneshotll12_bf16_max"));
+        assert!(has("ipcr_oneshotll_bf16_max"));
+        assert!(
+            !has("ipcr_oneshotll12_bf16_max"),
+            "the 12-byte LL kernel is compiled apart"
+        );
         assert!(
             !has("ipcr_oneshotll_bf16_sum"),
             "another op's kernel was emitted"
@@ -477,12 +494,27 @@ mod tests {
             !has("ipcr_oneshot_w2_bf16_max"),
             "another group's kernel was emitted"
         );
-        let ce = compile_cubin(
-            Variant::of(CudaPath::Ce, 2, DType::F32, ReduceOp::Sum),
-            "sm_90",
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-        assert!(cubin_has(&ce, "ipcr_cereduce_f32_sum") && cubin_has(&ce, CE_BARRIER_KERNEL));
+        // Every group: its kernels, its extra entry points, nothing of another group.
+        for group in Group::ALL {
+            let v = Variant {
+                group,
+                w: 4,
+                dtype: DType::F16,
+                op: ReduceOp::Sum,
+            };
+            let cubin = compile_cubin(v, "sm_90").unwrap_or_else(|e| panic!("{e}"));
+            for (_, name) in v.kernels() {
+                assert!(cubin_has(&cubin, &name), "{}: {name} missing", v.label());
+            }
+            for name in v.extra_kernels() {
+                assert!(cubin_has(&cubin, name), "{}: {name} missing", v.label());
+            }
+            for other in Group::ALL.into_iter().filter(|g| *g != group) {
+                for (_, name) in (Variant { group: other, ..v }).kernels() {
+                    assert!(!cubin_has(&cubin, &name), "{}: holds {name}", v.label());
+                }
+            }
+        }
         let sg_max = compile_cubin(
             Variant::of(CudaPath::ReduceScatterStaged, 4, DType::F16, ReduceOp::Max),
             "sm_90",
