@@ -415,16 +415,16 @@ fn bench(args: &BenchArgs) -> Result<bool> {
     // the first use of a kernel then happens inside a stream capture.
     let first_graph = modes.iter().find_map(|&(_, g)| g);
     let startup = match (dtypes.first(), algos.first()) {
-        (Some(&dtype), Some(&algo)) => Some(startup::measure(
-            &mut comm,
-            init,
-            dtype,
-            args.op,
-            algo,
-            args.min_bytes,
-            first_graph,
-            pdl,
-        )?),
+        (Some(&dtype), Some(&algo)) => {
+            let first = startup::Probe {
+                dtype,
+                op: args.op,
+                algo,
+                bytes: args.min_bytes,
+                graph: first_graph,
+            };
+            Some(startup::measure(&mut comm, init, first, pdl)?)
+        }
         _ => None,
     };
     if rank == 0 {

@@ -26,6 +26,17 @@ pub struct Startup {
     pub kernel_cache_dir: Option<String>,
 }
 
+/// The call [`measure`] times.
+#[derive(Debug, Clone, Copy)]
+pub struct Probe {
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub algo: Algorithm,
+    pub bytes: usize,
+    /// Calls captured in one CUDA graph (None: eager).
+    pub graph: Option<usize>,
+}
+
 /// Runs one checked all-reduce of `dtype`, `bytes` and `algo` (the table's first row), or with
 /// `graph` K of them captured in a CUDA graph and replayed (so the kernels are first needed
 /// inside a stream capture), and returns the start-up figures with `init` (this rank's init
@@ -33,13 +44,16 @@ pub struct Startup {
 pub fn measure(
     comm: &mut Communicator,
     init: Duration,
-    dtype: DType,
-    op: ReduceOp,
-    algo: Algorithm,
-    bytes: usize,
-    graph: Option<usize>,
+    first: Probe,
     pdl: super::cuda::RefreshPdl,
 ) -> Result<Startup> {
+    let Probe {
+        dtype,
+        op,
+        algo,
+        bytes,
+        graph,
+    } = first;
     let count = (bytes / dtype.size()).max(1);
     let t0 = Instant::now();
     let mut runner = Runner::new(comm, count * dtype.size(), false, pdl)?;
