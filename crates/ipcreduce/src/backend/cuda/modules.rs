@@ -140,10 +140,14 @@ impl Loaded {
         state.modules.push(module);
         let took = start.elapsed();
         // What the compiler made of the kernels (the budget: 64 registers, no local memory).
+        // (The device scripts grep "kernels for world class".)
         tracing::info!(
             rank,
-            "kernels {} ({outcome:?}) in {:.0} ms: {}",
-            v.label(),
+            "kernels for world class {}, {} {}, {} ({outcome:?}, {:.0} ms): {}",
+            v.w,
+            v.dtype,
+            v.op.name(),
+            v.group.name(),
             took.as_secs_f64() * 1e3,
             regs.join(", ")
         );
