@@ -142,7 +142,8 @@ impl Memory {
     }
 }
 
-/// Compiles one of the commands' kernel sources for the context's GPU and loads `names`.
+/// Compiles one of the commands' kernel sources for the context's GPU (to a CUBIN, through the
+/// kernel cache: no driver JIT, and no compilation at all once cached) and loads `names`.
 pub fn load_kernels(
     ctx: &Arc<cs::CudaContext>,
     rank: usize,
@@ -154,13 +155,15 @@ pub fn load_kernels(
         .compute_capability()
         .map_err(cu(rank, "compute capability query"))?;
     let arch = format!("sm_{major}{minor}");
-    let ptx = ipcreduce::backend::cuda::kernels::compile_source(file, source, &arch, &[]).map_err(
-        |e| match e {
-            Error::Cuda { op, detail, .. } => Error::Cuda { rank, op, detail },
-            other => other,
-        },
-    )?;
-    let module = ctx.load_module(ptx).map_err(|e| Error::Cuda {
+    use ipcreduce::backend::cuda::kernels::variants::{source_cubin, Target};
+    let at_rank = |e| match e {
+        Error::Cuda { op, detail, .. } => Error::Cuda { rank, op, detail },
+        other => other,
+    };
+    let target = Target::here(&arch).map_err(at_rank)?;
+    let (cubin, _) = source_cubin(file, source, &target, &[]).map_err(at_rank)?;
+    let image = cudarc::nvrtc::Ptx::from_binary(cubin.to_vec());
+    let module = ctx.load_module(image).map_err(|e| Error::Cuda {
         rank,
         op: format!("loading {file}"),
         detail: e.to_string(),

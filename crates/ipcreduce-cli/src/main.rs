@@ -1,4 +1,4 @@
-//! The `ipcreduce` command: `launch`, `bench`, `check`, `overlap`, `model`, `topo`.
+//! The `ipcreduce` command: `launch`, `bench`, `check`, `overlap`, `model`, `topo`, `warmup`.
 
 mod bench;
 mod check;
@@ -16,6 +16,7 @@ mod split;
 mod topo;
 mod trace;
 mod tune;
+mod warmup;
 
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
@@ -86,6 +87,9 @@ enum Cmd {
     /// Jobs across nodes (cuda): the hierarchical all-reduce's time per step (intra-node
     /// reduce-scatter, NCCL between nodes, intra-node all-gather) beside flat NCCL.
     Split(crate::split::SplitArgs),
+    /// Compile every kernel variant `auto` can pick for this machine into the kernel cache
+    /// (IPCREDUCE_CACHE_DIR), so that jobs start without compiling: for images and CI.
+    Warmup(crate::warmup::WarmupArgs),
     /// Provoke failures (mismatch, timeout, killed rank, create/destroy cycles) and check that
     /// every rank reports them.
     #[command(hide = true)]
@@ -189,6 +193,7 @@ fn main() -> ExitCode {
         Cmd::Topo(args) => exit(crate::topo::run(args)),
         Cmd::Split(args) => exit(crate::split::run(args)),
         Cmd::Trace(args) => exit(crate::trace::run(args)),
+        Cmd::Warmup(args) => exit(crate::warmup::run(args)),
     }
 }
 

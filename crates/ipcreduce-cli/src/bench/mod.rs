@@ -17,6 +17,7 @@ pub mod algos;
 pub(crate) mod cuda;
 mod host;
 pub mod pattern;
+mod startup;
 
 use crate::cli::{join, parse_size, refuse, relaunch_with_progress, typed_flag, RankArgs, Usage};
 use crate::harness::{gather_f64, gather_u64, RunMeta};
@@ -143,6 +144,8 @@ struct Meta {
     pdl_consumer: bool,
     /// IPCREDUCE_PDL_TRIGGER as set in this run (None: unset, the default).
     ipcreduce_pdl_trigger: Option<String>,
+    /// Communicator init and the first checked call after it (slowest rank).
+    startup: Option<startup::Startup>,
 }
 
 /// What one measurement asks for.
@@ -366,7 +369,9 @@ fn bench(args: &BenchArgs) -> Result<bool> {
         std::env::set_var("NCCL_P2P_DISABLE", "1");
     }
     let algos = selection.algos.clone();
+    let init_start = std::time::Instant::now();
     let mut comm = join(&args.ranks, algos.contains(&Algorithm::Nccl))?;
+    let init = init_start.elapsed();
     let (rank, world) = (comm.rank(), comm.world());
     if world > pattern::MAX_WORLD {
         return Err(bad(format!(
@@ -401,7 +406,31 @@ fn bench(args: &BenchArgs) -> Result<bool> {
         .max(args.min_bytes),
     );
 
+    let pdl = cuda::RefreshPdl {
+        producer: args.pdl_producer,
+        consumer: args.pdl_consumer,
+    };
+    // The table's first row's call, once, timed from the end of init (kernels compiled or
+    // read from the cache on first use): the start-up figures. With -G, captured in a graph:
+    // the first use of a kernel then happens inside a stream capture.
+    let first_graph = modes.iter().find_map(|&(_, g)| g);
+    let startup = match (dtypes.first(), algos.first()) {
+        (Some(&dtype), Some(&algo)) => {
+            let first = startup::Probe {
+                dtype,
+                op: args.op,
+                algo,
+                bytes: args.min_bytes,
+                graph: first_graph,
+            };
+            Some(startup::measure(&mut comm, init, first, pdl)?)
+        }
+        _ => None,
+    };
     if rank == 0 {
+        if let Some(s) = &startup {
+            s.print();
+        }
         print_legend(args, cuda, max_bytes);
         print_header(cuda);
     }
@@ -412,15 +441,7 @@ fn bench(args: &BenchArgs) -> Result<bool> {
     for &registered in &registrations {
         for &dtype in &dtypes {
             let capacity = sizes.last().copied().unwrap_or(0).max(dtype.size());
-            let mut runner = Runner::new(
-                &mut comm,
-                capacity,
-                registered,
-                cuda::RefreshPdl {
-                    producer: args.pdl_producer,
-                    consumer: args.pdl_consumer,
-                },
-            )?;
+            let mut runner = Runner::new(&mut comm, capacity, registered, pdl)?;
             for &bytes in &sizes {
                 let count = (bytes / dtype.size()).max(1);
                 // NCCL does not use our registration: its rows would repeat the plain ones.
@@ -460,12 +481,13 @@ fn bench(args: &BenchArgs) -> Result<bool> {
     }
     if rank == 0 {
         if let Some(path) = &args.json {
-            write_json(&comm, args, &rows, path)?;
+            write_json(&comm, args, &rows, startup.as_ref(), path)?;
         }
         let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
         println!("# rows: {}, wrong elements: {wrong}", rows.len());
     }
-    Ok(rows.iter().all(|r| r.wrong == 0))
+    let startup_wrong = startup.as_ref().map_or(0, |s| s.wrong);
+    Ok(startup_wrong == 0 && rows.iter().all(|r| r.wrong == 0))
 }
 
 /// Why registered buffers cannot be benchmarked here, if they cannot (the same on every rank).
@@ -666,6 +688,7 @@ fn write_json(
     comm: &Communicator,
     args: &BenchArgs,
     rows: &[Row],
+    startup: Option<&startup::Startup>,
     path: &std::path::Path,
 ) -> Result<()> {
     let meta = Meta {
@@ -683,6 +706,7 @@ fn write_json(
         pdl_producer: args.pdl_producer,
         pdl_consumer: args.pdl_consumer,
         ipcreduce_pdl_trigger: std::env::var("IPCREDUCE_PDL_TRIGGER").ok(),
+        startup: startup.cloned(),
     };
     let doc = serde_json::json!({ "meta": meta, "rows": rows });
     let text =

@@ -1,9 +1,18 @@
-//! The CUDA C kernels (kernels/*.cu, kept in the repository as source) compiled by NVRTC
-//! once per process for the device's compute capability, and the table of their entry points.
+//! The CUDA C kernels (kernels/*.cu, kept in the repository as source), their layout constants
+//! and NVRTC options. A communicator compiles them one variant at a time as calls need them,
+//! to CUBIN, through an on-disk cache ([`variants`], [`cache`]); [`compile`] builds the whole
+//! set to PTX at once (for the tests and for reading what the compiler made of them).
 
 use super::identity::IDENT_WORDS;
 use super::paths::nvrtc_defines;
 use crate::error::{Error, Result};
+
+// The variants compiled one at a time (kernel_variants.rs) and their on-disk cache
+// (kernel_cache.rs): children of this module, which owns the sources and options.
+#[path = "kernel_cache.rs"]
+pub mod cache;
+#[path = "kernel_variants.rs"]
+pub mod variants;
 
 /// The kernel primitives every protocol's source is built on (layout, arguments, barriers,
 /// identity board, LL lines); first of [`KERNEL_SOURCES`].

@@ -13,8 +13,20 @@
 //!   client sees (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`), whichever is smaller;
 //! - the ranks sharing the GPU: each gets whole SMs of its own, `device SMs / sharing` (whether
 //!   MPS places two clients' blocks on one SM or not, this fits);
-//! - the blocks per SM of the loaded kernels (`cuOccupancyMaxActiveBlocksPerMultiprocessor`):
-//!   two for the 512-thread kernels (their launch bounds), one for the deep zero-copy ones.
+//! - the blocks per SM every kernel is guaranteed, loaded yet or not (see [`promised`]): two
+//!   for the 512-thread kernels, one for the deep zero-copy ones, no more than the SM's thread
+//!   limit holds, and no more than the occupancy calculator
+//!   (`cuOccupancyMaxActiveBlocksPerMultiprocessor`) gives any kernel loaded so far.
+//!
+//! Kernels are loaded as calls first need them (modules.rs), after the caps are set, so the
+//! caps cannot come from measuring every kernel. They come from the launch bounds instead:
+//! every entry point is `__launch_bounds__(512, 2)`, the deep ones `(512, 1)` (prims.cuh's
+//! ENTRY, scatter_gather.cu's SG_ENTRY; a test reads them), which makes ptxas fit their
+//! registers to that many blocks per SM; they use no shared memory, so registers and threads
+//! are all that limit their occupancy. And the promise is checked, not trusted: every kernel
+//! loaded later must reach its promised blocks per SM on this device ([`check_fits`]) or its
+//! load fails with an error naming it, never a grid that cannot all be resident. Every rank
+//! computes the same promise from the same device attributes, and the smallest room is agreed.
 //!
 //! Every rank measures its own and all take the smallest (the protocol pairs block b with block
 //! b, so all ranks must launch the same grid). The arithmetic is plain functions, tested here.
@@ -189,10 +201,26 @@ pub(super) fn measure(
         ),
     );
     let rank_sms = rank_sms(usable, device_sms, sharing);
-    let mut wide_per_sm = usize::MAX;
-    let mut deep_per_sm = usize::MAX;
+    let mut threads_per_sm = 0;
+    // SAFETY: writes one int for a valid device.
+    ck(
+        unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut threads_per_sm,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR,
+                device,
+            )
+        },
+        rank,
+        || "cuDeviceGetAttribute(MAX_THREADS_PER_MULTIPROCESSOR)".into(),
+    )?;
+    let fit = threads_per_sm.max(0) as usize / super::THREADS as usize;
+    let mut wide_per_sm = promised(false).min(fit);
+    let mut deep_per_sm = promised(true).min(fit);
+    // Kernels this process loaded already (another communicator's) may fit fewer.
     let sm_funcs = gpu
         .loaded_functions()
+        .into_iter()
         .map(|(p, f)| (p.one_block_per_sm(), f));
     for (deep, f) in sm_funcs {
         let n = blocks_per_sm(f, super::THREADS, rank)?;
@@ -203,17 +231,6 @@ pub(super) fn measure(
         };
         *slot = (*slot).min(n);
     }
-    // No kernels of a kind loaded: the other kind's figure stands in.
-    let wide_per_sm = if wide_per_sm == usize::MAX {
-        2
-    } else {
-        wide_per_sm
-    };
-    let deep_per_sm = if deep_per_sm == usize::MAX {
-        wide_per_sm
-    } else {
-        deep_per_sm
-    };
     let room = Room {
         wide: rank_sms * wide_per_sm,
         deep: rank_sms * deep_per_sm,
@@ -250,6 +267,40 @@ pub(super) fn agree(boot: &mut Bootstrap, mine: Room) -> Result<Room> {
         })
         .collect::<Result<_>>()?;
     Ok(smallest(&rooms).unwrap_or(mine))
+}
+
+/// The blocks per SM a kernel's launch bounds promise: `__launch_bounds__(512, 1)` for the
+/// deep zero-copy kernels, `(512, 2)` for every other (prims.cuh, scatter_gather.cu).
+pub(super) fn promised(one_block_per_sm: bool) -> usize {
+    if one_block_per_sm {
+        1
+    } else {
+        2
+    }
+}
+
+/// Fails when `f` (path `path`'s kernel `name`, just loaded) fits fewer blocks per SM than its
+/// launch bounds promised, which the caps agreed at init count on.
+pub(super) fn check_fits(
+    path: crate::plan::CudaPath,
+    f: sys::CUfunction,
+    name: &str,
+    rank: usize,
+) -> Result<()> {
+    let want = promised(path.one_block_per_sm());
+    let got = blocks_per_sm(f, super::THREADS, rank)?;
+    if got >= want {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        rank,
+        "kernel load",
+        format!(
+            "{name} fits {got} blocks of {} threads per SM, its launch bounds promise {want}: \
+             the CTA caps set at init would not all be resident",
+            super::THREADS
+        ),
+    ))
 }
 
 /// Resident blocks of `threads` threads per SM for `f`, as the occupancy calculator says.
@@ -446,6 +497,37 @@ mod tests {
             e.contains("no kernel grid fits") && e.contains("0 SMs of 132"),
             "{e}"
         );
+    }
+
+    /// The promise of [`promised`] is the sources' launch bounds, and no kernel uses shared
+    /// memory (which would limit its occupancy below them).
+    #[test]
+    fn the_promised_blocks_are_the_kernels_launch_bounds() {
+        use crate::backend::cuda::kernels::KERNEL_SOURCES;
+        let all: String = KERNEL_SOURCES.iter().map(|(_, s)| *s).collect();
+        assert!(all.contains("__launch_bounds__(512, MIN_BLOCKS) NAME(const Args a)"));
+        assert!(all.contains("__launch_bounds__(512, 2) NAME(const SgArgs g)"));
+        assert!(
+            !all.contains("__shared__"),
+            "shared memory limits occupancy too"
+        );
+        // ENTRY(MIN_BLOCKS, ...) of every entry point: 1 exactly for the deep kernels.
+        let entries: Vec<&str> = all
+            .match_indices("ENTRY(")
+            .map(|(i, _)| &all[i..all.len().min(i + 40)])
+            .filter(|e| e.starts_with("ENTRY(1,") || e.starts_with("ENTRY(2,"))
+            .collect();
+        assert!(entries.len() >= 8, "{entries:?}");
+        for e in entries {
+            let deep = e.contains("reg16");
+            assert_eq!(e.starts_with("ENTRY(1,"), deep, "{e}");
+            let min = if deep { 1 } else { 2 };
+            assert_eq!(promised(deep), min, "{e}");
+        }
+        for p in crate::plan::CudaPath::ALL {
+            let stem = p.row().kernel.stem;
+            assert_eq!(p.one_block_per_sm(), stem.ends_with("16"), "{p:?}");
+        }
     }
 
     #[test]

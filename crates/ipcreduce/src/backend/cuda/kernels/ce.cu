@@ -14,6 +14,7 @@
 // lane 1 has passed its identity check too. The later barriers and the reduce kernels do not
 // know the call number (call 0: their waits skip the board).
 
+#if !defined(IPCR_ONE_GROUP) || defined(IPCR_GROUP_CE)
 // One block: a barrier on lane `a.lane`'s counter and flags.
 extern "C" __global__ void __launch_bounds__(32) ipcr_ce_barrier(const Args a) {
     wait_for_previous_kernel();
@@ -25,6 +26,7 @@ extern "C" __global__ void __launch_bounds__(32) ipcr_ce_barrier(const Args a) {
     if (threadIdx.x == 0) ctr[0] = F;
     if (begins) finish_call(a, call);
 }
+#endif
 
 // Our send holds our input, our recv the peer's input (pushed there): reduced in rank order
 // into recv, in place (each element read, then written, by one thread).
@@ -42,4 +44,6 @@ template <typename D, typename Op> __device__ void ce_reduce(const Args &a) {
 
 // Entry points: ipcr_cereduce_<dtype>_<op> (two ranks only: one kernel in every module).
 #define CE_KERNELS(DT, OPN, D, OP) ENTRY(2, ipcr_cereduce_##DT##_##OPN, (ce_reduce<D, OP>(a)))
+#if !defined(IPCR_ONE_GROUP) || defined(IPCR_GROUP_CE)
 FOR_EACH_DTYPE_OP(CE_KERNELS)
+#endif

@@ -344,8 +344,15 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll12(const Ar
     finish_call(a, W <= 2 ? call : current_call(a)); // (see one_shot_ll)
 }
 
-// Entry points: ipcr_oneshotll_<dtype>_<op> (also the empty call's) and ipcr_oneshotll12_*.
+// Entry points: ipcr_oneshotll_<dtype>_<op> (also the empty call's) and ipcr_oneshotll12_*
+// (compiled apart: a job uses one of the two line formats).
 #define LL_KERNELS(DT, OPN, D, OP)                                                            \
-    ENTRY(2, ipcr_oneshotll_##DT##_##OPN, (one_shot_ll<D, OP, IPCR_W>(a)))                    \
+    ENTRY(2, ipcr_oneshotll_##DT##_##OPN, (one_shot_ll<D, OP, IPCR_W>(a)))
+#define LL12_KERNELS(DT, OPN, D, OP)                                                          \
     ENTRY(2, ipcr_oneshotll12_##DT##_##OPN, (one_shot_ll12<D, OP, IPCR_W>(a)))
+#if !defined(IPCR_ONE_GROUP) || defined(IPCR_GROUP_LL)
 FOR_EACH_DTYPE_OP(LL_KERNELS)
+#endif
+#if !defined(IPCR_ONE_GROUP) || defined(IPCR_GROUP_LL12)
+FOR_EACH_DTYPE_OP(LL12_KERNELS)
+#endif

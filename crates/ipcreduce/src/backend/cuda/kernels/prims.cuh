@@ -674,7 +674,16 @@ __device__ __forceinline__ void ll12_clear(uint4 *line) {
         wait_for_previous_kernel();                                                           \
         CALL;                                                                                 \
     }
-// M(DT, OPN, D, OP) for every dtype and reduction op.
+// Which entry points one compilation emits (the host compiles one variant group at a time,
+// kernel_variants.rs): without -DIPCR_ONE_GROUP every group, else only the group whose
+// -DIPCR_GROUP_<NAME> is set; without -DIPCR_SEL_DT every dtype and op, else only the one of
+// -DIPCR_SEL_DT/_OPN/_D/_OP (e.g. f32, sum, F32, OpSum), and the dtype's all-gather kernels
+// (which reduce nothing) only with -DIPCR_SEL_GATHER. Guards only: the kernels are the same.
+#define IPCR_APPLY(M, ...) M(__VA_ARGS__)
+// M(DT, OPN, D, OP) for every dtype and reduction op (or the one selected).
+#ifdef IPCR_SEL_DT
+#define FOR_EACH_DTYPE_OP(M) IPCR_APPLY(M, IPCR_SEL_DT, IPCR_SEL_OPN, IPCR_SEL_D, IPCR_SEL_OP)
+#else
 #define FOR_EACH_DTYPE_OP(M)                                                                  \
     M(f32, sum, F32, OpSum)                                                                   \
     M(f32, max, F32, OpMax)                                                                   \
@@ -685,3 +694,4 @@ __device__ __forceinline__ void ll12_clear(uint4 *line) {
     M(bf16, sum, BF16, OpSum)                                                                 \
     M(bf16, max, BF16, OpMax)                                                                 \
     M(bf16, min, BF16, OpMin)
+#endif

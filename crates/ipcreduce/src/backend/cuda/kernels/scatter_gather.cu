@@ -163,7 +163,13 @@ template <typename D> __device__ void all_gather_reg(const SgArgs &g) {
     SG_ENTRY(ipcr_allgatherreg_##DT, (all_gather_reg<D>(g)))
 
 #define SG_RS_KERNELS(DT, OPN, D, OP) SG_RS_KERNELS_FOR(DT, OPN, D, OP, IPCR_W)
+#if !defined(IPCR_ONE_GROUP) || defined(IPCR_GROUP_SCATTER_GATHER)
 FOR_EACH_DTYPE_OP(SG_RS_KERNELS)
+#ifndef IPCR_SEL_DT
 SG_AG_KERNELS(f32, F32)
 SG_AG_KERNELS(f16, F16)
 SG_AG_KERNELS(bf16, BF16)
+#elif defined(IPCR_SEL_GATHER)
+IPCR_APPLY(SG_AG_KERNELS, IPCR_SEL_DT, IPCR_SEL_D)
+#endif
+#endif

@@ -171,4 +171,6 @@ template <typename D, typename Op, int W> __device__ void two_shot(const Args &a
     ENTRY(2, ipcr_twoshot_w##W##_##DT##_##OPN, (two_shot<D, OP, W>(a)))
 #define STAGED_KERNELS_FOR(DT, OPN, D, OP, W) STAGED_KERNELS_W(DT, OPN, D, OP, W)
 #define STAGED_KERNELS(DT, OPN, D, OP) STAGED_KERNELS_FOR(DT, OPN, D, OP, IPCR_W)
+#if !defined(IPCR_ONE_GROUP) || defined(IPCR_GROUP_STAGED)
 FOR_EACH_DTYPE_OP(STAGED_KERNELS)
+#endif

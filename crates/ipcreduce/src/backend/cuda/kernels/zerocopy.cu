@@ -42,14 +42,23 @@ template <typename D, typename Op, int W, int LOADS> __device__ void two_shot_re
     finish_call(a, call);
 }
 
-// Entry points: ipcr_{oneshotreg,twoshotreg,oneshotreg16,twoshotreg16}_w<W>_<dtype>_<op>.
+// Entry points: ipcr_{oneshotreg,twoshotreg,oneshotreg16,twoshotreg16}_w<W>_<dtype>_<op> (the
+// plain and the deep ones compiled apart: a job uses one depth, IPCREDUCE_REG_LOADS).
 #define ZC_KERNELS_W(DT, OPN, D, OP, W)                                                       \
     ENTRY(2, ipcr_oneshotreg_w##W##_##DT##_##OPN, (one_shot_reg<D, OP, W, LOADS_IN_FLIGHT>(a))) \
-    ENTRY(2, ipcr_twoshotreg_w##W##_##DT##_##OPN, (two_shot_reg<D, OP, W, LOADS_IN_FLIGHT>(a))) \
+    ENTRY(2, ipcr_twoshotreg_w##W##_##DT##_##OPN, (two_shot_reg<D, OP, W, LOADS_IN_FLIGHT>(a)))
+#define ZC16_KERNELS_W(DT, OPN, D, OP, W)                                                     \
     ENTRY(1, ipcr_oneshotreg16_w##W##_##DT##_##OPN,                                           \
           (one_shot_reg<D, OP, W, DEEP_LOADS_IN_FLIGHT(W)>(a)))                               \
     ENTRY(1, ipcr_twoshotreg16_w##W##_##DT##_##OPN,                                           \
           (two_shot_reg<D, OP, W, DEEP_LOADS_IN_FLIGHT(W)>(a)))
 #define ZC_KERNELS_FOR(DT, OPN, D, OP, W) ZC_KERNELS_W(DT, OPN, D, OP, W)
 #define ZC_KERNELS(DT, OPN, D, OP) ZC_KERNELS_FOR(DT, OPN, D, OP, IPCR_W)
+#define ZC16_KERNELS_FOR(DT, OPN, D, OP, W) ZC16_KERNELS_W(DT, OPN, D, OP, W)
+#define ZC16_KERNELS(DT, OPN, D, OP) ZC16_KERNELS_FOR(DT, OPN, D, OP, IPCR_W)
+#if !defined(IPCR_ONE_GROUP) || defined(IPCR_GROUP_ZEROCOPY)
 FOR_EACH_DTYPE_OP(ZC_KERNELS)
+#endif
+#if !defined(IPCR_ONE_GROUP) || defined(IPCR_GROUP_ZEROCOPY16)
+FOR_EACH_DTYPE_OP(ZC16_KERNELS)
+#endif
