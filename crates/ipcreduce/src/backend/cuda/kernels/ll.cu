@@ -137,8 +137,10 @@ __device__ __forceinline__ uint2 ll_data(const ulonglong2 &v) { return make_uint
 
 template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args &a) {
     let_next_kernel_launch(a);
-    const u64 call = begin_call(a, false); // posted after the pushes (see begin_call)
-    const u32 flag = ll_flag(a.digest, call);
+    // Two ranks post the identity after the pushes (see begin_call); more ranks at once, which
+    // frees the call number's registers before the reduce loop (invariant 5).
+    const u64 call = begin_call(a, W > 2);
+    const u32 flag = opaque(ll_flag(a.digest, call));
     const u32 parity = (u32)call & 1u;
     const u64 total = a.count * D::SIZE;
     // The empty call (count 0) pushes and waits for one line of no data.
@@ -161,7 +163,7 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args
             }
         }
     }
-    post_identity(a, call);
+    if (W <= 2) post_identity(a, call);
     // Reduce in rank order from our own memory. The same thread handles pair j in both loops, so
     // in place (send == recv) is safe. Two ranks: the peer's two lines (the only ones held: the
     // peer is 1 - rank, so no line per rank index is kept live) are peeked before either is

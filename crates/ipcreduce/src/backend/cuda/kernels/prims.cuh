@@ -337,9 +337,9 @@ __device__ bool wait_must_end(const Args &a, int from, u32 where, u64 call, u64 
     return false;
 }
 
-// Starts a call (invariant 1): its number, and block 0 posts the identity. The LL kernels pass
-// post = false and post it themselves after their pushes: the posting threads are pushing
-// threads, and ten stores to a peer's board ahead of the first line delay that line.
+// Starts a call (invariant 1): its number, and block 0 posts the identity. The LL kernels at
+// two ranks pass post = false and post it themselves after their pushes: the posting threads
+// are pushing threads, and ten stores to a peer's board ahead of the first line delay it.
 __device__ __forceinline__ u64 begin_call(const Args &a, bool post = true) {
     const u64 call = *(volatile u64 *)(a.counters + STATE_CALL) + 1;
     if (post) post_identity(a, call);
@@ -604,6 +604,14 @@ __device__ __forceinline__ void reduce_range(const Src &src, const Dst &dst, int
 // its low word tells identities apart, and an odd multiplier makes consecutive calls' flags
 // differ. Stale data never depends on the flag changing (lines hold zero or this call's flag,
 // see ll.cu); the call term only keeps a peer one call ahead from looking like this call.
+// `x` as the compiler cannot recompute it: kept in one register instead of being rebuilt from
+// the values it came from (which would then stay live: registers, invariant 5).
+__device__ __forceinline__ u32 opaque(u32 x) {
+    u32 y;
+    asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+}
+
 __device__ __forceinline__ u32 ll_flag(u64 digest, u64 call) {
     return ((u32)digest + (u32)call * 0x9E3779B9u) | 1u;
 }
