@@ -135,15 +135,22 @@ fn call_then(
     let res = match (inside, comm.backend()) {
         (None, _) => comm.test_run(&call).and_then(|_| comm.synchronize()),
         (Some(marker), BackendKind::Host) => {
-            let watcher = mark_when_blocked(marker);
+            let watcher = mark_when_blocked(marker, Some(libc::SYS_futex));
             let res = comm.test_run(&call).and_then(|_| comm.synchronize());
             watcher.finish();
             res
         }
-        (Some(marker), _) => comm.test_run(&call).and_then(|_| {
-            touch(marker);
-            comm.synchronize()
-        }),
+        (Some(marker), _) => {
+            // A path whose launch itself waits on the host for its peers shows blocked in
+            // a syscall before it returns; any other launch returns with the kernel queued.
+            let watcher = mark_when_blocked(marker, None);
+            let res = comm.test_run(&call).and_then(|_| {
+                touch(marker);
+                comm.synchronize()
+            });
+            watcher.finish();
+            res
+        }
     };
     comm.test_free(send);
     comm.test_free(recv);
@@ -327,9 +334,10 @@ fn touch(path: &Path) {
 }
 
 /// Watches the calling thread from another one and creates `marker` once the caller is seen
-/// blocked in FUTEX_WAIT: on the host backend the one place a collective sleeps is its wait
-/// for a peer (after a short spin), so the caller is then inside the collective.
-fn mark_when_blocked(marker: &Path) -> Watch {
+/// blocked in syscall `nr` (any syscall for None): on the host backend the one place a
+/// collective sleeps is its wait for a peer, in FUTEX_WAIT after a short spin, so the caller
+/// is then inside the collective.
+fn mark_when_blocked(marker: &Path, nr: Option<i64>) -> Watch {
     // SAFETY: gettid has no preconditions.
     let tid = unsafe { libc::syscall(libc::SYS_gettid) };
     let marker = marker.to_path_buf();
@@ -339,10 +347,11 @@ fn mark_when_blocked(marker: &Path) -> Watch {
         let file = format!("/proc/self/task/{tid}/syscall");
         let until = Instant::now() + Duration::from_secs(10);
         while !stop2.load(std::sync::atomic::Ordering::SeqCst) && Instant::now() < until {
-            let nr = std::fs::read_to_string(&file)
+            // "running" (not in a syscall) does not parse: only a blocked thread counts.
+            let seen = std::fs::read_to_string(&file)
                 .ok()
                 .and_then(|t| t.split_whitespace().next()?.parse::<i64>().ok());
-            if nr == Some(libc::SYS_futex) {
+            if seen.is_some() && (nr.is_none() || seen == nr) {
                 touch(&marker);
                 return;
             }
