@@ -16,10 +16,11 @@
 
 use crate::cli::{relaunch_unless_rank, RankArgs};
 use ipcreduce::backend::Call;
-use ipcreduce::bootstrap::RankInfo;
+use ipcreduce::bootstrap::{Bootstrap, RankInfo};
 use ipcreduce::error::Error;
 use ipcreduce::types::{Algorithm, BackendKind, DType, ReduceOp};
 use ipcreduce::{Communicator, Config};
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -103,6 +104,20 @@ fn one_call(
     dtype: DType,
     algo: Algorithm,
 ) -> ipcreduce::Result<()> {
+    call_then(comm, count, dtype, algo, None)
+}
+
+/// [`one_call`], creating `inside` once this rank is inside the collective: on the host
+/// backend once the calling thread is seen asleep in its wait for a peer (FUTEX_WAIT, read
+/// from procfs by a watching thread, since the call itself only returns at the end); on cuda
+/// once the kernel is launched (the launch returns, the wait is the synchronize after it).
+fn call_then(
+    comm: &mut Communicator,
+    count: usize,
+    dtype: DType,
+    algo: Algorithm,
+    inside: Option<&Path>,
+) -> ipcreduce::Result<()> {
     let bytes = count * 4; // room for the largest dtype
     let send = comm.test_alloc(bytes)?;
     let recv = comm.test_alloc(bytes)?;
@@ -117,7 +132,26 @@ fn one_call(
         algo,
         offset: 0,
     };
-    let res = comm.test_run(&call).and_then(|_| comm.synchronize());
+    let res = match (inside, comm.backend()) {
+        (None, _) => comm.test_run(&call).and_then(|_| comm.synchronize()),
+        (Some(marker), BackendKind::Host) => {
+            let watcher = mark_when_blocked(marker, Some(libc::SYS_futex));
+            let res = comm.test_run(&call).and_then(|_| comm.synchronize());
+            watcher.finish();
+            res
+        }
+        (Some(marker), _) => {
+            // A path whose launch itself waits on the host for its peers shows blocked in
+            // a syscall before it returns; any other launch returns with the kernel queued.
+            let watcher = mark_when_blocked(marker, None);
+            let res = comm.test_run(&call).and_then(|_| {
+                touch(marker);
+                comm.synchronize()
+            });
+            watcher.finish();
+            res
+        }
+    };
     comm.test_free(send);
     comm.test_free(recv);
     res
@@ -137,13 +171,15 @@ fn mismatch(args: &FaultArgs, info: RankInfo) -> Result<String, String> {
     let started = Instant::now();
     match one_call(&mut comm, count, dtype, args.algo) {
         Ok(()) => Err("the mismatched call succeeded".into()),
-        Err(e @ Error::Mismatch { .. }) => Ok(format!("{e} (after {:?})", started.elapsed())),
+        Err(e @ Error::Mismatch { .. }) => {
+            Ok(format!("{}: {e} (after {:?})", kind(&e), started.elapsed()))
+        }
         // A rank that found the mismatch and left first passes the cause on: that is what a
         // slower rank (more ranks than cores) may see first.
         Err(e @ Error::Aborted { .. }) if e.to_string().contains(" vs ") => {
-            Ok(format!("{e} (after {:?})", started.elapsed()))
+            Ok(format!("{}: {e} (after {:?})", kind(&e), started.elapsed()))
         }
-        Err(e) => Err(format!("expected a mismatch error, got: {e}")),
+        Err(e) => Err(format!("expected a mismatch error, got {}: {e}", kind(&e))),
     }
 }
 
@@ -170,7 +206,8 @@ fn timeout(args: &FaultArgs, info: RankInfo) -> Result<String, String> {
             let text = e.to_string();
             if !matches!(e, Error::Timeout { peer, .. } if peer == culprit) {
                 return Err(format!(
-                    "expected a timeout naming rank {culprit}, got: {text}"
+                    "expected a timeout naming rank {culprit}, got {}: {text}",
+                    kind(&e)
                 ));
             }
             if took > limit * 2 + Duration::from_secs(1) {
@@ -178,41 +215,161 @@ fn timeout(args: &FaultArgs, info: RankInfo) -> Result<String, String> {
                     "timeout fired after {took:?}, limit {limit:?}: {text}"
                 ));
             }
-            Ok(format!("{text} (after {took:?})"))
+            Ok(format!("{}: {text} (after {took:?})", kind(&e)))
         }
     }
 }
 
 fn kill(args: &FaultArgs, info: RankInfo) -> Result<String, String> {
     let (rank, culprit) = (info.rank, info.world - 1);
-    let mut comm = Communicator::with_rank_info(info, &options(args, Duration::from_secs(30)))
-        .map_err(|e| format!("init: {e}"))?;
+    let marker = |r: usize| {
+        // Next to the job's socket: a directory of this user's that every rank of the (one
+        // host) job sees; the job id keeps concurrent jobs apart.
+        info.socket
+            .with_file_name(format!("{}.faults-inside.{r}", info.job_id))
+    };
+    let markers: Vec<PathBuf> = (0..culprit).map(marker).collect();
+    let mut comm =
+        Communicator::with_rank_info(info.clone(), &options(args, Duration::from_secs(30)))
+            .map_err(|e| format!("init: {e}"))?;
     if rank == culprit {
-        // Let the others get inside the collective, then die without a word.
-        std::thread::sleep(Duration::from_millis(300));
+        // Die without a word once every other rank is inside the collective, waiting for us.
+        let until = Instant::now() + Duration::from_secs(10);
+        while !markers.iter().all(|m| m.exists()) {
+            if Instant::now() > until {
+                let missing: Vec<_> = (0..culprit).filter(|&r| !markers[r].exists()).collect();
+                return Err(format!("ranks {missing:?} never got inside the collective"));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
         // SAFETY: raising a signal on ourselves.
         unsafe { libc::raise(libc::SIGKILL) };
         unreachable!("SIGKILL returned");
     }
+    let _ = std::fs::remove_file(&markers[rank]);
     let started = Instant::now();
-    let res = one_call(&mut comm, 1 << 20, DType::F32, args.algo);
+    let res = call_then(
+        &mut comm,
+        1 << 20,
+        DType::F32,
+        args.algo,
+        Some(&markers[rank]),
+    );
     let took = started.elapsed();
+    // Since this rank got inside: the death came after every rank's marker, ours included.
+    let inside_for = std::fs::metadata(&markers[rank])
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.elapsed().ok());
+    let _ = std::fs::remove_file(&markers[rank]);
+    let died = format!("rank {culprit} died");
     let text = match res {
         Ok(()) => return Err("the call completed although a rank died".into()),
-        Err(e) => e.to_string(),
+        Err(e) => {
+            died_error(&e, rank, culprit, &died)?;
+            format!("{}: {e}", kind(&e))
+        }
     };
-    if !text.contains(&format!("rank {culprit}")) {
-        return Err(format!("error does not name rank {culprit}: {text}"));
+    // Noticed within 2 s of the death (the liveness connections, not the 30 s timeout); the
+    // death follows this rank's marker by the time the other ranks take to get inside.
+    match inside_for {
+        None => return Err(format!("no marker of rank {rank} was made: {text}")),
+        Some(d) if d > Duration::from_millis(2500) => {
+            return Err(format!(
+                "noticed {d:?} after getting inside (call {took:?}): {text}"
+            ))
+        }
+        Some(_) => {}
     }
-    // 300 ms until the death, then at most 2 s to notice.
-    if took > Duration::from_millis(2300) {
-        return Err(format!("noticed only after {took:?}: {text}"));
-    }
-    // The communicator must stay unusable, with a clear error.
+    // The communicator must stay unusable, refusing with the cause.
     match one_call(&mut comm, 16, DType::F32, args.algo) {
-        Err(Error::Aborted { .. }) => Ok(format!("{text} (after {took:?}); later calls refused")),
-        Err(e) => Ok(format!("{text} (after {took:?}); later call: {e}")),
+        Err(e @ Error::Aborted { .. }) if e.to_string().contains(&died) => Ok(format!(
+            "{text} (after {took:?}); later calls refused: {}: {e}",
+            kind(&e)
+        )),
+        Err(e) => Err(format!(
+            "a call after the death: expected Aborted with \"{died}\", got {}: {e}",
+            kind(&e)
+        )),
         Ok(()) => Err("a call after the death succeeded".into()),
+    }
+}
+
+/// A survivor's error for a peer's death: Aborted or PeerLost, of this rank, saying that
+/// the culprit died (not any error that happens to mention it, such as a timeout).
+fn died_error(e: &Error, rank: usize, culprit: usize, died: &str) -> Result<(), String> {
+    let text = e.to_string();
+    let ok = match e {
+        Error::Aborted { rank: r, reason } => *r == rank && reason.contains(died),
+        Error::PeerLost { rank: r, peer, .. } => *r == rank && *peer == culprit,
+        _ => false,
+    };
+    if !ok || !text.contains(died) {
+        return Err(format!(
+            "expected Aborted or PeerLost of rank {rank} saying \"{died}\", got {}: {text}",
+            kind(e)
+        ));
+    }
+    Ok(())
+}
+
+/// The error's kind, printed in the PASS/FAIL lines so that tests read it, not only the text.
+fn kind(e: &Error) -> &'static str {
+    match e {
+        Error::Config(_) => "Config",
+        Error::InvalidArgument { .. } => "InvalidArgument",
+        Error::Bootstrap { .. } => "Bootstrap",
+        Error::PeerLost { .. } => "PeerLost",
+        Error::Timeout { .. } => "Timeout",
+        Error::Mismatch { .. } => "Mismatch",
+        Error::Aborted { .. } => "Aborted",
+        Error::CudaUnavailable(_) => "CudaUnavailable",
+        _ => "other",
+    }
+}
+
+/// Creates `path` (empty); a failure shows as the culprit's "never got inside".
+fn touch(path: &Path) {
+    let _ = std::fs::write(path, b"");
+}
+
+/// Watches the calling thread from another one and creates `marker` once the caller is seen
+/// blocked in syscall `nr` (any syscall for None): on the host backend the one place a
+/// collective sleeps is its wait for a peer, in FUTEX_WAIT after a short spin, so the caller
+/// is then inside the collective.
+fn mark_when_blocked(marker: &Path, nr: Option<i64>) -> Watch {
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::syscall(libc::SYS_gettid) };
+    let marker = marker.to_path_buf();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let handle = std::thread::spawn(move || {
+        let file = format!("/proc/self/task/{tid}/syscall");
+        let until = Instant::now() + Duration::from_secs(10);
+        while !stop2.load(std::sync::atomic::Ordering::SeqCst) && Instant::now() < until {
+            // "running" (not in a syscall) does not parse: only a blocked thread counts.
+            let seen = std::fs::read_to_string(&file)
+                .ok()
+                .and_then(|t| t.split_whitespace().next()?.parse::<i64>().ok());
+            if seen.is_some() && (nr.is_none() || seen == nr) {
+                touch(&marker);
+                return;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    });
+    Watch { stop, handle }
+}
+
+struct Watch {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    handle: std::thread::JoinHandle<()>,
+}
+
+impl Watch {
+    fn finish(self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = self.handle.join();
     }
 }
 
@@ -225,10 +382,16 @@ struct Footprint {
     gpu_free_mib: Option<u64>,
 }
 
-fn footprint(backend: BackendKind) -> Footprint {
-    // Ranks share the GPU under MPS and the free-memory figure is device-wide: let every rank
-    // finish tearing down its communicator first.
-    std::thread::sleep(Duration::from_millis(500));
+/// The footprint once every rank has torn its communicator down: ranks share the GPU under
+/// MPS and the free-memory figure is device-wide, so each rank first waits in a barrier of a
+/// bootstrap of its own, which it enters only after its communicator is dropped (and which
+/// is gone again before the count).
+fn footprint(backend: BackendKind, info: &RankInfo) -> Result<Footprint, String> {
+    let mut b = Bootstrap::connect(info.clone(), Duration::from_secs(30))
+        .map_err(|e| format!("footprint: bootstrap: {e}"))?;
+    b.barrier()
+        .map_err(|e| format!("footprint: barrier after teardown: {e}"))?;
+    drop(b);
     let count = |p: &str| std::fs::read_dir(p).map(|d| d.count()).unwrap_or(0);
     let maps = std::fs::read_to_string("/proc/self/maps")
         .map(|s| s.lines().count())
@@ -239,11 +402,11 @@ fn footprint(backend: BackendKind) -> Footprint {
         unsafe { cudarc::driver::sys::cuMemGetInfo_v2(&mut free, &mut total) };
         (free >> 20) as u64
     });
-    Footprint {
+    Ok(Footprint {
         fds: count("/proc/self/fd"),
         maps,
         gpu_free_mib,
-    }
+    })
 }
 
 fn cycles(args: &FaultArgs, info: RankInfo) -> Result<String, String> {
@@ -256,12 +419,12 @@ fn cycles(args: &FaultArgs, info: RankInfo) -> Result<String, String> {
     };
     // The first cycle loads what stays for the life of the process (driver, kernels).
     let backend = cycle(0)?;
-    let before = footprint(backend);
+    let before = footprint(backend, &info)?;
     let started = Instant::now();
     for i in 1..=args.cycles {
         cycle(i)?;
     }
-    let after = footprint(backend);
+    let after = footprint(backend, &info)?;
     let gpu_ok = match (before.gpu_free_mib, after.gpu_free_mib) {
         (Some(b), Some(a)) => a + 2 >= b,
         _ => true,

@@ -98,10 +98,13 @@ fn ranks_get_distinct_ranks_and_one_secret() {
 fn failing_rank_stops_the_others() {
     // Rank 1 fails; rank 0 would sleep for a minute; rank 2 even ignores SIGTERM, so launch
     // must fall back to SIGKILL.
-    let script = "echo \"$$ $(dirname \"$IPCREDUCE_SOCKET\")\"; \
+    // Rank 1 fails only once rank 2 has set its trap (a file in the job's directory, polled
+    // at most 10 s), so SIGTERM can never have been what stopped rank 2.
+    let script = "d=$(dirname \"$IPCREDUCE_SOCKET\"); echo \"$$ $d\"; \
                   case $IPCREDUCE_RANK in \
-                    1) sleep 0.2; exit 7;; \
-                    2) trap '' TERM; exec sleep 60;; \
+                    1) i=0; while [ ! -e \"$d/trapped\" ]; do \
+                         i=$((i+1)); [ $i -gt 1000 ] && exit 9; sleep 0.01; done; exit 7;; \
+                    2) trap '' TERM; : > \"$d/trapped\"; exec sleep 60;; \
                     *) exec sleep 60;; \
                   esac";
     let (out, took) = launch(
@@ -111,7 +114,12 @@ fn failing_rank_stops_the_others() {
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(7), "{stderr}");
     assert!(stderr.contains("rank 1 exited with code 7"), "{stderr}");
-    // 0.2 s until the failure + 0.3 s grace + 2 s SIGTERM-to-SIGKILL, plus slack.
+    // The 0.3 s grace, then 2 s from SIGTERM to SIGKILL: rank 2 ignores SIGTERM, so the job
+    // cannot end before SIGKILL, and must end soon after it.
+    assert!(
+        took >= Duration::from_millis(2300),
+        "took {took:?}: rank 2 was stopped before the SIGKILL fallback"
+    );
     assert!(took < Duration::from_secs(6), "took {took:?}");
     let stdout = text(&out.stdout);
     let mut dirs = HashSet::new();
@@ -264,6 +272,19 @@ fn play_bootstrap_rank() {
     let info = ipcreduce::bootstrap::RankInfo::from_env().expect("rank info");
     assert!(info.secret.is_some());
     let tcp = info.master.is_some();
+    if let (Ok(dir), Some(m)) = (std::env::var("LAUNCH_TEST_REFUSED_DIR"), &info.master) {
+        // Node 1 of the two-launcher test: nobody may listen yet, so the bootstrap's connect
+        // must take its retry path; say so before connecting, the parent then starts node 0.
+        let addr = format!("{}:{}", m.host, m.port);
+        match std::net::TcpStream::connect(&addr) {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
+            other => panic!(
+                "rank {}: {addr} before node 0 started: {other:?}",
+                info.rank
+            ),
+        }
+        std::fs::write(format!("{dir}/refused.{}", info.rank), b"").unwrap();
+    }
     let mut b =
         ipcreduce::bootstrap::Bootstrap::connect(info, Duration::from_secs(10)).expect("connect");
     let all = b.all_gather(&[b.rank() as u8]).expect("all_gather");
@@ -350,6 +371,10 @@ fn two_launchers_make_one_job_over_tcp() {
         .port();
     let master = format!("127.0.0.1:{port}");
     let secret = "00112233445566778899aabbccddeeff";
+    let dir = std::env::temp_dir().join(format!("ipcreduce-launch-refused-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let refused_dir = dir.to_str().unwrap();
     let node = |i: &'static str, host: &'static str| {
         let args = [
             "-n",
@@ -361,12 +386,23 @@ fn two_launchers_make_one_job_over_tcp() {
             "--master",
             &master,
         ];
-        let env = [("IPCREDUCE_SECRET", secret), ("IPCREDUCE_HOST_ID", host)];
+        let mut env = vec![("IPCREDUCE_SECRET", secret), ("IPCREDUCE_HOST_ID", host)];
+        if i == "1" {
+            env.push(("LAUNCH_TEST_REFUSED_DIR", refused_dir));
+        }
         launch_test_ranks(test, &args, &env)
     };
-    // Node 1 first: its ranks wait, bounded, for rank 0 to listen.
+    // Node 1 first: its ranks find nobody listening (each says so in a file), so they wait,
+    // bounded, for rank 0; only then is node 0 started.
     let n1 = node("1", "host-b");
-    std::thread::sleep(Duration::from_millis(200));
+    let until = Instant::now() + Duration::from_secs(20);
+    while (2..4).any(|r| !dir.join(format!("refused.{r}")).exists()) {
+        assert!(
+            Instant::now() < until,
+            "node 1's ranks never tried to connect"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let n0 = node("0", "host-a");
     let mut oks = oks_of(n0);
     oks.extend(oks_of(n1));
@@ -375,6 +411,7 @@ fn two_launchers_make_one_job_over_tcp() {
         .map(|r| format!("{r} of 4 node {} local {} tcp true", r / 2, r % 2))
         .collect();
     assert_eq!(oks, want);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

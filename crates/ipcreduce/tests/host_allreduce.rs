@@ -324,7 +324,7 @@ fn rank_mismatch() -> i32 {
     }
     // Dead now, with the mismatch as the reason (a rank's own, or a peer's).
     match c.all_reduce_host_in_place(&mut buf[..100], ReduceOp::Sum, Algorithm::OneShot) {
-        Err(Error::Aborted { reason, .. }) => say(format!("ABORTED {reason}")),
+        Err(Error::Aborted { rank, reason }) => say(format!("ABORTED {rank} {reason}")),
         other => say(format!("UNEXPECTED {other:?}")),
     }
     hold(c);
@@ -669,6 +669,12 @@ fn mismatched_counts_fail_on_every_rank() {
                 && (later.contains("count 100 vs 200") || later.contains("count 200 vs 100")),
             "{later}: {}",
             r.diag()
+        );
+        // The cause names the odd rank 1 and the rank that compared with it; the abort is
+        // this rank's own.
+        assert!(
+            later.contains(&format!("ABORTED {} ", r.rank)) && later.contains("rank 1"),
+            "{later}"
         );
     }
     for r in &mut ranks {

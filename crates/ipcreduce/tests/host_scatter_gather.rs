@@ -1,6 +1,7 @@
 //! Reduce-scatter and all-gather (NCCL's semantics) on the host backend, with real processes:
 //! results against the float64 reference and bitwise against the all-reduce, the in-place
-//! forms, argument checks, and ranks calling different operations.
+//! forms, argument checks, ranks calling different operations, and a missing or dead rank in
+//! either operation.
 
 mod common;
 
@@ -10,7 +11,7 @@ use ipcreduce::{
 };
 use std::ffi::c_void;
 use std::io::Write;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const ROLE: &str = "IPCREDUCE_SG_ROLE";
 const T: Duration = Duration::from_secs(60);
@@ -22,6 +23,8 @@ fn play_rank_if_child() {
     let code = match role.as_str() {
         "semantics" => rank_semantics(),
         "mismatch" => rank_mismatch(),
+        r if r.starts_with("timeout-") => rank_timeout(&r["timeout-".len()..]),
+        r if r.starts_with("death-") => rank_death(&r["death-".len()..]),
         other => panic!("unknown role {other}"),
     };
     let _ = std::io::stdout().flush();
@@ -29,11 +32,82 @@ fn play_rank_if_child() {
 }
 
 fn join() -> Communicator {
+    join_with(None)
+}
+
+fn join_with(timeout: Option<Duration>) -> Communicator {
     let config = Config {
         backend: BackendChoice::Host,
+        timeout,
         ..Config::default()
     };
     Communicator::init(&config).expect("communicator init")
+}
+
+/// The communicator's timeout in the timeout and death roles.
+const TIMEOUT: Duration = Duration::from_millis(1000);
+
+/// One reduce-scatter (`rs`) or all-gather (`ag`) of 64 elements per rank.
+fn one_op(c: &mut Communicator, op: &str) -> ipcreduce::Result<()> {
+    let world = c.world();
+    match op {
+        "rs" => {
+            let mut out = vec![0f32; 64];
+            c.reduce_scatter_host(&vec![1f32; world * 64], &mut out, ReduceOp::Sum)
+        }
+        "ag" => {
+            let mut out = vec![0f32; world * 64];
+            c.all_gather_host(&[1f32; 64], &mut out)
+        }
+        other => panic!("unknown operation {other}"),
+    }
+}
+
+/// Prints the error's kind with the rank and peer it names, then the time and the text:
+/// `KIND RANK PEER MS TEXT` (peer `-` where the kind has none).
+fn report(e: &Error, ms: u128) -> String {
+    let (kind, rank, peer) = match e {
+        Error::Timeout { rank, peer, .. } => ("TIMEOUT", *rank, peer.to_string()),
+        Error::PeerLost { rank, peer, .. } => ("PEERLOST", *rank, peer.to_string()),
+        Error::Aborted { rank, .. } => ("ABORTED", *rank, "-".into()),
+        Error::Mismatch { rank, peer, .. } => ("MISMATCH", *rank, peer.to_string()),
+        _ => ("OTHER", usize::MAX, "-".into()),
+    };
+    format!("{kind} {rank} {peer} {ms} {e}")
+}
+
+/// The last rank skips the second operation until the parent, having heard the others time
+/// out, lets it go (a line on stdin): no sleep decides the order.
+fn rank_timeout(op: &str) -> i32 {
+    let mut c = join_with(Some(TIMEOUT));
+    one_op(&mut c, op).expect("the first operation, on every rank");
+    if c.rank() == c.world() - 1 {
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "GO");
+    }
+    let t0 = Instant::now();
+    match one_op(&mut c, op) {
+        Ok(()) => say("UNEXPECTED Ok"),
+        Err(e) => say(format!("RESULT {}", report(&e, t0.elapsed().as_millis()))),
+    }
+    let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new());
+    0
+}
+
+/// The last rank vanishes (no destructors, no goodbye) after the first operation.
+fn rank_death(op: &str) -> i32 {
+    let mut c = join_with(Some(Duration::from_secs(30)));
+    one_op(&mut c, op).expect("the first operation, on every rank");
+    if c.rank() == c.world() - 1 {
+        std::process::exit(0);
+    }
+    let t0 = Instant::now();
+    match one_op(&mut c, op) {
+        Ok(()) => say("UNEXPECTED Ok"),
+        Err(e) => say(format!("RESULT {}", report(&e, t0.elapsed().as_millis()))),
+    }
+    0
 }
 
 /// `count` elements of rank `r`'s input in `dtype`, as bytes (u32 storage keeps it aligned).
@@ -296,5 +370,80 @@ fn ranks_in_different_operations_fail_with_a_mismatch() {
     }
     for r in &mut ranks {
         r.wait_ok(T);
+    }
+}
+
+/// `KIND RANK PEER MS TEXT` of a rank's RESULT line.
+fn parse_result(m: &str) -> (String, usize, String, u64, String) {
+    let p: Vec<&str> = m.splitn(5, ' ').collect();
+    assert_eq!(p.len(), 5, "{m}");
+    (
+        p[0].to_string(),
+        p[1].parse().unwrap_or(usize::MAX),
+        p[2].to_string(),
+        p[3].parse().unwrap(),
+        p[4].to_string(),
+    )
+}
+
+#[test]
+fn a_missing_rank_times_out_in_either_operation() {
+    play_rank_if_child();
+    let world = 3;
+    let culprit = world - 1;
+    for op in ["rs", "ag"] {
+        let test = "a_missing_rank_times_out_in_either_operation";
+        let mut ranks = spawn(test, &format!("timeout-{op}"), world, true);
+        for r in ranks.iter_mut().filter(|r| r.rank != culprit) {
+            let m = r.expect("RESULT", T);
+            let (kind, rank, peer, ms, text) = parse_result(&m);
+            assert_eq!(
+                (kind.as_str(), rank, peer.as_str()),
+                ("TIMEOUT", r.rank, "2"),
+                "{op}: {m}"
+            );
+            // The 1 s timeout, not much more: a rank waits out its own deadline once.
+            assert!(
+                (1000..3000).contains(&ms),
+                "{op}: timed out after {ms} ms: {m}"
+            );
+            assert!(text.contains("waiting for peer rank 2"), "{op}: {m}");
+        }
+        ranks[culprit].send_line("GO");
+        let m = ranks[culprit].expect("RESULT", T);
+        let (kind, rank, _, ms, text) = parse_result(&m);
+        // The late rank finds the communicator given up on it, at once.
+        assert_eq!((kind.as_str(), rank), ("ABORTED", culprit), "{op}: {m}");
+        assert!(text.contains("waiting for rank 2"), "{op}: {m}");
+        assert!(
+            ms < 500,
+            "{op}: the late call took {ms} ms to be refused: {m}"
+        );
+        for r in &mut ranks {
+            r.wait_ok(T);
+        }
+    }
+}
+
+#[test]
+fn a_dead_rank_is_named_in_either_operation() {
+    play_rank_if_child();
+    let world = 3;
+    for op in ["rs", "ag"] {
+        let test = "a_dead_rank_is_named_in_either_operation";
+        let mut ranks = spawn(test, &format!("death-{op}"), world, false);
+        for r in ranks.iter_mut().take(world - 1) {
+            let m = r.expect("RESULT", T);
+            let (kind, rank, peer, ms, text) = parse_result(&m);
+            assert_eq!(rank, r.rank, "{op}: {m}");
+            assert!(
+                kind == "ABORTED" || (kind == "PEERLOST" && peer == "2"),
+                "{op}: expected an abort or a lost peer 2: {m}"
+            );
+            assert!(text.contains("rank 2 died"), "{op}: {m}");
+            // The liveness connection closes with the process; the timeout is 30 s.
+            assert!(ms < 2000, "{op}: noticed after {ms} ms: {m}");
+            r.wait_ok(T);
+        }
     }
 }

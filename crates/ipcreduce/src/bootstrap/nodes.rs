@@ -263,7 +263,15 @@ mod tests {
         if std::path::Path::new("/proc/sys/kernel/random/boot_id").exists() {
             assert!(id.contains('/'), "{id}");
         }
-        assert!(check_host_id("", "IPCREDUCE_HOST_ID").is_err());
-        assert!(check_host_id("a\nb", "IPCREDUCE_HOST_ID").is_err());
+        for bad in ["", "a\nb", &"h".repeat(256)] {
+            match check_host_id(bad, "IPCREDUCE_HOST_ID") {
+                Err(Error::Config(m)) => assert!(
+                    m.contains(&format!("IPCREDUCE_HOST_ID={bad:?}"))
+                        && m.contains("1 to 255 printable characters"),
+                    "{m}"
+                ),
+                other => panic!("host id {bad:?}: expected Error::Config, got {other:?}"),
+            }
+        }
     }
 }

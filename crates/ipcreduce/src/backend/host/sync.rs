@@ -194,7 +194,7 @@ fn futex_wake(word: &AtomicU64) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use std::sync::Arc;
 
@@ -206,6 +206,17 @@ mod tests {
         })
     }
 
+    /// The syscall thread `tid` of this process is blocked in, with its first argument, read
+    /// from procfs: lets a test see a waiter inside FUTEX_WAIT (the only place `wait`
+    /// blocks) without a hook in `wait`.
+    pub(in crate::backend::host) fn blocked_in(tid: i64) -> Option<(i64, usize)> {
+        let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/syscall")).ok()?;
+        let mut f = text.split_whitespace();
+        let nr = f.next()?.parse().ok()?;
+        let arg0 = usize::from_str_radix(f.next()?.trim_start_matches("0x"), 16).ok()?;
+        Some((nr, arg0))
+    }
+
     #[test]
     fn sleeper_is_woken_by_publish() {
         let s = signal();
@@ -214,24 +225,55 @@ mod tests {
             spin: Duration::ZERO,
             yield_until: Duration::ZERO,
         };
+        let (tx, tid) = std::sync::mpsc::channel();
         let t = std::thread::spawn(move || {
+            // SAFETY: gettid has no preconditions.
+            tx.send(unsafe { libc::syscall(libc::SYS_gettid) }).unwrap();
             let start = Instant::now();
             wait(&s2, 5, Duration::from_secs(10), policy, &mut || false).unwrap();
             start.elapsed()
         });
-        // Give the waiter time to fall asleep, then publish: it must wake well before its
-        // 100 ms re-check.
-        while s.sleepers.load(Ordering::SeqCst) == 0 {
+        let tid = tid
+            .recv_timeout(Duration::from_secs(5))
+            .expect("waiter's tid");
+        // Publish only once the waiter is blocked in FUTEX_WAIT on this very word (nothing
+        // else in `wait` blocks): a wake that is never taken cannot pass as one.
+        let word = s.value.as_ptr() as usize;
+        let until = Instant::now() + Duration::from_secs(5);
+        loop {
+            match blocked_in(tid) {
+                Some((nr, a)) if nr == libc::SYS_futex && a == word => break,
+                None if !std::path::Path::new("/proc/self/task").exists() => {
+                    panic!("no /proc/self/task: cannot see the waiter block")
+                }
+                _ => {}
+            }
+            assert!(
+                Instant::now() < until,
+                "the waiter never blocked in FUTEX_WAIT on its flag: {:?}",
+                blocked_in(tid)
+            );
             std::thread::yield_now();
         }
-        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(
+            s.sleepers.load(Ordering::SeqCst),
+            1,
+            "a sleeper counts itself"
+        );
         let t0 = Instant::now();
         s.publish(5);
         t.join().unwrap();
+        // The futex sleep lasts up to MAX_SLEEP (100 ms) before re-checking: waking well
+        // before it means FUTEX_WAKE woke the waiter.
         assert!(
-            t0.elapsed() < Duration::from_millis(80),
-            "{:?}",
+            t0.elapsed() < Duration::from_millis(50),
+            "woke {:?} after the publish",
             t0.elapsed()
+        );
+        assert_eq!(
+            s.sleepers.load(Ordering::SeqCst),
+            0,
+            "the sleeper left the count"
         );
     }
 

@@ -364,14 +364,30 @@ fn mismatched_algorithm_and_dtype_are_named() {
         };
         all_reduce(c, dtype, ReduceOp::Sum, algo, 64, 1, false).unwrap_err()
     });
-    let Error::Mismatch { detail, .. } = &res[0] else {
-        panic!("{}", res[0])
-    };
-    assert!(
-        detail.contains("dtype float vs half") && detail.contains("algorithm oneshot vs twoshot"),
-        "{detail}"
-    );
-    assert!(matches!(res[1], Error::Mismatch { .. }));
+    // Each rank finds the difference itself (a peer's mismatch verdict is not taken over at
+    // the start of a call) and words it from its own side, naming the other rank.
+    let want = [
+        (1, ["dtype float vs half", "algorithm oneshot vs twoshot"]),
+        (0, ["dtype half vs float", "algorithm twoshot vs oneshot"]),
+    ];
+    for (r, (e, (want_peer, parts))) in res.iter().zip(want).enumerate() {
+        match e {
+            Error::Mismatch {
+                rank,
+                peer,
+                seq,
+                detail,
+                ..
+            } => {
+                assert_eq!((*rank, *peer, *seq), (r, want_peer, 1), "rank {r}: {e}");
+                for p in parts {
+                    assert!(detail.contains(p), "rank {r}: no {p:?} in {detail:?}");
+                }
+                assert!(e.to_string().starts_with(&format!("rank {r}: ")), "{e}");
+            }
+            e => panic!("rank {r}: expected a mismatch, got {e}"),
+        }
+    }
 }
 
 #[test]
@@ -379,6 +395,9 @@ fn a_rank_that_skips_a_call_is_named_in_the_others_timeouts() {
     let world = 3;
     let mut w = World::new(world);
     w.timeout = Duration::from_millis(300);
+    // Ranks 0 and 2 say when they have given up; rank 1 makes its late call only then, so
+    // the order is the handshake's, not a sleep's that a stalled machine could outlast.
+    let gave_up = std::sync::atomic::AtomicUsize::new(0);
     let t0 = Instant::now();
     let res = w.run(|r, c| {
         let run = |c: &mut HostComm| {
@@ -395,9 +414,16 @@ fn a_rank_that_skips_a_call_is_named_in_the_others_timeouts() {
         run(c).unwrap();
         if r == 1 {
             // Skip call #2; come back after everyone gave up.
-            std::thread::sleep(Duration::from_millis(800));
+            let until = Instant::now() + Duration::from_secs(5);
+            while gave_up.load(std::sync::atomic::Ordering::SeqCst) < world - 1 {
+                assert!(Instant::now() < until, "the other ranks never gave up");
+                std::thread::yield_now();
+            }
+            return run(c).unwrap_err();
         }
-        run(c).unwrap_err()
+        let e = run(c).unwrap_err();
+        gave_up.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        e
     });
     assert!(t0.elapsed() < Duration::from_secs(3));
     for (r, e) in res.iter().enumerate() {
@@ -422,15 +448,19 @@ fn external_abort_wakes_everyone_fast() {
     let world = 3;
     let comms = World::new(world).comms();
     let abort0 = comms[0].abort.clone();
+    let (tx, tids) = std::sync::mpsc::channel();
     let t0 = Instant::now();
     let res: Vec<Option<Error>> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .into_iter()
             .map(|mut c| {
+                let tx = tx.clone();
                 s.spawn(move || {
                     if c.rank() == 2 {
                         return None;
                     }
+                    // SAFETY: gettid has no preconditions.
+                    tx.send(unsafe { libc::syscall(libc::SYS_gettid) }).unwrap();
                     all_reduce(
                         &mut c,
                         DType::F32,
@@ -444,14 +474,36 @@ fn external_abort_wakes_everyone_fast() {
                 })
             })
             .collect();
-        std::thread::sleep(Duration::from_millis(50));
+        // Abort only once ranks 0 and 1 sleep in their waits for rank 2 (a futex wait is the
+        // only place a collective blocks): an abort that came before the call would be
+        // refused at entry, which is not what this test is about.
+        let tids: Vec<i64> = (0..2)
+            .map(|_| tids.recv_timeout(Duration::from_secs(5)).unwrap())
+            .collect();
+        let until = Instant::now() + Duration::from_secs(5);
+        while !tids
+            .iter()
+            .all(|&t| matches!(sync::tests::blocked_in(t), Some((nr, _)) if nr == libc::SYS_futex))
+        {
+            assert!(
+                Instant::now() < until,
+                "ranks 0 and 1 never blocked in their waits"
+            );
+            std::thread::yield_now();
+        }
         abort0.abort("rank 2 died");
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
-    assert!(matches!(&res[0], Some(Error::Aborted { reason, .. }) if reason == "rank 2 died"));
     assert!(
-        matches!(&res[1], Some(Error::Aborted { reason, .. }) if reason.contains("rank 0")),
+        matches!(&res[0], Some(Error::Aborted { rank: 0, reason }) if reason == "rank 2 died"),
+        "{:?}",
+        res[0]
+    );
+    // Rank 1 hears it through rank 0's abort word: named as rank 0's, with the cause.
+    assert!(
+        matches!(&res[1], Some(Error::Aborted { rank: 1, reason })
+            if reason.contains("rank 0") && reason.contains("rank 2 died")),
         "{:?}",
         res[1]
     );
@@ -500,8 +552,15 @@ fn backend_ops_buffers_and_timing() {
             reference::count_wrong(dtype, ReduceOp::Min, 4, world, &out),
             0
         );
+        // The per-call figure against this thread's own clock around the whole timing (its
+        // warm-up and barrier included), and a floor no two-rank exchange gets under.
+        let t = Instant::now();
         let us = c.time(&call, 2, 10, None).unwrap();
-        assert!(us > 0.0);
+        let outer_us = t.elapsed().as_secs_f64() * 1e6;
+        assert!(
+            (0.05..=outer_us / 10.0).contains(&us),
+            "{us} us per call; the 12 calls and a barrier took {outer_us} us"
+        );
         assert!(matches!(
             c.time(&call, 0, 1, Some(3)),
             Err(Error::InvalidArgument { .. })
@@ -513,7 +572,15 @@ fn backend_ops_buffers_and_timing() {
         assert!(c.meta().devices[0].starts_with("host: "));
         c.free(s);
         c.free(d);
-        assert!(c.write(s, &[0]).is_err());
+        for id in [s, d] {
+            match c.write(id, &[0]) {
+                Err(e @ Error::InvalidArgument { rank, .. }) => {
+                    assert_eq!(rank, r, "{e}");
+                    assert!(e.to_string().contains(&format!("no buffer {id}")), "{e}");
+                }
+                other => panic!("rank {r}: write to freed buffer {id}: {other:?}"),
+            }
+        }
     });
 }
 
