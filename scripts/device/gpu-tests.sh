@@ -15,7 +15,8 @@
 # Knobs: GPU_TESTS_SKIP (test names to leave out, space separated), GPU_TESTS_BINS (default
 # "target/gpu-tests/gpu"), GPU_TESTS_FILTER (substring of the
 # test names to run), GPU_TESTS_IGNORED=1 (run ignored tests too), GPU_TEST_LL_CALLS (LL wrap
-# length, default 200704).
+# length, default 200704), GPU_TESTS_WARMUP=0 (do not fill the kernel cache first with
+# target/release/ipcreduce warmup, or GPU_TESTS_WARMUP_BIN).
 set -u
 OUT=${1:?usage: gpu-tests.sh OUT_DIR}
 BINS=${GPU_TESTS_BINS:-${GPU_TESTS_BIN:-target/gpu-tests/gpu}}
@@ -44,6 +45,23 @@ done
 [ "$COMMIT" != unknown ] || echo "warning: no gpu.commit beside $first: the commit under test is unknown" >&2
 
 MPS_ENV="$OUT/env.txt" mps_on || { cat "$OUT/env.txt"; exit 1; }
+# Kernels are compiled when a call first needs them (and cached on disk). The tests time how
+# promptly every rank sees a peer's failure; a peer compiling its first kernel of a kind on a
+# cold cache would add its compile time to that. So the cache is filled first, as for a
+# deployed image (`ipcreduce warmup`), unless GPU_TESTS_WARMUP=0.
+WARMUP_BIN=${GPU_TESTS_WARMUP_BIN:-target/release/ipcreduce}
+if [ "${GPU_TESTS_WARMUP:-1}" != 0 ]; then
+  if [ -x "$WARMUP_BIN" ]; then
+    t0=$(date +%s)
+    if "$WARMUP_BIN" warmup --world 8 >"$OUT/warmup.log" 2>&1; then
+      echo "kernel cache: warmed up in $(($(date +%s) - t0)) s ($WARMUP_BIN warmup --world 8)" | tee -a "$OUT/env.txt"
+    else
+      echo "kernel cache: warmup FAILED (see warmup.log); tests compile as they go" | tee -a "$OUT/env.txt"
+    fi
+  else
+    echo "kernel cache: no $WARMUP_BIN to warm it up; tests compile as they go" | tee -a "$OUT/env.txt"
+  fi
+fi
 cat "$OUT/env.txt"
 
 passed=0
