@@ -33,14 +33,13 @@ pub fn driver(rank: usize, op: impl Into<String>) -> impl FnOnce(DriverError) ->
 }
 
 /// Launches `f` (one-dimensional grid and block, no dynamic shared memory) on `stream` with
-/// `params`, with programmatic dependent launch when `pdl`: the kernel may then start while
-/// the kernel before it on `stream` finishes, so it must wait on the device
-/// (`griddepcontrol.wait`) before it reads anything that kernel wrote. (cudarc's safe layer
-/// has no launch attributes.)
+/// `params`, with programmatic dependent launch when `pdl`, as the library launches its own
+/// kernels (`ipcreduce::backend::cuda::driver::launch`), the result as cudarc's error.
 ///
 /// # Safety
-/// `params` must point to the kernel's parameters as `cuLaunchKernel` takes them, each valid
-/// for the launch; the kernel must only touch memory the caller vouches for.
+/// As for the library's `launch`: `params` must point to the kernel's parameters as
+/// `cuLaunchKernel` takes them, each valid for the launch; the kernel must only touch memory
+/// the caller vouches for.
 pub unsafe fn launch(
     f: sys::CUfunction,
     (grid, threads): (u32, u32),
@@ -48,25 +47,9 @@ pub unsafe fn launch(
     params: *mut *mut std::ffi::c_void,
     pdl: bool,
 ) -> std::result::Result<(), DriverError> {
-    // SAFETY: an all-zero attribute is plain data (id 0, a zeroed value union); both fields
-    // that matter are set below.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmaticStreamSerializationAllowed = 1;
-    let config = sys::CUlaunchConfig {
-        gridDimX: grid,
-        gridDimY: 1,
-        gridDimZ: 1,
-        blockDimX: threads,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: 0,
-        hStream: stream,
-        attrs: &mut attr,
-        numAttrs: u32::from(pdl),
-    };
-    // SAFETY: `config` and `attr` outlive the call; `params` as the caller vouched.
-    unsafe { sys::cuLaunchKernelEx(&config, f, params, std::ptr::null_mut()) }.result()
+    // SAFETY: passed on as the caller vouched.
+    unsafe { ipcreduce::backend::cuda::driver::launch(f, grid, threads, stream, params, pdl) }
+        .result()
 }
 
 /// Plain device memory of the current context, freed on drop.
