@@ -112,8 +112,9 @@ impl Communicator {
     /// refuse alike on every rank before anything collective starts. Ask
     /// [`Communicator::unavailable`] before requesting an algorithm that may be missing.
     fn collective<R>(&mut self, call: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
+        // The flag first: a healthy communicator's call takes no lock here.
         let state = self.boot.abort_state();
-        if let Some(reason) = state.reason() {
+        if let Some(reason) = state.is_aborted().then(|| state.reason()).flatten() {
             let rank = self.rank();
             return Err(self.flight.note(Error::Aborted { rank, reason }));
         }

@@ -43,7 +43,7 @@ pub(super) fn launch(
         &l.limits,
         tuned,
     );
-    let f = l.gpu.function(path, dtype, op, l.rank)?;
+    let f = l.function(path, dtype, op)?;
     l.took(path, grid);
     let zero_copy = zero_copy.filter(|_| path.registered());
     let registered =

@@ -136,7 +136,22 @@ pub(super) struct Launcher {
     pub launch_pdl: bool,
     /// The LL kernels let the next kernel launch early (MODE_LET_NEXT_LAUNCH).
     pub let_next_launch: bool,
+    /// The kernels of the last few calls' kinds: a repeated call finds its kernel here,
+    /// without the shared table's lock and hash (see [`Launcher::function`]).
+    recent: [Option<(FnKey, KernelHandle)>; RECENT_KERNELS],
 }
+
+/// A loaded kernel's handle, kept across calls.
+#[derive(Clone, Copy)]
+struct KernelHandle(sys::CUfunction);
+// SAFETY: a CUfunction is a handle the driver accepts from any thread of the process; its module
+// is never unloaded (modules.rs), so it stays valid wherever the communicator moves.
+unsafe impl Send for KernelHandle {}
+
+/// What names a kernel: its path, element type and reduction.
+type FnKey = (CudaPath, DType, ReduceOp);
+/// Kernels remembered per communicator: a training step alternates a few kinds of call.
+const RECENT_KERNELS: usize = 4;
 
 /// What [`Launcher::new`] takes beside the memory it owns.
 pub(super) struct Agreed {
@@ -177,7 +192,31 @@ impl Launcher {
             pdl: agreed.pdl,
             launch_pdl: false,
             let_next_launch: agreed.let_next_launch,
+            recent: [None; RECENT_KERNELS],
         }
+    }
+
+    /// The kernel of `path` for `dtype` and `op`, loaded on its first use (see
+    /// [`Loaded::function`]); the last few are remembered here, newest first.
+    pub fn function(
+        &mut self,
+        path: CudaPath,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<sys::CUfunction> {
+        let key = (path, dtype, op);
+        let hit = self.recent.iter().enumerate().find_map(|(i, e)| match e {
+            Some((k, f)) if *k == key => Some((i, f.0)),
+            _ => None,
+        });
+        if let Some((i, f)) = hit {
+            self.recent[..=i].rotate_right(1);
+            return Ok(f);
+        }
+        let f = self.gpu.function(path, dtype, op, self.rank)?;
+        self.recent.rotate_right(1);
+        self.recent[0] = Some((key, KernelHandle(f)));
+        Ok(f)
     }
 
     /// Every call starts here: refused after a failure, else numbered.
@@ -367,7 +406,7 @@ impl Launcher {
             send: None,
             recv: None,
         };
-        let f = self.gpu.function(path, dtype, reduce, self.rank)?;
+        let f = self.function(path, dtype, reduce)?;
         self.took(path, 1);
         let call = CallArgs {
             send: 0,

@@ -95,7 +95,7 @@ pub(super) fn launch(
     }
     .clamp(1, l.limits.cap.max(1)) as u32;
     let op = path.effective_op(call.op);
-    let f = l.gpu.function(path, dtype, op, l.rank)?;
+    let f = l.function(path, dtype, op)?;
     l.took(path, grid);
     // Zero-copy: the memory the peers read, which must be the same region at the same
     // offset on every rank (they address it through their own mapping of our region):

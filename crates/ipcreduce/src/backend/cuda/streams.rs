@@ -40,6 +40,8 @@ pub(super) trait Events {
     fn forget(&mut self, stream: Key);
     /// Streams that have an event.
     fn streams(&self) -> Vec<Key>;
+    /// How many streams have an event (checked after every call: no list made).
+    fn count(&self) -> usize;
 }
 
 /// Keeps the calls of one communicator ordered across streams and knows what to wait for.
@@ -110,7 +112,7 @@ impl Tracker {
             // right after this call, and then teardown has only this event to know when the
             // call's work is done (recording on a destroyed stream later is not allowed).
             ev.record(s)?;
-            if ev.streams().len() > PRUNE_ABOVE {
+            if ev.count() > PRUNE_ABOVE {
                 for k in ev.streams() {
                     if k != s && !self.lasting(k) && ev.done(k)? {
                         ev.forget(k);
@@ -226,6 +228,9 @@ impl Events for CudaEvents {
     fn streams(&self) -> Vec<Key> {
         self.events.keys().copied().collect()
     }
+    fn count(&self) -> usize {
+        self.events.len()
+    }
 }
 
 impl Drop for CudaEvents {
@@ -278,6 +283,9 @@ mod tests {
             let mut v: Vec<_> = self.recorded.iter().copied().collect();
             v.sort();
             v
+        }
+        fn count(&self) -> usize {
+            self.recorded.len()
         }
     }
 
