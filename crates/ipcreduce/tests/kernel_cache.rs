@@ -258,3 +258,42 @@ fn a_stuck_lock_holder_is_waited_for_a_bounded_time() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_killed_writers_temporary_file_is_removed_by_the_next_writer_of_its_key() {
+    let dir = scratch("leftovers");
+    let cache = Cache::at(&dir);
+    let stem = |key: &str| {
+        let p = cache.path_of(key);
+        p.file_stem().unwrap().to_str().unwrap().to_string()
+    };
+    let hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
+    let make = |name: String, old: bool| {
+        let p = dir.join(name);
+        let f = std::fs::File::create(&p).unwrap();
+        if old {
+            f.set_modified(hour_ago).unwrap();
+        }
+        p
+    };
+    // A writer of KEY killed an hour ago, one writing it right now, and a killed writer of
+    // another key.
+    let killed = make(format!("{}.tmp.4242.0", stem(KEY)), true);
+    let live = make(format!("{}.tmp.4243.0", stem(KEY)), false);
+    let other = make(format!("{}.tmp.4244.0", stem("another key")), true);
+    let (b, o) = cache.get(KEY, || Ok(payload())).unwrap();
+    assert_eq!(
+        (&b[..], o),
+        (&payload()[..], Outcome::Compiled { replaced: false })
+    );
+    assert!(
+        !killed.exists(),
+        "the killed writer's file of this key was left"
+    );
+    assert!(live.exists(), "a file being written right now was removed");
+    assert!(
+        other.exists(),
+        "another key's file was removed by this key's writer"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

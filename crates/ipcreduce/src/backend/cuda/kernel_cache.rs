@@ -2,7 +2,8 @@
 //! `~/.cache/ipcreduce/kernels`, see [`default_dir`]): one file per key, shared by the ranks of a node and by jobs.
 //!
 //! - A file is written to a temporary name and renamed into place, so a reader sees the whole
-//!   file or none (rename is atomic within a directory).
+//!   file or none (rename is atomic within a directory). A writer killed before its rename
+//!   leaves its temporary file; the next writer of that key removes it.
 //! - A file carries its key, its length and a hash of its bytes; one that does not match (torn
 //!   by a crash, truncated, another key's, edited) is compiled again and replaced, never used.
 //! - One process compiles a key at a time: it holds an exclusive `flock` on the key's lock file
@@ -154,6 +155,9 @@ impl Cache {
                 FileState::Missing => {}
             }
         }
+        if lock.is_some() {
+            remove_leftovers(&path);
+        }
         let bytes = compile()?;
         let stored = self.store(&path, key, &bytes);
         drop(lock);
@@ -238,6 +242,38 @@ impl Cache {
             let _ = fs::remove_file(&tmp);
         }
         r
+    }
+}
+
+/// A writer's temporary files are as old as its write (milliseconds): one older than this was
+/// left by a writer that was killed before its rename.
+const LEFTOVER_AGE: Duration = Duration::from_secs(10);
+
+/// Removes temporary files of `path`'s key that writers killed mid-write left behind. Called
+/// while holding the key's lock (no other locked writer is writing it); the age keeps it off a
+/// file a writer that gave up waiting for the lock may be writing right now.
+fn remove_leftovers(path: &Path) {
+    let (Some(dir), Some(stem)) = (path.parent(), path.file_stem().and_then(|s| s.to_str())) else {
+        return;
+    };
+    let prefix = format!("{stem}.tmp.");
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if !name.to_str().is_some_and(|n| n.starts_with(&prefix)) {
+            continue;
+        }
+        let old = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age >= LEFTOVER_AGE);
+        if old {
+            let _ = fs::remove_file(entry.path());
+        }
     }
 }
 
