@@ -54,6 +54,7 @@ fn play_rank_if_child() {
         "pointers" => rank_pointers(),
         "scatter_gather" => rank_scatter_gather(),
         "hostile" => rank_hostile(),
+        "share_refused" => rank_share_refused(),
         other => panic!("unknown role {other}"),
     };
     let _ = std::io::stdout().flush();
@@ -76,6 +77,18 @@ fn config(sharing: Option<Sharing>) -> Config {
 
 fn join() -> Communicator {
     Communicator::init(&config(None)).expect("cuda communicator")
+}
+
+/// Under a 10 % MPS share asking for more CTAs than can be resident at once (IPCREDUCE_BLOCKS)
+/// is an init error naming the limit, on every rank (each computes it from the same agreed room).
+fn rank_share_refused() -> i32 {
+    let e = match Communicator::init(&config(None)) {
+        Ok(_) => panic!("IPCREDUCE_BLOCKS=16 accepted under a 10 % MPS share"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("can be resident at once"), "{e}");
+    say("DONE 1");
+    0
 }
 
 /// A non-blocking stream of the caller's own.
@@ -957,6 +970,25 @@ fn every_dtype_op_and_algorithm_at_worlds_2_4_8() {
         "sweep",
         &[2, 4, 8],
         &[],
+    );
+}
+
+#[test]
+fn a_small_mps_share_shrinks_the_grids_and_never_hangs() {
+    // Every rank's MPS client may use 10 % of the GPU's threads (12 of 132 SMs), and MPS may
+    // run all clients' blocks on the same SMs: the grids must shrink until every rank's blocks
+    // fit there at once. A grid that did not would wait for blocks that never start, and the
+    // sweep's calls would time out instead of passing.
+    play_rank_if_child();
+    let test = "a_small_mps_share_shrinks_the_grids_and_never_hangs";
+    let share = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "10");
+    run_role(test, "sweep", &[2, 4, 8], &[share]);
+    // 12 SMs for two ranks: 6 SMs, 12 CTAs each; 16 cannot be resident.
+    run_role(
+        test,
+        "share_refused",
+        &[2],
+        &[share, ("IPCREDUCE_BLOCKS", "16")],
     );
 }
 

@@ -11,8 +11,9 @@
 //!   (`cuCtxGetExecAffinity`, `CU_EXEC_AFFINITY_TYPE_SM_COUNT`, which covers limits set by the
 //!   MPS control daemon where the driver reports them) and the MPS active-thread share the
 //!   client sees (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`), whichever is smaller;
-//! - the ranks sharing the GPU: each gets whole SMs of its own, `device SMs / sharing` (whether
-//!   MPS places two clients' blocks on one SM or not, this fits);
+//! - the ranks sharing the GPU: each counts on `usable SMs / sharing` whole SMs (whether MPS
+//!   places two clients' blocks on one SM or not, and a limited client's blocks on the same
+//!   SMs as another's, this fits);
 //! - the blocks per SM every kernel is guaranteed, loaded yet or not (see [`promised`]): two
 //!   for the 512-thread kernels, one for the deep zero-copy ones, no more than the SM's thread
 //!   limit holds, and no more than the occupancy calculator
@@ -79,10 +80,12 @@ pub(super) fn usable_sms(
     n
 }
 
-/// SMs one of `sharing` ranks on the GPU may count on: its usable share, and no more than an
-/// even split of the device among the ranks.
+/// SMs one of `sharing` ranks on the GPU may count on: an even split of what each may use.
+/// A limited client (an MPS share, an affinity) is held to `usable` SMs, but not to SMs of its
+/// own: MPS may run every client's blocks on the same `usable` SMs, so the ranks' grids must fit
+/// there together. Without a limit that is the even split of the device.
 pub(super) fn rank_sms(usable: usize, device_sms: usize, sharing: usize) -> usize {
-    usable.min(device_sms / sharing.max(1))
+    usable.min(device_sms) / sharing.max(1)
 }
 
 /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` as the client sees it (unset or unparsable: no limit).
@@ -388,10 +391,12 @@ mod tests {
         assert_eq!(rank_sms(H200, H200, 1), H200);
         assert_eq!(rank_sms(H200, H200, 4), 33);
         assert_eq!(rank_sms(H200, H200, 8), 16);
-        // A limited client holds no more than its share.
-        assert_eq!(rank_sms(12, H200, 4), 12);
-        assert_eq!(rank_sms(2, H200, 8), 2);
+        // Limited clients may all be placed on the same SMs: they split their share.
+        assert_eq!(rank_sms(12, H200, 4), 3);
+        assert_eq!(rank_sms(12, H200, 1), 12);
+        assert_eq!(rank_sms(2, H200, 8), 0);
         assert_eq!(rank_sms(H200, 16, 32), 0);
+        assert_eq!(rank_sms(200, H200, 2), 66, "no more than the device");
         assert_eq!(
             rank_sms(H200, H200, 0),
             H200,
@@ -429,17 +434,27 @@ mod tests {
                 deep_cap: 16
             }
         );
-        // MPS at 10 % (12 SMs), eight ranks: 24 and 12.
+        // MPS at 10 % (12 SMs), eight ranks: every rank's blocks may land on the same 12 SMs,
+        // so each holds one of them: 2 and 1.
         let r = room(H200, usable_sms(H200, None, Some(10.0)), 8, 2, 1);
         assert_eq!(
             caps(&r, None, 64, 128).unwrap(),
             Caps {
-                cap: 24,
-                deep_cap: 12
+                cap: 2,
+                deep_cap: 1
             }
         );
-        // MPS at 3 % (2 SMs): 4 and 2.
-        let r = room(H200, usable_sms(H200, None, Some(3.0)), 4, 2, 1);
+        // MPS at 10 %, four ranks: 3 SMs each, 6 and 3.
+        let r = room(H200, usable_sms(H200, None, Some(10.0)), 4, 2, 1);
+        assert_eq!(
+            caps(&r, None, 64, 128).unwrap(),
+            Caps {
+                cap: 6,
+                deep_cap: 3
+            }
+        );
+        // MPS at 3 % (2 SMs): one rank 4 and 2; four ranks cannot all be resident there.
+        let r = room(H200, usable_sms(H200, None, Some(3.0)), 1, 2, 1);
         assert_eq!(
             caps(&r, None, 64, 128).unwrap(),
             Caps {
@@ -447,6 +462,8 @@ mod tests {
                 deep_cap: 2
             }
         );
+        let r = room(H200, usable_sms(H200, None, Some(3.0)), 4, 2, 1);
+        assert!(caps(&r, None, 64, 128).is_err());
         // A 16-SM MIG slice, two ranks.
         assert_eq!(
             caps(&room(16, 16, 2, 2, 1), None, 64, 128).unwrap(),
@@ -535,7 +552,7 @@ mod tests {
         let a = room(H200, H200, 4, 2, 1);
         let b = room(H200, 12, 4, 2, 1);
         let s = smallest(&[a, b, a]).unwrap();
-        assert_eq!((s.wide, s.deep, s.rank_sms), (24, 12, 12));
+        assert_eq!((s.wide, s.deep, s.rank_sms), (6, 3, 3));
         assert_eq!(Room::from_bytes(&b.to_bytes()), Some(b));
         assert_eq!(Room::from_bytes(&[0; 7]), None);
         assert_eq!(smallest(&[]), None);
