@@ -8,9 +8,10 @@
 //! - the SMs of the device (`CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT`; a MIG slice reports its
 //!   own);
 //! - the SMs this context may use: the execution affinity the driver reports
-//!   (`cuCtxGetExecAffinity`, `CU_EXEC_AFFINITY_TYPE_SM_COUNT`, which covers limits set by the
-//!   MPS control daemon where the driver reports them) and the MPS active-thread share the
-//!   client sees (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`), whichever is smaller;
+//!   (`cuCtxGetExecAffinity`, `CU_EXEC_AFFINITY_TYPE_SM_COUNT`) where it is smaller. An MPS
+//!   active-thread share (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, the client's or the daemon's) is
+//!   already in the device's SM count as the client sees it (on an H200, driver 580, a 10 %
+//!   client reads 12 of 132 SMs), so it is not applied again;
 //! - the ranks sharing the GPU: each counts on `usable SMs / sharing` whole SMs (whether MPS
 //!   places two clients' blocks on one SM or not, and a limited client's blocks on the same
 //!   SMs as another's, this fits);
@@ -59,25 +60,13 @@ pub(super) struct Caps {
     pub deep_cap: usize,
 }
 
-/// SMs one process may use on a device of `device_sms`: the driver's execution affinity when it
-/// reports one, and the MPS active-thread percentage. The percentage is turned into SMs rounded
-/// down to whole TPCs (2 SMs) where it limits: MPS provisions SMs, and a guess that is one SM too
-/// high could hang where one too low only costs a CTA or two.
-pub(super) fn usable_sms(
-    device_sms: usize,
-    affinity: Option<usize>,
-    mps_percent: Option<f64>,
-) -> usize {
-    let mut n = device_sms;
-    if let Some(a) = affinity.filter(|&a| a > 0) {
-        n = n.min(a);
+/// SMs one process may use on a device of `device_sms` (the count the client is shown, MPS
+/// share included): fewer where the driver reports a smaller execution affinity.
+pub(super) fn usable_sms(device_sms: usize, affinity: Option<usize>) -> usize {
+    match affinity.filter(|&a| a > 0) {
+        Some(a) => device_sms.min(a),
+        None => device_sms,
     }
-    if let Some(p) = mps_percent.filter(|p| p.is_finite() && *p > 0.0 && *p < 100.0) {
-        let sms = (device_sms as f64 * p / 100.0).floor() as usize;
-        let whole_tpcs = if sms >= 2 { sms & !1 } else { sms };
-        n = n.min(whole_tpcs);
-    }
-    n
 }
 
 /// SMs one of `sharing` ranks on the GPU may count on: an even split of what each may use.
@@ -86,11 +75,6 @@ pub(super) fn usable_sms(
 /// there together. Without a limit that is the even split of the device.
 pub(super) fn rank_sms(usable: usize, device_sms: usize, sharing: usize) -> usize {
     usable.min(device_sms) / sharing.max(1)
-}
-
-/// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` as the client sees it (unset or unparsable: no limit).
-pub(super) fn parse_mps_percent(v: Option<&str>) -> Option<f64> {
-    v.and_then(|s| s.trim().parse::<f64>().ok())
 }
 
 /// The caps from the smallest room of any rank. `fixed` (`IPCREDUCE_BLOCKS`) must fit; without
@@ -194,15 +178,7 @@ pub(super) fn measure(
         || "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)".into(),
     )?;
     let device_sms = sms.max(0) as usize;
-    let usable = usable_sms(
-        device_sms,
-        context_sm_affinity(),
-        parse_mps_percent(
-            std::env::var("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-                .ok()
-                .as_deref(),
-        ),
-    );
+    let usable = usable_sms(device_sms, context_sm_affinity());
     let rank_sms = rank_sms(usable, device_sms, sharing);
     let mut threads_per_sm = 0;
     // SAFETY: writes one int for a valid device.
@@ -361,29 +337,13 @@ mod tests {
     }
 
     #[test]
-    fn the_mps_share_becomes_whole_tpcs_rounded_down() {
-        assert_eq!(usable_sms(H200, None, None), H200);
-        // 10 % of 132 = 13.2 SMs: 12 (6 TPCs).
-        assert_eq!(usable_sms(H200, None, Some(10.0)), 12);
-        // 3 % = 3.96 SMs: 2.
-        assert_eq!(usable_sms(H200, None, Some(3.0)), 2);
-        // Below two SMs: what there is (one SM, or none).
-        assert_eq!(usable_sms(H200, None, Some(1.0)), 1);
-        assert_eq!(usable_sms(H200, None, Some(0.5)), 0);
-        // 100 % or nonsense: no limit from the variable.
-        assert_eq!(usable_sms(H200, None, Some(100.0)), H200);
-        assert_eq!(usable_sms(H200, None, Some(f64::NAN)), H200);
-        assert_eq!(usable_sms(H200, None, Some(-5.0)), H200);
-    }
-
-    #[test]
-    fn the_drivers_affinity_limits_too_and_the_smaller_wins() {
-        assert_eq!(usable_sms(H200, Some(40), None), 40);
-        assert_eq!(usable_sms(H200, Some(40), Some(10.0)), 12);
-        assert_eq!(usable_sms(H200, Some(8), Some(50.0)), 8);
+    fn the_drivers_affinity_limits_where_smaller() {
+        assert_eq!(usable_sms(H200, None), H200);
+        assert_eq!(usable_sms(H200, Some(40)), 40);
+        assert_eq!(usable_sms(12, Some(40)), 12);
         // A MIG slice reports its own SM count as the device's.
-        assert_eq!(usable_sms(16, Some(16), None), 16);
-        assert_eq!(usable_sms(H200, Some(0), None), H200, "0 = not reported");
+        assert_eq!(usable_sms(16, Some(16)), 16);
+        assert_eq!(usable_sms(H200, Some(0)), H200, "0 = not reported");
     }
 
     #[test]
@@ -436,7 +396,7 @@ mod tests {
         );
         // MPS at 10 % (12 SMs), eight ranks: every rank's blocks may land on the same 12 SMs,
         // so each holds one of them: 2 and 1.
-        let r = room(H200, usable_sms(H200, None, Some(10.0)), 8, 2, 1);
+        let r = room(H200, 12, 8, 2, 1);
         assert_eq!(
             caps(&r, None, 64, 128).unwrap(),
             Caps {
@@ -445,7 +405,7 @@ mod tests {
             }
         );
         // MPS at 10 %, four ranks: 3 SMs each, 6 and 3.
-        let r = room(H200, usable_sms(H200, None, Some(10.0)), 4, 2, 1);
+        let r = room(H200, 12, 4, 2, 1);
         assert_eq!(
             caps(&r, None, 64, 128).unwrap(),
             Caps {
@@ -454,7 +414,7 @@ mod tests {
             }
         );
         // MPS at 3 % (2 SMs): one rank 4 and 2; four ranks cannot all be resident there.
-        let r = room(H200, usable_sms(H200, None, Some(3.0)), 1, 2, 1);
+        let r = room(H200, 2, 1, 2, 1);
         assert_eq!(
             caps(&r, None, 64, 128).unwrap(),
             Caps {
@@ -462,7 +422,7 @@ mod tests {
                 deep_cap: 2
             }
         );
-        let r = room(H200, usable_sms(H200, None, Some(3.0)), 4, 2, 1);
+        let r = room(H200, 2, 4, 2, 1);
         assert!(caps(&r, None, 64, 128).is_err());
         // A 16-SM MIG slice, two ranks.
         assert_eq!(
@@ -508,7 +468,7 @@ mod tests {
 
     #[test]
     fn no_room_is_an_error_not_a_hang() {
-        let r = room(H200, usable_sms(H200, None, Some(0.5)), 8, 2, 1);
+        let r = room(H200, 1, 8, 2, 1);
         let e = caps(&r, None, 64, 128).unwrap_err();
         assert!(
             e.contains("no kernel grid fits") && e.contains("0 SMs of 132"),
