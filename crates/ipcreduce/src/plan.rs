@@ -70,6 +70,36 @@ pub const MODE_PUSH_PASSES: u32 = 1;
 /// stream launch at once (programmatic dependent launch).
 pub const MODE_LET_NEXT_LAUNCH: u32 = 2;
 
+/// kernels/prims.cuh's MODE_ROUND_SHIFT: bits 8-15 of the staged kernels' mode are the packs
+/// per thread per round of their interleaved copy and read ([`staged_round`]).
+pub const MODE_ROUND_SHIFT: u32 = 8;
+
+/// The staged kernels' knobs, agreed by every rank at init (`None`: by the size rules).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StagedKnobs {
+    /// `IPCREDUCE_STAGED_CHUNK`: bytes per chunk.
+    pub chunk: Option<usize>,
+    /// `IPCREDUCE_STAGED_CTAS`: CTAs of every staged call.
+    pub ctas: Option<usize>,
+    /// `IPCREDUCE_STAGED_ROUND`: packs per thread per round, 0 = no interleave.
+    pub round: Option<u32>,
+}
+
+/// Packs per thread per round of the staged kernels' interleave (staged.cu): on the
+/// host-staged transport a thread alternates between its copy into host memory (chunk k+1's
+/// copy-in: writes up the GPU's PCIe link) and its reads from it (chunk k's reduce, two-shot's
+/// gather: reads, whose data comes down the link) every `round` packs, so both directions carry
+/// traffic at once. DEFAULT 4 (the copy's unroll: one unrolled step of each per round), to be
+/// set from scripts/device/staged-sweep.sh. On peer memory the copy-in is local HBM traffic
+/// with nothing to balance: 0, the order measured there.
+pub fn staged_round(fabric: Fabric, forced: Option<u32>) -> u32 {
+    match (forced, fabric) {
+        (Some(r), _) => r.min(255),
+        (None, Fabric::HostStaged) => 4,
+        (None, _) => 0,
+    }
+}
+
 /// Most CTAs per kernel under the PCIe policy. PCIe Gen4/Gen5 x16 carries 25-55 GB/s per
 /// direction: 16 CTAs of 512 threads with 4 16-byte loads in flight each (512 KiB) cover its
 /// bandwidth-delay product at several microseconds of latency; more CTAs only add requests
@@ -145,7 +175,17 @@ pub fn oneshot_max_bytes(backend: BackendKind, fabric: Fabric, world: usize) -> 
 /// about 8 chunks per message, no chunk below 512 KiB (each costs every CTA a flag round trip
 /// through host memory) nor above 4 MiB (a deeper pipeline costs nothing once the message is
 /// large).
-pub fn staged_chunk_bytes(fabric: Fabric, bytes: usize, slot_bytes: usize) -> usize {
+/// `forced` (`IPCREDUCE_STAGED_CHUNK`) takes the place of the rule, rounded down to 256 bytes
+/// and at most the slot.
+pub fn staged_chunk_bytes(
+    fabric: Fabric,
+    bytes: usize,
+    slot_bytes: usize,
+    forced: Option<usize>,
+) -> usize {
+    if let Some(c) = forced {
+        return (c / 256 * 256).clamp(256, slot_bytes);
+    }
     match fabric {
         Fabric::HostStaged => (bytes / 8)
             .next_multiple_of(64 << 10)
@@ -276,6 +316,8 @@ pub struct GridLimits {
     pub deep_cap: usize,
     /// LL calls carry 12 data bytes per line (`IPCREDUCE_LL_DATA=12`) instead of 8.
     pub ll12: bool,
+    /// The staged kernels' chunk, CTAs and interleave, where set.
+    pub staged: StagedKnobs,
 }
 
 /// Default CTA counts by message size. DEFAULTS, first guesses from the kernels' design (8
@@ -356,7 +398,12 @@ pub fn cuda_path(
         (Algorithm::OneShot, false) => CudaPath::OneShotStaged,
         (_, false) => CudaPath::TwoShotStaged,
     };
-    let ctas = match (path, lim.fixed.or(tuned)) {
+    // IPCREDUCE_STAGED_CTAS, for the staged paths, before everything else.
+    let forced = match path {
+        CudaPath::OneShotStaged | CudaPath::TwoShotStaged => lim.staged.ctas.or(lim.fixed),
+        _ => lim.fixed,
+    };
+    let ctas = match (path, forced.or(tuned)) {
         (CudaPath::OneShotLl | CudaPath::OneShotLl12, Some(f)) => default_ctas(path, bytes).min(f),
         (_, Some(f)) => f,
         _ => default_ctas(path, bytes),
@@ -470,7 +517,7 @@ mod tests {
     fn host_staged_chunks_pipeline_and_peer_chunks_fill_the_slot() {
         const M: usize = 1 << 20;
         let slot = 16 * M;
-        let host = |bytes| staged_chunk_bytes(Fabric::HostStaged, bytes, slot);
+        let host = |bytes| staged_chunk_bytes(Fabric::HostStaged, bytes, slot, None);
         // About eight chunks per message, between 512 KiB and 4 MiB.
         assert_eq!(host(8 * M), M);
         assert_eq!(host(32 * M), 4 * M);
@@ -479,10 +526,10 @@ mod tests {
         assert_eq!(host(3 * M + 5), 512 << 10);
         assert_eq!(host(6 * M), 768 << 10);
         // Never above the slot, always a multiple of 256 bytes.
-        assert_eq!(staged_chunk_bytes(Fabric::HostStaged, 1 << 30, M), M);
+        assert_eq!(staged_chunk_bytes(Fabric::HostStaged, 1 << 30, M, None), M);
         for bytes in [1, 1000, 5 * M + 3, 77 * M] {
             for slot in [64 << 10, 300 * 256, M, slot] {
-                let c = staged_chunk_bytes(Fabric::HostStaged, bytes, slot);
+                let c = staged_chunk_bytes(Fabric::HostStaged, bytes, slot, None);
                 assert!(
                     c <= slot && c.is_multiple_of(256) && c > 0,
                     "{bytes} {slot} {c}"
@@ -490,7 +537,7 @@ mod tests {
             }
         }
         for f in [Fabric::Peer, Fabric::PciePeer] {
-            assert_eq!(staged_chunk_bytes(f, 8 * M, slot), slot);
+            assert_eq!(staged_chunk_bytes(f, 8 * M, slot, None), slot);
         }
     }
 
@@ -520,6 +567,7 @@ mod tests {
             deep: false,
             deep_cap: 64,
             ll12: false,
+            staged: StagedKnobs::default(),
         };
         let one = Algorithm::OneShot;
         let two = Algorithm::TwoShot;
@@ -616,6 +664,7 @@ mod tests {
             deep: true,
             deep_cap: 64,
             ll12: false,
+            staged: StagedKnobs::default(),
         }
     }
 

@@ -59,7 +59,11 @@ pub(super) fn launch(
         recv: registered(recv),
     };
     let mut args = l.kernel_args(call, &ident, zero_copy);
-    args.chunk_bytes = crate::plan::staged_chunk_bytes(l.fabric, bytes, l.slot_bytes) as u64;
+    let knobs = l.limits.staged;
+    args.chunk_bytes =
+        crate::plan::staged_chunk_bytes(l.fabric, bytes, l.slot_bytes, knobs.chunk) as u64;
+    args.mode |=
+        (crate::plan::staged_round(l.fabric, knobs.round) << crate::plan::MODE_ROUND_SHIFT) as i32;
     if path == CudaPath::Ce {
         let lanes = engine.lanes(l.rank)?;
         return ce::launch(l, lanes, &args, call, grid);
