@@ -521,6 +521,9 @@ mod tests {
                 ("IPCREDUCE_TOPOLOGY", "PCIe"),
                 ("IPCREDUCE_PDL", "0"),
                 ("IPCREDUCE_PDL_TRIGGER", "1"),
+                ("IPCREDUCE_STAGED_CHUNK", "1048576"),
+                ("IPCREDUCE_STAGED_CTAS", "24"),
+                ("IPCREDUCE_STAGED_ROUND", "0"),
             ]))
             .unwrap();
         assert_eq!(c.timeout(), Duration::from_millis(1500));
@@ -540,6 +543,9 @@ mod tests {
         assert_eq!(c.topology, Some(Topology::Pcie));
         assert_eq!(c.pdl, Some(Pdl::Off));
         assert_eq!(c.pdl_trigger, Some(true));
+        assert_eq!(c.staged_chunk_bytes, Some(1 << 20));
+        assert_eq!(c.staged_ctas, Some(24));
+        assert_eq!(c.staged_round, Some(0));
         for (v, want) in [
             ("on", Pdl::Always),
             ("1", Pdl::Always),
@@ -578,7 +584,8 @@ mod tests {
         assert_eq!(c.timeout(), DEFAULT_TIMEOUT);
         assert_eq!(c.ll_max_bytes(2, Fabric::Peer), 1 << 20);
         assert_eq!(c.ll_max_bytes(8, Fabric::Peer), 64 << 10);
-        assert_eq!(c.ll_max_bytes(2, Fabric::HostStaged), 64 << 10);
+        assert_eq!(c.ll_max_bytes(2, Fabric::HostStaged), 16 << 10);
+        assert_eq!(c.ll_max_bytes(2, Fabric::PciePeer), 64 << 10);
         assert_eq!(c.host_heap_bytes(), DEFAULT_HOST_HEAP_BYTES);
         assert!(!c.nccl_shared_gpu());
         // Empty counts as unset; "auto" sharing is no choice.
@@ -625,6 +632,10 @@ mod tests {
             ("IPCREDUCE_PDL", "graph"),
             ("IPCREDUCE_PDL", "yes"),
             ("IPCREDUCE_PDL_TRIGGER", "eager"),
+            ("IPCREDUCE_STAGED_CHUNK", "255"),
+            ("IPCREDUCE_STAGED_CHUNK", "4M"),
+            ("IPCREDUCE_STAGED_CTAS", "0"),
+            ("IPCREDUCE_STAGED_ROUND", "256"),
         ] {
             let msg = config_error(&[(k, v)]);
             assert!(msg.contains(k), "{k}={v}: {msg}");

@@ -28,13 +28,16 @@ pub(super) fn launch(
     let bytes = call.bytes();
     let zero_copy = registry.peers_of(send, recv, bytes, l.world);
     // The tuned CTA count of the row for this size, when the call runs that row's algorithm
-    // (on peer memory: tables are not measured staged through host memory).
-    let tuned = Some(&l.tune)
-        .filter(|_| l.fabric != Fabric::HostStaged)
-        .and_then(|t| t.lookup(l.world, dtype.size(), bytes))
-        .filter(|e| e.algorithm() == Some(algo))
-        .and_then(|e| e.ctas)
-        .map(|c| c as usize);
+    // (on peer memory: tables are not measured staged through host memory, which has its own
+    // measured rule; the staged paths take it, the LL one keeps its own rule below it).
+    let tuned = match l.fabric {
+        Fabric::HostStaged => Some(crate::plan::host_staged_ctas(bytes)),
+        _ => Some(&l.tune)
+            .and_then(|t| t.lookup(l.world, dtype.size(), bytes))
+            .filter(|e| e.algorithm() == Some(algo))
+            .and_then(|e| e.ctas)
+            .map(|c| c as usize),
+    };
     let (path, grid) = crate::plan::cuda_path(
         algo,
         bytes,
