@@ -14,7 +14,9 @@
 //     Pipelined order of one block, one-shot: copy-in 0; for each chunk k: barrier k, copy-in
 //     k+1, reduce k. Two-shot: copy-in 0; for each k: barrier A_k, reduce our shard of k (reads
 //     the peers' slots, stores the result back into them), barrier B_k, copy-in k+1, gather k
-//     (reads our own slot only). Before block b writes slot parity P for chunk k+1 it has passed
+//     (reads our own slot only); "copy-in k+1, reduce k" and "copy-in k+1, gather k" run
+//     interleaved by rounds (see interleave), which changes no block's bytes nor its barriers.
+//     Before block b writes slot parity P for chunk k+1 it has passed
 //     the barrier of chunk k (one-shot) or B_k and so A_k (two-shot) with block b of every peer,
 //     which that block entered only after it finished every access of chunk k-1, the previous
 //     use of P: its reads (one-shot), its reduce and gather (two-shot). Chunk k's reads follow
