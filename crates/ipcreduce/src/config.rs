@@ -136,6 +136,17 @@ pub struct Config {
     /// cuda, two ranks, registered buffers, out of place: messages from this size on take the
     /// copy-engine path, 0 = never *(same on every rank)*. `IPCREDUCE_CE_MIN`; 0 (until measured).
     pub ce_min_bytes: Option<usize>,
+    /// cuda, staged kernels (one-shot and two-shot without registered buffers): bytes per
+    /// chunk *(same on every rank)*, rounded down to 256 bytes, at most a slot.
+    /// `IPCREDUCE_STAGED_CHUNK`; by fabric and size ([`crate::plan::staged_chunk_bytes`]).
+    pub staged_chunk_bytes: Option<usize>,
+    /// cuda, staged kernels: CTAs, in place of the size rule and `IPCREDUCE_BLOCKS`, at most
+    /// the agreed cap *(same on every rank)*. `IPCREDUCE_STAGED_CTAS`.
+    pub staged_ctas: Option<usize>,
+    /// cuda, staged kernels: 16-byte packs per thread per round when a copy into the
+    /// workspace runs beside a read from it, 0 = one after the other, at most 255 *(same on
+    /// every rank)*. `IPCREDUCE_STAGED_ROUND`; by fabric ([`crate::plan::staged_round`]).
+    pub staged_round: Option<usize>,
     /// cuda: when kernels are launched with programmatic dependent launch ([`Pdl`]).
     /// `IPCREDUCE_PDL` (0/off, eager, 1/on, auto); eager calls only, where the GPU has it.
     pub pdl: Option<Pdl>,
@@ -201,6 +212,9 @@ impl Config {
                 .reg_oneshot_max_bytes
                 .or(from_env.reg_oneshot_max_bytes),
             ce_min_bytes: self.ce_min_bytes.or(from_env.ce_min_bytes),
+            staged_chunk_bytes: self.staged_chunk_bytes.or(from_env.staged_chunk_bytes),
+            staged_ctas: self.staged_ctas.or(from_env.staged_ctas),
+            staged_round: self.staged_round.or(from_env.staged_round),
             pdl: self.pdl.or(from_env.pdl),
             pdl_trigger: self.pdl_trigger.or(from_env.pdl_trigger),
             sharing: self.sharing.or(from_env.sharing),
@@ -293,6 +307,9 @@ impl Config {
             reg_loads: int("IPCREDUCE_REG_LOADS")?,
             reg_oneshot_max_bytes: int("IPCREDUCE_REG_ONESHOT_MAX")?,
             ce_min_bytes: int("IPCREDUCE_CE_MIN")?,
+            staged_chunk_bytes: int("IPCREDUCE_STAGED_CHUNK")?,
+            staged_ctas: int("IPCREDUCE_STAGED_CTAS")?,
+            staged_round: int("IPCREDUCE_STAGED_ROUND")?,
             pdl,
             pdl_trigger,
             sharing,
@@ -317,6 +334,18 @@ impl Config {
         }
         if self.workspace_bytes == Some(0) {
             return bad("workspace_bytes (IPCREDUCE_SLOT_BYTES)", "must be above 0");
+        }
+        if self.staged_chunk_bytes.is_some_and(|n| n < 256) {
+            return bad(
+                "staged_chunk_bytes (IPCREDUCE_STAGED_CHUNK)",
+                "must be at least 256",
+            );
+        }
+        if self.staged_ctas.is_some_and(|n| n == 0) {
+            return bad("staged_ctas (IPCREDUCE_STAGED_CTAS)", "must be at least 1");
+        }
+        if self.staged_round.is_some_and(|n| n > 255) {
+            return bad("staged_round (IPCREDUCE_STAGED_ROUND)", "must be 0 to 255");
         }
         if self.ll_data_bytes.is_some_and(|n| n != 8 && n != 12) {
             return bad("ll_data_bytes (IPCREDUCE_LL_DATA)", "must be 8 or 12");
@@ -492,6 +521,9 @@ mod tests {
                 ("IPCREDUCE_TOPOLOGY", "PCIe"),
                 ("IPCREDUCE_PDL", "0"),
                 ("IPCREDUCE_PDL_TRIGGER", "1"),
+                ("IPCREDUCE_STAGED_CHUNK", "1048576"),
+                ("IPCREDUCE_STAGED_CTAS", "24"),
+                ("IPCREDUCE_STAGED_ROUND", "0"),
             ]))
             .unwrap();
         assert_eq!(c.timeout(), Duration::from_millis(1500));
@@ -511,6 +543,9 @@ mod tests {
         assert_eq!(c.topology, Some(Topology::Pcie));
         assert_eq!(c.pdl, Some(Pdl::Off));
         assert_eq!(c.pdl_trigger, Some(true));
+        assert_eq!(c.staged_chunk_bytes, Some(1 << 20));
+        assert_eq!(c.staged_ctas, Some(24));
+        assert_eq!(c.staged_round, Some(0));
         for (v, want) in [
             ("on", Pdl::Always),
             ("1", Pdl::Always),
@@ -549,7 +584,8 @@ mod tests {
         assert_eq!(c.timeout(), DEFAULT_TIMEOUT);
         assert_eq!(c.ll_max_bytes(2, Fabric::Peer), 1 << 20);
         assert_eq!(c.ll_max_bytes(8, Fabric::Peer), 64 << 10);
-        assert_eq!(c.ll_max_bytes(2, Fabric::HostStaged), 64 << 10);
+        assert_eq!(c.ll_max_bytes(2, Fabric::HostStaged), 16 << 10);
+        assert_eq!(c.ll_max_bytes(2, Fabric::PciePeer), 64 << 10);
         assert_eq!(c.host_heap_bytes(), DEFAULT_HOST_HEAP_BYTES);
         assert!(!c.nccl_shared_gpu());
         // Empty counts as unset; "auto" sharing is no choice.
@@ -596,6 +632,10 @@ mod tests {
             ("IPCREDUCE_PDL", "graph"),
             ("IPCREDUCE_PDL", "yes"),
             ("IPCREDUCE_PDL_TRIGGER", "eager"),
+            ("IPCREDUCE_STAGED_CHUNK", "255"),
+            ("IPCREDUCE_STAGED_CHUNK", "4M"),
+            ("IPCREDUCE_STAGED_CTAS", "0"),
+            ("IPCREDUCE_STAGED_ROUND", "256"),
         ] {
             let msg = config_error(&[(k, v)]);
             assert!(msg.contains(k), "{k}={v}: {msg}");

@@ -70,6 +70,38 @@ pub const MODE_PUSH_PASSES: u32 = 1;
 /// stream launch at once (programmatic dependent launch).
 pub const MODE_LET_NEXT_LAUNCH: u32 = 2;
 
+/// kernels/prims.cuh's MODE_ROUND_SHIFT: bits 8-15 of the staged kernels' mode are the packs
+/// per thread per round of their interleaved copy and read ([`staged_round`]).
+pub const MODE_ROUND_SHIFT: u32 = 8;
+
+/// The staged kernels' knobs, agreed by every rank at init (`None`: by the size rules).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StagedKnobs {
+    /// `IPCREDUCE_STAGED_CHUNK`: bytes per chunk.
+    pub chunk: Option<usize>,
+    /// `IPCREDUCE_STAGED_CTAS`: CTAs of every staged call.
+    pub ctas: Option<usize>,
+    /// `IPCREDUCE_STAGED_ROUND`: packs per thread per round, 0 = no interleave.
+    pub round: Option<u32>,
+}
+
+/// Packs per thread per round of the staged kernels' interleave (staged.cu): on the
+/// host-staged transport a thread alternates between its copy into host memory (chunk k+1's
+/// copy-in: writes up the GPU's PCIe link) and its reads from it (chunk k's reduce, two-shot's
+/// gather: reads, whose data comes down the link) every `round` packs, so both directions carry
+/// traffic at once. 4 (the copy's unroll: one unrolled step of each per round): measured (one
+/// H200, two ranks under MPS, 2026-12-02, scripts/device/staged-sweep.sh) never more than 3%
+/// slower than 0 and up to 20% faster (one-shot 64 MiB, 4 MiB chunks, 16 CTAs: 15.8 -> 19.1
+/// GB/s busbw). On peer memory the copy-in is local HBM traffic with nothing to balance: 0,
+/// the order measured there.
+pub fn staged_round(fabric: Fabric, forced: Option<u32>) -> u32 {
+    match (forced, fabric) {
+        (Some(r), _) => r.min(255),
+        (None, Fabric::HostStaged) => 4,
+        (None, _) => 0,
+    }
+}
+
 /// Most CTAs per kernel under the PCIe policy. PCIe Gen4/Gen5 x16 carries 25-55 GB/s per
 /// direction: 16 CTAs of 512 threads with 4 16-byte loads in flight each (512 KiB) cover its
 /// bandwidth-delay product at several microseconds of latency; more CTAs only add requests
@@ -113,7 +145,8 @@ pub fn fabric(host_staged: bool, forced: Option<Topology>, any_pcie_pair: bool) 
 /// | 4 | 3 N / B | 1.5 N / B |
 /// | 8 | 7 N / B | 1.75 N / B |
 ///
-/// So one-shot at every size at two ranks (same bound, one barrier per chunk instead of two),
+/// So one-shot at every size at two ranks (same bound, one barrier per chunk instead of two;
+/// measured on one H200 under MPS, 2026-12-02: within 1% of two-shot from 4 MiB),
 /// and two-shot from where its extra barrier (a flag round trip through host memory, ~2-3 us)
 /// costs less than the bytes saved: 1.5 N / B > 3 us at about 100 KB for W = 4, 5.25 N / B >
 /// 3 us at about 30 KB for W = 8. Ranks sharing one GPU (MPS) share one link: the ratios hold.
@@ -138,18 +171,29 @@ pub fn oneshot_max_bytes(backend: BackendKind, fabric: Fabric, world: usize) -> 
 }
 
 /// Bytes per chunk of a staged call (one-shot and two-shot without registered buffers): at
-/// most the slot size and, like it, a multiple of 256 bytes. Peer memory: the whole slot (copy-in is local HBM
-/// traffic, nothing to overlap; as measured on NVLink). Host-staged: the kernels overlap the
-/// copy-in of chunk k+1 (PCIe writes) with the reads of chunk k (PCIe reads), so a message of
-/// C chunks takes about (1 + 1/C) of max(written, read) / B instead of written/B + read/B:
-/// about 8 chunks per message, no chunk below 512 KiB (each costs every CTA a flag round trip
-/// through host memory) nor above 4 MiB (a deeper pipeline costs nothing once the message is
-/// large).
-pub fn staged_chunk_bytes(fabric: Fabric, bytes: usize, slot_bytes: usize) -> usize {
+/// most the slot size and, like it, a multiple of 256 bytes. Peer memory: the whole slot
+/// (copy-in is local HBM traffic, nothing to overlap; as measured on NVLink). Host-staged: the
+/// kernels overlap the copy-in of chunk k+1 (PCIe writes) with the reads of chunk k (PCIe
+/// reads), so more chunks overlap more, but each costs every CTA a flag round trip through
+/// host memory: about 16 chunks per message, between 1 and 4 MiB. Measured (one H200, two
+/// ranks under MPS, bf16, 2026-12-02, scripts/device/staged-sweep.sh; busbw of the best CTA
+/// count and interleave): 4 MiB 15.5 GB/s with 1 MiB chunks against 12.3 with one 4 MiB chunk;
+/// 16 MiB 17.9 (1 MiB) against 17.0 (4 MiB); 64 MiB 19.1 (4 MiB) against 18.7 (1 MiB).
+/// `forced` (`IPCREDUCE_STAGED_CHUNK`) takes the place of the rule, rounded down to 256 bytes
+/// and at most the slot.
+pub fn staged_chunk_bytes(
+    fabric: Fabric,
+    bytes: usize,
+    slot_bytes: usize,
+    forced: Option<usize>,
+) -> usize {
+    if let Some(c) = forced {
+        return (c / 256 * 256).clamp(256, slot_bytes);
+    }
     match fabric {
-        Fabric::HostStaged => (bytes / 8)
+        Fabric::HostStaged => (bytes / 16)
             .next_multiple_of(64 << 10)
-            .clamp(512 << 10, 4 << 20)
+            .clamp(1 << 20, 4 << 20)
             .min(slot_bytes),
         _ => slot_bytes,
     }
@@ -161,11 +205,15 @@ pub fn staged_chunk_bytes(fabric: Fabric, bytes: usize, slot_bytes: usize) -> us
 /// falls with the world. DEFAULTS from the design: at two ranks 1 MiB of LL lines is 2 MiB per
 /// direction, ~6 us at 370 GB/s, where the zero-copy one-shot's two system barriers and NCCL
 /// took 10-14 us (two H200s, 2026-11-30); to be confirmed by scripts/device/bw-variants.sh.
-/// Over PCIe (peer memory under the PCIe policy, or staged through host memory) every LL byte
-/// crosses the link twice as a line: the previous 64 KiB until those fabrics are measured.
+/// Over PCIe peer memory (the PCIe policy) every LL byte crosses the link twice as a line: the
+/// previous 64 KiB until that fabric is measured. Staged through host memory, 16 KiB: measured
+/// (one H200, two ranks under MPS, bf16, 2026-12-02), LL takes 11.5 us at 8 KiB and 33 us at
+/// 32 KiB, where the staged kernels take 19-22 us from 8 B to 128 KiB (one-shot 19.4 us at
+/// 128 KiB): the crossover lies near 16 KiB.
 /// `IPCREDUCE_LL_MAX` overrides for every world and fabric (0 disables).
 pub fn ll_default_max_bytes(world: usize, fabric: Fabric) -> usize {
     match world {
+        _ if fabric == Fabric::HostStaged => 16 << 10,
         _ if fabric != Fabric::Peer => 64 << 10,
         0..=2 => 1 << 20,
         3..=4 => 256 << 10,
@@ -276,6 +324,8 @@ pub struct GridLimits {
     pub deep_cap: usize,
     /// LL calls carry 12 data bytes per line (`IPCREDUCE_LL_DATA=12`) instead of 8.
     pub ll12: bool,
+    /// The staged kernels' chunk, CTAs and interleave, where set.
+    pub staged: StagedKnobs,
 }
 
 /// Default CTA counts by message size. DEFAULTS, first guesses from the kernels' design (8
@@ -331,6 +381,19 @@ pub fn default_ctas(path: CudaPath, bytes: usize) -> usize {
     }
 }
 
+/// CTAs of a staged call through host memory (the tuning table's place there: tables are
+/// measured on peer memory). Measured (one H200, two ranks under MPS, bf16, 2026-12-02,
+/// scripts/device/staged-sweep.sh, 16 against 64 CTAs): up to 4 MiB 16 CTAs are as fast or
+/// faster (256 KiB 9.0 against 8.3-8.5 GB/s one-shot, 8.0 against 6.7-7.3 two-shot; 4 MiB
+/// two-shot 15.2 against 14.6); from 16 MiB 64 CTAs keep more reads from host memory in
+/// flight (16 MiB one-shot, 1 MiB chunks: 17.9 against 17.3) and tie at 64 MiB (19.1).
+pub fn host_staged_ctas(bytes: usize) -> usize {
+    match bytes {
+        _ if bytes <= 4 << 20 => 16,
+        _ => 64,
+    }
+}
+
 /// The path and CTA count of one cuda call. `algo` is resolved (one-shot or two-shot);
 /// `registered`: send and recv both lie in registered buffers; `tuned`: the tuning table's CTA
 /// count for this call (its row's algorithm is `algo`), which the size rule gives way to and
@@ -356,7 +419,12 @@ pub fn cuda_path(
         (Algorithm::OneShot, false) => CudaPath::OneShotStaged,
         (_, false) => CudaPath::TwoShotStaged,
     };
-    let ctas = match (path, lim.fixed.or(tuned)) {
+    // IPCREDUCE_STAGED_CTAS, for the staged paths, before everything else.
+    let forced = match path {
+        CudaPath::OneShotStaged | CudaPath::TwoShotStaged => lim.staged.ctas.or(lim.fixed),
+        _ => lim.fixed,
+    };
+    let ctas = match (path, forced.or(tuned)) {
         (CudaPath::OneShotLl | CudaPath::OneShotLl12, Some(f)) => default_ctas(path, bytes).min(f),
         (_, Some(f)) => f,
         _ => default_ctas(path, bytes),
@@ -470,19 +538,22 @@ mod tests {
     fn host_staged_chunks_pipeline_and_peer_chunks_fill_the_slot() {
         const M: usize = 1 << 20;
         let slot = 16 * M;
-        let host = |bytes| staged_chunk_bytes(Fabric::HostStaged, bytes, slot);
-        // About eight chunks per message, between 512 KiB and 4 MiB.
-        assert_eq!(host(8 * M), M);
-        assert_eq!(host(32 * M), 4 * M);
+        let host = |bytes| staged_chunk_bytes(Fabric::HostStaged, bytes, slot, None);
+        // About sixteen chunks per message, between 1 MiB and 4 MiB: the measured best at 4,
+        // 16 and 64 MiB.
+        assert_eq!(host(4 * M), M);
+        assert_eq!(host(16 * M), M);
+        assert_eq!(host(64 * M), 4 * M);
+        assert_eq!(host(32 * M), 2 * M);
         assert_eq!(host(1 << 30), 4 * M);
-        assert_eq!(host(64 << 10), 512 << 10);
-        assert_eq!(host(3 * M + 5), 512 << 10);
-        assert_eq!(host(6 * M), 768 << 10);
+        assert_eq!(host(64 << 10), M);
+        assert_eq!(host(3 * M + 5), M);
+        assert_eq!(host(24 * M), 1536 << 10);
         // Never above the slot, always a multiple of 256 bytes.
-        assert_eq!(staged_chunk_bytes(Fabric::HostStaged, 1 << 30, M), M);
+        assert_eq!(staged_chunk_bytes(Fabric::HostStaged, 1 << 30, M, None), M);
         for bytes in [1, 1000, 5 * M + 3, 77 * M] {
             for slot in [64 << 10, 300 * 256, M, slot] {
-                let c = staged_chunk_bytes(Fabric::HostStaged, bytes, slot);
+                let c = staged_chunk_bytes(Fabric::HostStaged, bytes, slot, None);
                 assert!(
                     c <= slot && c.is_multiple_of(256) && c > 0,
                     "{bytes} {slot} {c}"
@@ -490,8 +561,62 @@ mod tests {
             }
         }
         for f in [Fabric::Peer, Fabric::PciePeer] {
-            assert_eq!(staged_chunk_bytes(f, 8 * M, slot), slot);
+            assert_eq!(staged_chunk_bytes(f, 8 * M, slot, None), slot);
         }
+    }
+
+    #[test]
+    fn staged_knobs_take_the_place_of_the_rules_for_the_staged_paths_only() {
+        const M: usize = 1 << 20;
+        // A forced chunk: rounded down to 256 bytes, at least 256, at most the slot, on any
+        // fabric and size.
+        for f in [Fabric::Peer, Fabric::PciePeer, Fabric::HostStaged] {
+            assert_eq!(staged_chunk_bytes(f, 8 * M, 16 * M, Some(65_600)), 65_536);
+            assert_eq!(staged_chunk_bytes(f, 8 * M, 16 * M, Some(300)), 256);
+            assert_eq!(staged_chunk_bytes(f, 1, M, Some(64 * M)), M);
+        }
+        // CTAs: the staged knob beats IPCREDUCE_BLOCKS and the tuned count on the staged paths,
+        // within the cap; the other paths ignore it.
+        let lim = GridLimits {
+            ll_max: 64 << 10,
+            cap: 48,
+            fixed: Some(8),
+            staged: StagedKnobs {
+                ctas: Some(24),
+                ..StagedKnobs::default()
+            },
+            ..limits()
+        };
+        let (one, two) = (Algorithm::OneShot, Algorithm::TwoShot);
+        assert_eq!(
+            cuda_path(one, 8 * M, false, false, &lim, Some(4)),
+            (CudaPath::OneShotStaged, 24)
+        );
+        assert_eq!(
+            cuda_path(two, 512 << 10, false, true, &lim, None),
+            (CudaPath::TwoShotStaged, 24)
+        );
+        assert_eq!(cuda_path(two, 8 * M, true, false, &lim, None).1, 8);
+        let over = GridLimits {
+            staged: StagedKnobs {
+                ctas: Some(100),
+                ..StagedKnobs::default()
+            },
+            ..lim
+        };
+        assert_eq!(cuda_path(one, 8 * M, false, false, &over, None).1, 48);
+        // The interleave: on by default only staged through host memory; forced anywhere.
+        assert_eq!(staged_round(Fabric::HostStaged, None), 4);
+        assert_eq!(staged_round(Fabric::Peer, None), 0);
+        assert_eq!(staged_round(Fabric::PciePeer, None), 0);
+        assert_eq!(staged_round(Fabric::HostStaged, Some(0)), 0);
+        assert_eq!(staged_round(Fabric::Peer, Some(2)), 2);
+        assert_eq!(staged_round(Fabric::Peer, Some(1000)), 255);
+        // Host-staged CTAs: 16 up to 4 MiB, 64 beyond (measured).
+        assert_eq!(host_staged_ctas(256 << 10), 16);
+        assert_eq!(host_staged_ctas(4 * M), 16);
+        assert_eq!(host_staged_ctas(4 * M + 1), 64);
+        assert_eq!(host_staged_ctas(256 * M), 64);
     }
 
     #[test]
@@ -520,6 +645,7 @@ mod tests {
             deep: false,
             deep_cap: 64,
             ll12: false,
+            staged: StagedKnobs::default(),
         };
         let one = Algorithm::OneShot;
         let two = Algorithm::TwoShot;
@@ -616,6 +742,7 @@ mod tests {
             deep: true,
             deep_cap: 64,
             ll12: false,
+            staged: StagedKnobs::default(),
         }
     }
 
@@ -628,10 +755,14 @@ mod tests {
             for fabric in [Fabric::Peer, Fabric::PciePeer, Fabric::HostStaged] {
                 let max = ll_default_max_bytes(w, fabric);
                 assert!(max <= crate::backend::cuda::kernels::LL_MAX_BYTES);
-                assert!(
-                    fabric == Fabric::Peer || max == 64 << 10,
-                    "PCIe keeps 64 KiB"
-                );
+                // PCIe peer memory keeps 64 KiB; through host memory LL stops at the
+                // measured crossover with the staged kernels.
+                let want = match fabric {
+                    Fabric::Peer => max,
+                    Fabric::PciePeer => 64 << 10,
+                    Fabric::HostStaged => 16 << 10,
+                };
+                assert_eq!(max, want, "{fabric:?} at world {w}");
             }
         }
         // Registered or not, in place or not: one-shot up to the limit runs LL.

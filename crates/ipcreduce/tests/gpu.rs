@@ -55,6 +55,7 @@ fn play_rank_if_child() {
         "scatter_gather" => rank_scatter_gather(),
         "hostile" => rank_hostile(),
         "share_refused" => rank_share_refused(),
+        "staged_offsets" => rank_staged_offsets(),
         other => panic!("unknown role {other}"),
     };
     let _ = std::io::stdout().flush();
@@ -259,6 +260,68 @@ fn rank_sweep() -> i32 {
                     let mut out = vec![0u8; bytes];
                     download(out_ptr, &mut out, s.0);
                     let what = format!("{count} x {dtype} {op} {algo} in_place={in_place}");
+                    let wrong = reference::count_wrong(dtype, op, seed, world, &out);
+                    assert_eq!(wrong, 0, "rank {rank}: {what}: {wrong} wrong");
+                    same_everywhere(&mut c, &out, &what);
+                    checked += 1;
+                }
+            }
+        }
+    }
+    say(format!("DONE {checked}"));
+    0
+}
+
+/// The staged kernels at user pointers off 16-byte alignment (their own input then comes from
+/// their slot's copy, not from the input itself) and at aligned ones, one-shot and two-shot,
+/// every dtype and op, sizes from one element to many chunks, in place and out of place.
+fn rank_staged_offsets() -> i32 {
+    let mut c = join();
+    let (rank, world) = (c.rank(), c.world());
+    let s = Stream::new();
+    let sizes = [1usize, 9, 40_001, 300_007];
+    let max = sizes.iter().max().unwrap() * 4 + 64;
+    let (send, recv) = (
+        DeviceAlloc::new(max, rank).unwrap(),
+        DeviceAlloc::new(max, rank).unwrap(),
+    );
+    let mut checked = 0;
+    for dtype in DType::ALL {
+        for op in ReduceOp::ALL {
+            for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
+                for (k, &count) in sizes.iter().enumerate() {
+                    // Input off alignment by one element, output by three; or both aligned.
+                    let (si, ri) = [(1, 3), (0, 0), (0, 5), (2, 0)][k];
+                    let (sp, rp) = (
+                        send.ptr + (si * dtype.size()) as u64,
+                        recv.ptr + (ri * dtype.size()) as u64,
+                    );
+                    let bytes = count * dtype.size();
+                    let seed = (checked as u64) << 8 | 0x80 | k as u64;
+                    let mut input = vec![0u8; bytes];
+                    reference::fill_input(dtype, seed, rank, &mut input);
+                    let in_place = (checked / 4) % 2 == 1;
+                    let out_ptr = if in_place { sp } else { rp };
+                    // SAFETY: inside our allocations, on our stream.
+                    ck(
+                        unsafe { sys::cuMemcpyHtoDAsync_v2(sp, input.as_ptr().cast(), bytes, s.0) },
+                        "upload",
+                    );
+                    if !in_place {
+                        let poison = vec![0xFFu8; bytes];
+                        // SAFETY: as above.
+                        ck(
+                            unsafe {
+                                sys::cuMemcpyHtoDAsync_v2(rp, poison.as_ptr().cast(), bytes, s.0)
+                            },
+                            "poison",
+                        );
+                    }
+                    reduce(&mut c, sp, out_ptr, count, dtype, op, algo, s.ptr());
+                    let mut out = vec![0u8; bytes];
+                    download(out_ptr, &mut out, s.0);
+                    let what =
+                        format!("{count} x {dtype} {op} {algo} at +{si}/+{ri} in_place={in_place}");
                     let wrong = reference::count_wrong(dtype, op, seed, world, &out);
                     assert_eq!(wrong, 0, "rank {rank}: {what}: {wrong} wrong");
                     same_everywhere(&mut c, &out, &what);
@@ -971,6 +1034,41 @@ fn every_dtype_op_and_algorithm_at_worlds_2_4_8() {
         &[2, 4, 8],
         &[],
     );
+}
+
+/// The host-staged transport's pipelined kernels: 64 KiB chunks (calls of up to 192 of them:
+/// both slot parities reused within and across calls), an odd CTA count (uneven pieces), the
+/// copy-in interleaved with the reads by rounds of 1 and 4 packs per thread and not at all
+/// (0): every dtype, op and algorithm, sizes from one element to many chunks, in place and
+/// out of place, aligned and not, at worlds 2 and 4.
+#[test]
+fn host_staged_pipeline_every_dtype_op_at_worlds_2_4() {
+    play_rank_if_child();
+    for round in ["0", "1", "4"] {
+        let env = [
+            ("IPCREDUCE_TRANSPORT", "host"),
+            ("IPCREDUCE_STAGED_CHUNK", "65536"),
+            ("IPCREDUCE_STAGED_CTAS", "3"),
+            ("IPCREDUCE_STAGED_ROUND", round),
+        ];
+        let name = "host_staged_pipeline_every_dtype_op_at_worlds_2_4";
+        run_role(name, "sweep", &[2, 4], &env);
+        run_role(name, "staged_offsets", &[2, 4], &env);
+    }
+}
+
+/// The host-staged transport's kernels captured in CUDA graphs and replayed with changing
+/// inputs, with their default knobs and with 64 KiB chunks.
+#[test]
+fn host_staged_graph_replays() {
+    play_rank_if_child();
+    let name = "host_staged_graph_replays";
+    run_role(name, "graph", &[2, 4], &[("IPCREDUCE_TRANSPORT", "host")]);
+    let small = [
+        ("IPCREDUCE_TRANSPORT", "host"),
+        ("IPCREDUCE_STAGED_CHUNK", "65536"),
+    ];
+    run_role(name, "graph", &[2], &small);
 }
 
 #[test]

@@ -28,13 +28,16 @@ pub(super) fn launch(
     let bytes = call.bytes();
     let zero_copy = registry.peers_of(send, recv, bytes, l.world);
     // The tuned CTA count of the row for this size, when the call runs that row's algorithm
-    // (on peer memory: tables are not measured staged through host memory).
-    let tuned = Some(&l.tune)
-        .filter(|_| l.fabric != Fabric::HostStaged)
-        .and_then(|t| t.lookup(l.world, dtype.size(), bytes))
-        .filter(|e| e.algorithm() == Some(algo))
-        .and_then(|e| e.ctas)
-        .map(|c| c as usize);
+    // (on peer memory: tables are not measured staged through host memory, which has its own
+    // measured rule; the staged paths take it, the LL one keeps its own rule below it).
+    let tuned = match l.fabric {
+        Fabric::HostStaged => Some(crate::plan::host_staged_ctas(bytes)),
+        _ => Some(&l.tune)
+            .and_then(|t| t.lookup(l.world, dtype.size(), bytes))
+            .filter(|e| e.algorithm() == Some(algo))
+            .and_then(|e| e.ctas)
+            .map(|c| c as usize),
+    };
     let (path, grid) = crate::plan::cuda_path(
         algo,
         bytes,
@@ -59,7 +62,11 @@ pub(super) fn launch(
         recv: registered(recv),
     };
     let mut args = l.kernel_args(call, &ident, zero_copy);
-    args.chunk_bytes = crate::plan::staged_chunk_bytes(l.fabric, bytes, l.slot_bytes) as u64;
+    let knobs = l.limits.staged;
+    args.chunk_bytes =
+        crate::plan::staged_chunk_bytes(l.fabric, bytes, l.slot_bytes, knobs.chunk) as u64;
+    args.mode |=
+        (crate::plan::staged_round(l.fabric, knobs.round) << crate::plan::MODE_ROUND_SHIFT) as i32;
     if path == CudaPath::Ce {
         let lanes = engine.lanes(l.rank)?;
         return ce::launch(l, lanes, &args, call, grid);

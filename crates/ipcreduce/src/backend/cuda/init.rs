@@ -112,6 +112,11 @@ impl CudaComm {
             deep,
             deep_cap,
             ll12,
+            staged: crate::plan::StagedKnobs {
+                chunk: config.staged_chunk_bytes,
+                ctas: config.staged_ctas,
+                round: config.staged_round.map(|r| r as u32),
+            },
         };
         // Every rank must compute the same grid for every call and use the same slot size: the
         // protocol pairs block b with block b and alternates slots by chunk count.
@@ -123,6 +128,9 @@ impl CudaComm {
             ce_min as u64,
             deep as u64,
             ll12 as u64,
+            config.staged_chunk_bytes.map_or(0, |c| c as u64 + 1),
+            config.staged_ctas.map_or(0, |c| c as u64 + 1),
+            config.staged_round.map_or(0, |r| r as u64 + 1),
         ]
         .map(u64::to_le_bytes)
         .concat();
@@ -133,7 +141,7 @@ impl CudaComm {
                 peer,
                 op: "init".into(),
                 seq: 0,
-                detail: "IPCREDUCE_BLOCKS / IPCREDUCE_SLOT_BYTES / IPCREDUCE_LL_MAX / IPCREDUCE_CE_MIN / IPCREDUCE_REG_LOADS / IPCREDUCE_LL_DATA (or the GPU sharing) differ between ranks"
+                detail: "IPCREDUCE_BLOCKS / IPCREDUCE_SLOT_BYTES / IPCREDUCE_LL_MAX / IPCREDUCE_CE_MIN / IPCREDUCE_REG_LOADS / IPCREDUCE_LL_DATA / IPCREDUCE_STAGED_* (or the GPU sharing) differ between ranks"
                     .into(),
             });
         }

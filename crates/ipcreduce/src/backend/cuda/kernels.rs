@@ -311,6 +311,7 @@ mod tests {
         for (name, value) in [
             ("MODE_PUSH_PASSES", crate::plan::MODE_PUSH_PASSES),
             ("MODE_LET_NEXT_LAUNCH", crate::plan::MODE_LET_NEXT_LAUNCH),
+            ("MODE_ROUND_SHIFT", crate::plan::MODE_ROUND_SHIFT),
             ("CHECK_STAMPS", CHECK_STAMPS as u32),
             ("CHECK_BEGIN", CHECK_BEGIN as u32),
         ] {

@@ -150,6 +150,10 @@ struct Args {
 // MODE_LET_NEXT_LAUNCH (LL kernels, no GPU shared between ranks): the kernel lets the next
 // kernel on its stream launch at once (see let_next_kernel_launch).
 #define MODE_LET_NEXT_LAUNCH 2
+// MODE_ROUND (staged kernels, bits 8-15): packs per thread per round when a copy into host
+// memory runs beside a read from it (staged.cu, interleave); 0 = one after the other.
+#define MODE_ROUND_SHIFT 8
+#define MODE_ROUND_MASK 255u
 
 enum { ERR_NONE = 0, ERR_TIMEOUT = 1, ERR_ABORTED = 2, ERR_MISMATCH = 3 };
 

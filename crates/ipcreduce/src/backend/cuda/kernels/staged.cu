@@ -14,7 +14,9 @@
 //     Pipelined order of one block, one-shot: copy-in 0; for each chunk k: barrier k, copy-in
 //     k+1, reduce k. Two-shot: copy-in 0; for each k: barrier A_k, reduce our shard of k (reads
 //     the peers' slots, stores the result back into them), barrier B_k, copy-in k+1, gather k
-//     (reads our own slot only). Before block b writes slot parity P for chunk k+1 it has passed
+//     (reads our own slot only); "copy-in k+1, reduce k" and "copy-in k+1, gather k" run
+//     interleaved by rounds (see interleave), which changes no block's bytes nor its barriers.
+//     Before block b writes slot parity P for chunk k+1 it has passed
 //     the barrier of chunk k (one-shot) or B_k and so A_k (two-shot) with block b of every peer,
 //     which that block entered only after it finished every access of chunk k-1, the previous
 //     use of P: its reads (one-shot), its reduce and gather (two-shot). Chunk k's reads follow
@@ -84,6 +86,31 @@ __device__ __forceinline__ void one_shot_copy_in(const Args &a, u32 L, u64 c0, u
     copy_range<D, COPY_UNROLL>(a.data[a.rank] + slot_offset(a, L), a.send + c0 * D::SIZE, b, e);
 }
 
+// Runs `first` over [b, e1) and `second` over [b, e2) (element ranges cut from one frame
+// piece, so they share their start) round by round: each round is MODE_ROUND packs per thread
+// of `first`, then as many of `second` (0: all of `first`, then all of `second`). On the
+// host-staged transport `first` writes into host memory and `second` reads from it: the two
+// directions of the GPU's PCIe link. Issued one whole range after the other, a thread's reads
+// wait behind its writes and the link carries one direction at a time; round by round, both
+// directions stay busy. Only the order of one thread's accesses changes: which bytes a block
+// touches, and so every invariant of the barriers, are as without it.
+template <typename D, typename F1, typename F2>
+__device__ __forceinline__ void interleave(const Args &a, u64 b, u64 e1, u64 e2, const F1 &first,
+                                           const F2 &second) {
+    const u32 round = ((u32)a.mode >> MODE_ROUND_SHIFT) & MODE_ROUND_MASK;
+    if (round == 0u) {
+        first(b, e1);
+        second(b, e2);
+        return;
+    }
+    const u64 R = (u64)round * blockDim.x * Pack<D>::N;
+    const u64 end = max(e1, e2);
+    for (u64 s = b; s < end; s += R) {
+        first(s, min(s + R, e1));
+        second(s, min(s + R, e2));
+    }
+}
+
 template <typename D, typename Op, int W> __device__ void one_shot(const Args &a) {
     u32 *ctr = a.counters + 2 * blockIdx.x;
     u32 *st = a.counters + STATE_CALL;
@@ -94,18 +121,28 @@ template <typename D, typename Op, int W> __device__ void one_shot(const Args &a
     const u64 frame = min(chunk, a.count);
     const u32 chunks = (u32)((a.count + chunk - 1) / chunk);
     const bool direct = aligned16(a.send);
+    // Block b's piece of the frame: every chunk's piece is it, clipped to the chunk's length.
+    u64 fb, fe;
+    shard_piece<D>(frame, frame, 1, 0, fb, fe);
     one_shot_copy_in<D>(a, L0, 0, chunk, frame);
     for (u32 k = 0; k < chunks; k++) {
         const u64 c0 = (u64)k * chunk;
         const u64 off = slot_offset(a, L0 + k);
         if (!barrier(a, F, call, k == 0)) break;
-        if (k + 1 < chunks) one_shot_copy_in<D>(a, L0 + k + 1, c0 + chunk, chunk, frame);
-        u64 b, e;
-        shard_piece<D>(frame, min(chunk, a.count - c0), 1, 0, b, e);
+        // Chunk k+1's copy-in (none after the last chunk) beside chunk k's reduce.
+        const u64 n = min(chunk, a.count - c0);
+        const u64 next = k + 1 < chunks ? min(chunk, a.count - c0 - chunk) : 0;
+        char *next_slot = a.data[a.rank] + slot_offset(a, L0 + k + 1);
+        const char *next_in = a.send + (k + 1 < chunks ? c0 + chunk : c0) * D::SIZE;
         const char *own = direct ? a.send + c0 * D::SIZE : a.data[a.rank] + off;
         char *out = a.recv + c0 * D::SIZE;
-        reduce_range<D, Op, W, STAGED_LOADS_IN_FLIGHT>(StagedSrc{a, off, own}, OwnDst{out, aligned16(out)},
-                                                        a.world, b, e, true);
+        interleave<D>(
+            a, fb, min(fe, next), min(fe, n),
+            [&](u64 s, u64 e) { copy_range<D, COPY_UNROLL>(next_slot, next_in, s, e); },
+            [&](u64 s, u64 e) {
+                reduce_range<D, Op, W, STAGED_LOADS_IN_FLIGHT>(StagedSrc{a, off, own}, OwnDst{out, aligned16(out)},
+                                                                a.world, s, e, true);
+            });
     }
     if (threadIdx.x == 0) ctr[0] = F;
     finish_call(a, call, true, L0 + chunks);
@@ -153,12 +190,24 @@ template <typename D, typename Op, int W> __device__ void two_shot(const Args &a
             for (int p = 0; p + 1 < a.world; p++)
                 copy_range<D, COPY_UNROLL>(a.data[(a.rank + 1 + p) % a.world] + off, out, b, e);
         if (!barrier(a, F, call)) break;
-        if (k + 1 < chunks) two_shot_copy_in<D>(a, L0 + k + 1, c0 + chunk, chunk, frame, direct);
-        // Every peer's reduced shard piece b of chunk k is now in our slot: gather it.
+        // Every peer's reduced shard piece b of chunk k is now in our slot: gather it (reads
+        // from host memory on the host-staged transport) beside chunk k+1's copy-in (writes),
+        // shard by shard. The reduce above already loads both directions of the link (it reads
+        // the peers' shards and pushes the result); pairing the gather with the copy-in does
+        // the same for the second half, where the gather beside the next reduce would leave
+        // the copy-in alone on one direction.
+        const u64 next = k + 1 < chunks ? min(chunk, a.count - c0 - chunk) : 0;
+        char *next_slot = a.data[a.rank] + slot_offset(a, L0 + k + 1);
+        const char *next_in = a.send + (k + 1 < chunks ? c0 + chunk : c0) * D::SIZE;
+        char *gathered = a.recv + c0 * D::SIZE;
         for (int s = 0; s < a.world; s++) {
             if (direct && s == a.rank) continue;
-            shard_piece<D>(frame, n, a.world, s, b, e);
-            copy_range<D, COPY_UNROLL>(a.recv + c0 * D::SIZE, mine, b, e);
+            u64 fb, fe;
+            shard_piece<D>(frame, frame, a.world, s, fb, fe);
+            interleave<D>(
+                a, fb, min(fe, next), min(fe, n),
+                [&](u64 x, u64 y) { copy_range<D, COPY_UNROLL>(next_slot, next_in, x, y); },
+                [&](u64 x, u64 y) { copy_range<D, COPY_UNROLL>(gathered, mine, x, y); });
         }
     }
     if (threadIdx.x == 0) ctr[0] = F;
