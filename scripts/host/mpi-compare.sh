@@ -7,6 +7,10 @@
 # library    `ipcreduce bench -a auto` against the library's own back-to-back loop
 #            (crates/ipcreduce/examples/host_loop.rs), alternately, LIB_RUNS times at 2 and 4
 #            ranks: bench within 10% of the library, run-to-run spread <= 15% (library.json).
+# wait       at WAIT_RANKS (4: more ranks than the 2 cores), `bench -a auto` under each wait
+#            policy of WAIT_POLICIES (IPCREDUCE_HOST_WAIT=SPIN_NS,YIELD_NS; `default` is the
+#            built-in one), interleaved, WAIT_RUNS times: which policy is fastest per size
+#            (wait.json), to set SpinPolicy::for_world from.
 # compare    OpenMPI's MPI_Allreduce and `ipcreduce bench -a auto`, float32 sum, same sizes and
 #            rank counts, in the same run and interleaved (for each of RUNS runs, each rank
 #            count: MPI, then ipcreduce), so that both see the same machine load. Both time
@@ -23,15 +27,18 @@
 # example, and writes raw results and summaries into OUT_DIR.
 #
 # Usage: scripts/host/mpi-compare.sh OUT_DIR
-# Knobs: PHASES ("crossover library compare"), RANKS ("2 4 8"), RUNS (5), TUNE_RUNS (3),
-# LIB_RUNS (3), MIN (8), MAX (16777216), FACTOR (2), ITERS (50), WARMUP (10);
+# Knobs: PHASES ("crossover library wait compare"), RANKS ("2 4 8"), RUNS (5), TUNE_RUNS (3),
+# LIB_RUNS (3), WAIT_RUNS (3), WAIT_RANKS ("4"), WAIT_POLICIES ("default 0,0 500,20000
+# 500,2000000 20000,500000"), MIN (8), MAX (16777216), FACTOR (2), ITERS (50), WARMUP (10);
 # MPI_PREFIX=/usr uses an installed OpenMPI instead; NO_BUILD=1 takes target/release/ipcreduce
 # and target/release/examples/host_loop as they are.
 set -euo pipefail
 OUT=$(realpath -m "${1:?usage: mpi-compare.sh OUT_DIR}")
 MIN=${MIN:-8} MAX=${MAX:-16777216} FACTOR=${FACTOR:-2} ITERS=${ITERS:-50} WARMUP=${WARMUP:-10}
 RANKS=${RANKS:-"2 4 8"} RUNS=${RUNS:-5} TUNE_RUNS=${TUNE_RUNS:-3} LIB_RUNS=${LIB_RUNS:-3}
-PHASES=${PHASES:-"crossover library compare"}
+WAIT_RUNS=${WAIT_RUNS:-3} WAIT_RANKS=${WAIT_RANKS:-4}
+WAIT_POLICIES=${WAIT_POLICIES:-"default 0,0 500,20000 500,2000000 20000,500000"}
+PHASES=${PHASES:-"crossover library wait compare"}
 OPENMPI_VERSION=5.0.11
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -89,6 +96,22 @@ if has library; then
     done
   done
   python3 scripts/host/phases.py library "$OUT" 2 4 | tee "$OUT/library.md"
+fi
+
+if has wait; then
+  for run in $(seq 1 "$WAIT_RUNS"); do
+    for r in $WAIT_RANKS; do
+      for p in $WAIT_POLICIES; do
+        echo "# wait run $run/$WAIT_RUNS, $r ranks, policy $p" >&2
+        if [[ $p == default ]]; then unset IPCREDUCE_HOST_WAIT; else export IPCREDUCE_HOST_WAIT=$p; fi
+        "$BIN" bench --backend host --ranks "$r" -a auto -d float -b "$MIN" -e "$MAX" -f 4 \
+          -n 20 -w "$WARMUP" --json "$OUT/wait-$r-${p/,/_}-run$run.json" \
+          >"$OUT/wait-$r-${p/,/_}-run$run.log"
+      done
+      unset IPCREDUCE_HOST_WAIT
+    done
+  done
+  python3 scripts/host/phases.py wait "$OUT" $WAIT_RANKS | tee "$OUT/wait.md"
 fi
 
 if has compare; then

@@ -6,7 +6,9 @@ crossover OUT RANKS...: one-shot against two-shot per size from `ipcreduce tune 
 library OUT RANKS...: `ipcreduce bench -a auto` against the library's own back-to-back loop
   (examples/host_loop.rs), run alternately: bench/library time per size, min/median/max over
   the runs (goal: within 10%), and bench's run-to-run spread (goal: <= 15%).
-Both write OUT/<phase>.json.
+wait OUT RANKS...: `bench -a auto` per wait policy (OUT/wait-R-POLICY-runK.json): the median
+  over the runs per size and policy, and the fastest policy per size.
+Each writes OUT/<phase>.json.
 """
 import glob
 import json
@@ -91,6 +93,36 @@ def library(out, ranks):
         json.dump(result, f, indent=1)
 
 
+def wait(out, ranks):
+    result = {}
+    for r in ranks:
+        times = {}  # policy -> bytes -> [us]
+        for path in sorted(glob.glob(f"{out}/wait-{r}-*-run*.json")):
+            policy = path.rsplit("/", 1)[1][len(f"wait-{r}-"):].rsplit("-run", 1)[0]
+            with open(path) as f:
+                for row in json.load(f)["rows"]:
+                    times.setdefault(policy, {}).setdefault(row["bytes"], []).append(
+                        row["time_us"])
+        if not times:
+            print(f"- {r} ranks: no wait runs")
+            continue
+        policies = sorted(times, key=lambda p: (p != "default", p))
+        sizes = sorted(set.intersection(*(set(times[p]) for p in policies)))
+        print(f"\n### wait policies (SPIN_NS_YIELD_NS), {r} ranks, median us of runs\n")
+        print("| bytes | " + " | ".join(policies) + " | fastest | default/fastest |")
+        print("|---|" + "---|" * (len(policies) + 2))
+        rows = []
+        for b in sizes:
+            med = {p: statistics.median(times[p][b]) for p in policies}
+            best = min(med, key=med.get)
+            rows.append({"bytes": b, "median_us": med, "fastest": best})
+            print(f"| {b} | " + " | ".join(f"{med[p]:.2f}" for p in policies)
+                  + f" | {best} | {med.get('default', float('nan')) / med[best]:.2f} |")
+        result[str(r)] = rows
+    with open(f"{out}/wait.json", "w") as f:
+        json.dump(result, f, indent=1)
+
+
 if __name__ == "__main__":
     phase, out, ranks = sys.argv[1], sys.argv[2], [int(r) for r in sys.argv[3:]]
-    {"crossover": crossover, "library": library}[phase](out, ranks)
+    {"crossover": crossover, "library": library, "wait": wait}[phase](out, ranks)
