@@ -6,14 +6,19 @@
 //! default one also runs NCCL. Calls are timed like `bench` (registered buffers, the input
 //! refreshed and every call checked on the device, CUDA graph replays), and a wrong element
 //! fails the run. Rows of other world sizes already in the file are kept.
+//!
+//! On the host backend it measures one-shot against two-shot (no CTAs there) with `bench`'s
+//! host loop (back-to-back calls, every output checked, the median of its rounds, slowest
+//! rank) and writes the host table (`tune-host.txt`, keyed by the CPU: `TuneKey::of_host`).
 
 use crate::bench::cuda::CudaRunner;
+use crate::bench::host::HostRunner;
 use crate::bench::{parse_list, sizes, Measure};
 use crate::cli::{parse_size, relaunch_with_progress, RankArgs};
 use crate::harness::gather_f64;
 use ipcreduce::error::{Error, Result};
 use ipcreduce::tune::{self, Sample, Table, TuneKey};
-use ipcreduce::types::{Algorithm, BackendKind, DType, ReduceOp};
+use ipcreduce::types::{Algorithm, BackendChoice, BackendKind, DType, ReduceOp};
 use ipcreduce::{Communicator, Config};
 use std::path::PathBuf;
 
@@ -24,9 +29,10 @@ pub struct TuneArgs {
     /// Smallest message measured.
     #[arg(short = 'b', long = "minbytes", default_value = "4K", value_parser = parse_size)]
     pub min_bytes: usize,
-    /// Largest message measured.
-    #[arg(short = 'e', long = "maxbytes", default_value = "1G", value_parser = parse_size)]
-    pub max_bytes: usize,
+    /// Largest message measured (default 1G on cuda, 16M on host, where every rank holds a
+    /// round of inputs and outputs in memory).
+    #[arg(short = 'e', long = "maxbytes", value_parser = parse_size)]
+    pub max_bytes: Option<usize>,
     /// Factor between sizes.
     #[arg(short = 'f', long = "stepfactor", default_value_t = 4)]
     pub step: usize,
@@ -34,6 +40,7 @@ pub struct TuneArgs {
     #[arg(short = 'd', long = "datatype", default_value = "bf16,f32")]
     pub dtypes: String,
     /// CTA counts tried besides the library's own choice (comma separated; empty: none).
+    /// Ignored on the host backend (no CTAs there).
     #[arg(long, default_value = "8,16,32,64")]
     pub ctas: String,
     /// Where to write the table (default: IPCREDUCE_TUNE_FILE, else the cache directory).
@@ -44,7 +51,14 @@ pub struct TuneArgs {
     pub json: Option<PathBuf>,
 }
 
+/// The timed loop of the backend tuned.
+enum Runner {
+    Cuda(CudaRunner),
+    Host(HostRunner),
+}
+
 /// Timed calls and warm-up calls for a size: enough for a stable mean, few for large ones.
+/// (On host they are a floor: the loop runs rounds of a few milliseconds each.)
 pub fn iterations(bytes: usize) -> (usize, usize) {
     match bytes {
         b if b <= 1 << 20 => (50, 10),
@@ -71,7 +85,9 @@ fn tune_here(args: &TuneArgs) -> Result<()> {
     let bad = |e: String| Error::Config(e);
     let dtypes = parse_list(&args.dtypes, &DType::ALL).map_err(bad)?;
     let mut grids: Vec<Option<usize>> = vec![None];
-    if !args.ctas.trim().is_empty() {
+    // Auto may resolve to the host backend too: known once the first communicator is up.
+    let mut host = args.ranks.backend == BackendChoice::Host;
+    if !args.ctas.trim().is_empty() && !host {
         for c in args.ctas.split(',') {
             let n = c
                 .trim()
@@ -80,14 +96,14 @@ fn tune_here(args: &TuneArgs) -> Result<()> {
             grids.push(Some(n));
         }
     }
-    let sizes = sizes(args.min_bytes, args.max_bytes, args.step);
     let mut samples: Vec<(usize, Sample)> = Vec::new(); // (element size, sample)
     let mut world_key: Option<(usize, usize, Option<TuneKey>)> = None;
-    // One step per (grid, dtype, size): every algorithm of it measured.
-    let total = (grids.len() * dtypes.len() * sizes.len()) as u64;
     let mut progress: Option<crate::progress::Reporter> = None;
     let mut done = 0u64;
     for &grid in &grids {
+        if host && grid.is_some() {
+            break; // one communicator: no CTAs on host
+        }
         let config = Config {
             backend: args.ranks.backend,
             blocks: grid,
@@ -95,14 +111,23 @@ fn tune_here(args: &TuneArgs) -> Result<()> {
             ..Config::default()
         };
         let mut comm = Communicator::init(&config)?;
-        if comm.backend() != BackendKind::Cuda {
-            return Err(bad("tune measures the cuda backend (no GPU here?)".into()));
-        }
+        host |= comm.backend() == BackendKind::Host;
+        let max_bytes = args
+            .max_bytes
+            .unwrap_or(if host { 16 << 20 } else { 1 << 30 });
+        let sizes = sizes(args.min_bytes, max_bytes, args.step);
         let (rank, world) = (comm.rank(), comm.world());
+        // One step per (grid, dtype, size): every algorithm of it measured.
+        let steps = if host { 1 } else { grids.len() };
+        let total = (steps * dtypes.len() * sizes.len()) as u64;
         let progress =
             progress.get_or_insert_with(|| crate::progress::Reporter::new(rank, total, "sizes"));
         if world_key.is_none() {
-            let key = comm.cuda_device().and_then(TuneKey::of_machine);
+            let key = if host {
+                Some(TuneKey::of_host())
+            } else {
+                comm.cuda_device().and_then(TuneKey::of_machine)
+            };
             world_key = Some((rank, world, key));
         }
         let algos: Vec<Algorithm> = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Nccl]
@@ -111,7 +136,11 @@ fn tune_here(args: &TuneArgs) -> Result<()> {
             .collect();
         for &dtype in &dtypes {
             let capacity = sizes.last().copied().unwrap_or(0).max(dtype.size());
-            let runner = CudaRunner::new(&mut comm, capacity, true)?;
+            let mut runner = if host {
+                Runner::Host(HostRunner::new(&comm, capacity, false)?)
+            } else {
+                Runner::Cuda(CudaRunner::new(&mut comm, capacity, true)?)
+            };
             for &bytes in &sizes {
                 let (iters, warmup) = iterations(bytes);
                 for &algo in &algos {
@@ -124,9 +153,12 @@ fn tune_here(args: &TuneArgs) -> Result<()> {
                         seed: 3 ^ (bytes as u64) << 20,
                         warmup,
                         iters,
-                        graph: Some(10),
+                        graph: (!host).then_some(10),
                     };
-                    let got = runner.measure(&mut comm, &m)?;
+                    let got = match &mut runner {
+                        Runner::Cuda(r) => r.measure(&mut comm, &m)?,
+                        Runner::Host(r) => r.measure(&mut comm, &m)?,
+                    };
                     let wrong = got.wrong_calls + got.wrong_final;
                     if wrong != 0 {
                         return Err(Error::invalid(
@@ -144,7 +176,9 @@ fn tune_here(args: &TuneArgs) -> Result<()> {
                     let sample = Sample {
                         bytes,
                         algo: algo.name().to_string(),
-                        ctas: path.map(|p| p.ctas).filter(|_| algo != Algorithm::Nccl),
+                        ctas: path
+                            .map(|p| p.ctas)
+                            .filter(|_| algo != Algorithm::Nccl && !host),
                         chunk: None,
                         time_us: t,
                     };
@@ -164,16 +198,23 @@ fn tune_here(args: &TuneArgs) -> Result<()> {
                 done += 1;
                 progress.step(done);
             }
-            runner.free(&mut comm);
+            if let Runner::Cuda(r) = runner {
+                r.free(&mut comm);
+            }
         }
     }
     let Some((0, world, key)) = world_key else {
         return Ok(());
     };
     let key = key.ok_or_else(|| bad("this machine's key (GPU, driver) cannot be read".into()))?;
+    let backend = if host {
+        BackendKind::Host
+    } else {
+        BackendKind::Cuda
+    };
     let path = match &args.output {
         Some(p) => p.clone(),
-        None => tune::cache_path(|k| std::env::var(k).ok())
+        None => tune::cache_path_for(backend, |k| std::env::var(k).ok())
             .ok_or_else(|| bad("no place for the table: set IPCREDUCE_TUNE_FILE or HOME".into()))?,
     };
     write_table(&path, &key, world, &samples)?;

@@ -63,7 +63,7 @@ impl Communicator {
             BackendKind::Cuda => Box::new(backend::cuda::CudaComm::new(&mut boot, &config)?),
         };
         // The tuning hook: every rank uses rank 0's measured table.
-        let tune = crate::tune::agree(&mut boot, backend.device())?;
+        let tune = crate::tune::agree(&mut boot, kind, backend.device())?;
         backend.use_tuning(&tune);
         Ok(Communicator {
             backend,

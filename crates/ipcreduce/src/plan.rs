@@ -163,12 +163,26 @@ pub fn oneshot_max_bytes(backend: BackendKind, fabric: Fabric, world: usize) -> 
             _ => 128 << 10,
         },
         (BackendKind::Host, _) => match world {
-            0..=2 => 64 << 10,
-            3..=4 => 32 << 10,
-            _ => 16 << 10,
+            0..=2 => HOST_ONESHOT_MAX[0],
+            3..=4 => HOST_ONESHOT_MAX[1],
+            _ => HOST_ONESHOT_MAX[2],
         },
     }
 }
+
+/// The host backend's default crossover, largest one-shot message at 2, 3-4 and 5+ ranks
+/// (`ipcreduce tune --backend host` measures this machine's and `auto` then follows it).
+///
+/// Measured with `ipcreduce tune --backend host -b 1K -e 1M -f 2 -d f32` (back-to-back calls,
+/// median of 5 rounds, slowest rank) on the 2-core development machine, 2026-12-02, one run
+/// each (raw: bench/results/2026-12-02-host-crossover/). At 2 ranks (machine quiet) one-shot
+/// won at every size up to 512 KiB by 1.4-1.8x and two-shot only at 1 MiB (0.95x): both pull
+/// the same bytes from the peer's core, and two-shot's second flag round trip and gather cost
+/// more than the local reduce work it saves. (The 32 KiB two-shot win in issue 23 came from
+/// the earlier bench, whose timed calls absorbed the ranks' skew.) At 4 and 8 ranks, taken
+/// while the machine's load rose, one-shot won up to 64 KiB and 128 KiB: set from that run,
+/// to be confirmed by `scripts/host/mpi-compare.sh`'s crossover phase on a quiet machine.
+pub const HOST_ONESHOT_MAX: [usize; 3] = [512 << 10, 64 << 10, 128 << 10];
 
 /// Bytes per chunk of a staged call (one-shot and two-shot without registered buffers): at
 /// most the slot size and, like it, a multiple of 256 bytes. Peer memory: the whole slot
@@ -503,6 +517,20 @@ mod tests {
             choose(Algorithm::Auto, None, b, f, 1, 1 << 30),
             Algorithm::OneShot
         );
+    }
+
+    #[test]
+    fn host_auto_takes_one_shot_below_the_crossover_and_two_shot_above() {
+        let (b, f) = (BackendKind::Host, Fabric::Peer);
+        let auto = |w, bytes| choose(Algorithm::Auto, None, b, f, w, bytes);
+        // (world, largest one-shot message): the documented defaults.
+        for (w, max) in [(2, 512 << 10), (3, 64 << 10), (4, 64 << 10), (8, 128 << 10)] {
+            assert_eq!(auto(w, 8), Algorithm::OneShot, "world {w}");
+            assert_eq!(auto(w, max), Algorithm::OneShot, "world {w}");
+            assert_eq!(auto(w, max + 4), Algorithm::TwoShot, "world {w}");
+            assert_eq!(auto(w, 16 << 20), Algorithm::TwoShot, "world {w}");
+        }
+        assert_eq!(auto(1, 1 << 30), Algorithm::OneShot);
     }
 
     #[test]

@@ -3,7 +3,9 @@
 //!
 //! `ipcreduce tune` measures and writes the table to a cache file (a plain text format of its
 //! own, read strictly: see `tune/text.rs`) keyed by the GPU model, the topology (GPU count,
-//! P2P between every pair) and the driver version. At communicator init rank 0 loads it and
+//! P2P between every pair) and the driver version. The host backend has a table of its own
+//! (`tune-host.txt`, same format), keyed by the CPU model and core count ([`TuneKey::of_host`]):
+//! a machine with GPUs may run both backends. At communicator init rank 0 loads it and
 //! every rank uses rank 0's copy (the choice must be the same on every rank); `Auto` consults
 //! it before the plan's size rules. A missing file, a file that does not parse (the note names
 //! the file and line) or one measured on another machine (the note says what differs) gives
@@ -12,7 +14,7 @@
 //! Everything here is pure except [`TuneKey::of_machine`] (driver queries) and [`agree`]
 //! (the communicator's init hook: file and bootstrap).
 
-use crate::types::Algorithm;
+use crate::types::{Algorithm, BackendKind};
 use std::path::{Path, PathBuf};
 
 mod text;
@@ -25,7 +27,14 @@ pub const FORMAT_VERSION: u32 = 2;
 /// The table's name in the cache directory.
 pub const FILE_NAME: &str = "tune.txt";
 
-/// What a table was measured on.
+/// The host backend's table in the cache directory.
+pub const HOST_FILE_NAME: &str = "tune-host.txt";
+
+/// What a host table's `gpu` line starts with (the rest names the CPU).
+pub const HOST_KEY_PREFIX: &str = "host: ";
+
+/// What a table was measured on. For the host backend: `gpu` names the CPU
+/// ([`HOST_KEY_PREFIX`], model, cores), `gpus` is 0, `p2p` false and `driver` the kernel.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TuneKey {
     /// GPU model (the device name).
@@ -193,14 +202,28 @@ pub fn from_samples(world: usize, elem_bytes: usize, samples: &[Sample]) -> Vec<
 /// Where the table lives: `IPCREDUCE_TUNE_FILE`, else `$XDG_CACHE_HOME/ipcreduce/tune.txt`,
 /// else `$HOME/.cache/ipcreduce/tune.txt`. `env` reads a variable (tests pass their own).
 pub fn cache_path(env: impl Fn(&str) -> Option<String>) -> Option<PathBuf> {
+    cache_path_for(BackendKind::Cuda, env)
+}
+
+/// [`cache_path`] for `backend`'s table: the host backend's is [`HOST_FILE_NAME`] in the same
+/// directory; `IPCREDUCE_TUNE_FILE` names the file for either (the key inside tells them
+/// apart: a table of the other backend is not used).
+pub fn cache_path_for(
+    backend: BackendKind,
+    env: impl Fn(&str) -> Option<String>,
+) -> Option<PathBuf> {
     let set = |k: &str| env(k).filter(|v| !v.is_empty());
+    let name = match backend {
+        BackendKind::Host => HOST_FILE_NAME,
+        BackendKind::Cuda => FILE_NAME,
+    };
     if let Some(p) = set("IPCREDUCE_TUNE_FILE") {
         return Some(PathBuf::from(p));
     }
     let base = set("XDG_CACHE_HOME")
         .map(PathBuf::from)
         .or_else(|| set("HOME").map(|h| Path::new(&h).join(".cache")))?;
-    Some(base.join("ipcreduce").join(FILE_NAME))
+    Some(base.join("ipcreduce").join(name))
 }
 
 /// The table for this machine from `path` (None: no path known), or the built-in defaults
@@ -273,6 +296,32 @@ impl TuneKey {
         d.join("; ")
     }
 
+    /// This machine's key for the host backend: the CPU model and the cores online (what the
+    /// one-shot/two-shot crossover depends on), no GPU, the kernel release.
+    pub fn of_host() -> TuneKey {
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|t| {
+                t.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .and_then(|l| l.split_once(':'))
+                    .map(|(_, v)| v.split_whitespace().collect::<Vec<_>>().join(" "))
+            })
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .map(|s| s.trim().to_string())
+            .ok()
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "unknown".into());
+        TuneKey {
+            gpu: format!("{HOST_KEY_PREFIX}{cpu}, {} cores", crate::machine_cores()),
+            gpus: 0,
+            p2p: false,
+            driver: kernel,
+        }
+    }
+
     /// This machine's key: the model of GPU `ordinal`, the visible GPUs, P2P between every
     /// pair, the driver version.
     pub fn of_machine(ordinal: usize) -> Option<TuneKey> {
@@ -305,16 +354,23 @@ impl TuneKey {
     }
 }
 
-/// The communicator's init hook (collective): rank 0 loads the table for this machine (cuda
-/// backend on `device`) and every rank takes rank 0's, so every rank's `Auto` decides alike.
+/// The communicator's init hook (collective): rank 0 loads the table for this machine (the
+/// host backend's, or the cuda backend's on `device`) and every rank takes rank 0's, so every
+/// rank's `Auto` decides alike.
 pub(crate) fn agree(
     boot: &mut crate::bootstrap::Bootstrap,
+    backend: BackendKind,
     device: Option<usize>,
 ) -> crate::error::Result<Table> {
-    let mine = match (boot.rank(), device) {
-        (0, Some(ordinal)) => {
-            let path = cache_path(|k| std::env::var(k).ok());
-            match TuneKey::of_machine(ordinal) {
+    let key = match (boot.rank(), backend, device) {
+        (0, BackendKind::Host, _) => Some(Some(TuneKey::of_host())),
+        (0, BackendKind::Cuda, Some(ordinal)) => Some(TuneKey::of_machine(ordinal)),
+        _ => None,
+    };
+    let mine = match key {
+        Some(key) => {
+            let path = cache_path_for(backend, |k| std::env::var(k).ok());
+            match key {
                 None => {
                     tracing::warn!("tuning table not used: this machine's key cannot be read");
                     Table::builtin()
@@ -335,7 +391,7 @@ pub(crate) fn agree(
                 }
             }
         }
-        _ => Table::builtin(),
+        None => Table::builtin(),
     };
     let text = if boot.rank() == 0 {
         mine.to_text()
@@ -655,5 +711,38 @@ mod tests {
             Some(PathBuf::from("/h/.cache/ipcreduce/tune.txt"))
         );
         assert_eq!(cache_path(env(&[])), None);
+        // The host backend's table beside the cuda one; the explicit file names either.
+        assert_eq!(
+            cache_path_for(BackendKind::Host, env(&[("HOME", "/h")])),
+            Some(PathBuf::from("/h/.cache/ipcreduce/tune-host.txt"))
+        );
+        assert_eq!(
+            cache_path_for(
+                BackendKind::Host,
+                env(&[("IPCREDUCE_TUNE_FILE", "/x/t.txt"), ("HOME", "/h")])
+            ),
+            Some(PathBuf::from("/x/t.txt"))
+        );
+    }
+
+    #[test]
+    fn the_host_key_names_the_cpu_and_round_trips() {
+        let k = TuneKey::of_host();
+        assert!(k.gpu.starts_with(HOST_KEY_PREFIX), "{k:?}");
+        let cores = format!(", {} cores", crate::machine_cores());
+        assert!(k.gpu.ends_with(&cores), "{k:?}");
+        assert_eq!((k.gpus, k.p2p), (0, false));
+        assert!(!k.driver.is_empty() && !k.driver.contains('\n'));
+        let mut t = table();
+        t.key = Some(k.clone());
+        assert_eq!(Table::parse(&t.to_text()).unwrap(), t);
+        // A cuda table is another machine's for the host backend.
+        let dir = scratch("hostkey");
+        let p = dir.join(HOST_FILE_NAME);
+        std::fs::write(&p, table().to_text()).unwrap();
+        let (got, note) = load(Some(&p), &k);
+        assert_eq!(got, Table::builtin());
+        assert!(matches!(note, Some(Note::Bad(m)) if m.contains("another machine")));
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -15,7 +15,7 @@
 
 pub mod algos;
 pub(crate) mod cuda;
-mod host;
+pub(crate) mod host;
 pub mod pattern;
 mod startup;
 
@@ -500,11 +500,17 @@ fn registration_unavailable(comm: &Communicator) -> Option<String> {
 fn last_path(
     comm: &Communicator,
     algo: Algorithm,
+    dtype: DType,
     bytes: usize,
 ) -> (String, Option<u32>, Option<bool>) {
     match comm.last_path() {
         Some(p) => (p.name.to_string(), Some(p.ctas), Some(p.registered)),
-        None => (comm.resolve(algo, bytes).name().to_string(), None, None),
+        // The tuning table's choice where it has one, as the call took it.
+        None => (
+            comm.resolve_for(algo, dtype, bytes).name().to_string(),
+            None,
+            None,
+        ),
     }
 }
 
@@ -535,7 +541,7 @@ fn make_row(
         .sum();
     let algbw = bytes as f64 / time_us / 1e3;
     let busbw = algbw * 2.0 * (world as f64 - 1.0) / world as f64;
-    let (path, ctas, zero_copy) = last_path(comm, m.algo, bytes);
+    let (path, ctas, zero_copy) = last_path(comm, m.algo, m.dtype, bytes);
     Ok(Row {
         algo: m.algo,
         ran: comm.resolve_call(m.algo, m.dtype, bytes, registered),
@@ -601,7 +607,9 @@ fn print_legend(args: &BenchArgs, cuda: bool, max_bytes: usize) {
     let how = if cuda {
         "the loop's time (call + input refresh) minus the refresh's, per call"
     } else {
-        "each call timed alone (host calls are synchronous)"
+        "calls back to back on inputs prepared before the timed span, every output checked \
+         after it; per round each rank's mean, the slowest rank's, median of 5 rounds (at least \
+         the timed calls asked for, more for small messages: rounds of a few ms)"
     };
     println!(
         "# time(us): mean per call over {} timed calls after {} warm-up calls, of the slowest \

@@ -99,6 +99,8 @@ impl HostComm {
             config.workspace_bytes.unwrap_or(DEFAULT_WORKSPACE_BYTES),
             config.host_heap_bytes(),
         );
+        let policy = SpinPolicy::from_env(world, std::env::var(sync::WAIT_ENV).ok().as_deref())
+            .map_err(|e| Error::invalid(rank, "host communicator", e))?;
         let (fd, own) = arena::create(&layout, world, rank)?;
         let fds = boot.all_gather_fds(fd.as_fd())?;
         drop(fd);
@@ -111,6 +113,7 @@ impl HostComm {
             fds,
             config.timeout(),
         )
+        .map(|c| HostComm { policy, ..c })
     }
 
     /// Builds the communicator from our mapped arena and every rank's arena fd (indexed by

@@ -75,6 +75,31 @@ impl SpinPolicy {
     }
 }
 
+/// The variable that overrides the policy: `SPIN_NS,YIELD_NS` (spin this long, then yield
+/// until this much has passed since the wait began, then sleep), for measuring the policy
+/// when ranks outnumber cores (scripts/host/mpi-compare.sh, its wait phase).
+pub(crate) const WAIT_ENV: &str = "IPCREDUCE_HOST_WAIT";
+
+impl SpinPolicy {
+    /// [`SpinPolicy::for_world`], or what `value` (of [`WAIT_ENV`]) says; an unreadable value
+    /// is an error that quotes it.
+    pub fn from_env(world: usize, value: Option<&str>) -> Result<SpinPolicy, String> {
+        let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
+            return Ok(SpinPolicy::for_world(world));
+        };
+        let parsed: Vec<Option<u64>> = v.split(',').map(|x| x.trim().parse().ok()).collect();
+        match parsed[..] {
+            [Some(spin), Some(until)] if spin <= until => Ok(SpinPolicy {
+                spin: Duration::from_nanos(spin),
+                yield_until: Duration::from_nanos(until),
+            }),
+            _ => Err(format!(
+                "{WAIT_ENV}={v}: expected SPIN_NS,YIELD_NS (whole nanoseconds, spin <= yield)"
+            )),
+        }
+    }
+}
+
 /// Why a wait ended without the flag reaching its target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum WaitError {
@@ -275,6 +300,22 @@ pub(super) mod tests {
             0,
             "the sleeper left the count"
         );
+    }
+
+    #[test]
+    fn the_policy_comes_from_the_variable_when_set() {
+        let d = SpinPolicy::for_world(2);
+        let p = SpinPolicy::from_env(2, None).unwrap();
+        assert_eq!((p.spin, p.yield_until), (d.spin, d.yield_until));
+        let p = SpinPolicy::from_env(2, Some(" ")).unwrap();
+        assert_eq!((p.spin, p.yield_until), (d.spin, d.yield_until));
+        let p = SpinPolicy::from_env(64, Some("0, 5000")).unwrap();
+        assert_eq!(p.spin, Duration::ZERO);
+        assert_eq!(p.yield_until, Duration::from_micros(5));
+        for bad in ["1", "1,2,3", "a,2", "5,1", "-1,2"] {
+            let e = SpinPolicy::from_env(2, Some(bad)).unwrap_err();
+            assert!(e.contains(&format!("{WAIT_ENV}={bad}")), "{e}");
+        }
     }
 
     #[test]
