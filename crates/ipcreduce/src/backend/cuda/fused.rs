@@ -137,6 +137,7 @@ pub(super) fn launch(
 
 /// Enqueues the reference add + RMSNorm on `stream`: `args.input` holds the all-reduced rows.
 /// A local kernel: no peer, no call number, no identity exchanged.
+#[cfg(feature = "test-support")]
 pub(super) fn reference(l: &Launcher, args: &AddRmsNorm, stream: sys::CUstream) -> Result<()> {
     let s = fused::check(l.rank, args)?;
     if s.tokens == 0 {
