@@ -295,6 +295,90 @@ impl Communicator {
         })
     }
 
+    /// All-reduce of `args.input` over the ranks, then residual add and RMSNorm (and an FP8
+    /// copy of the result when `args.fp8_out` is set), in one call; the numerics and the
+    /// aliasing rules are [`crate::fused`]'s. `algo`: `Auto` (chosen by size), `OneShot` or
+    /// `TwoShot`; others are refused. Every rank must pass the same shape, eps and outputs
+    /// (a difference is a mismatch error on every rank).
+    ///
+    /// # Safety
+    /// The pointers must be valid for the sizes [`crate::AddRmsNorm`] gives (device pointers
+    /// of this communicator's device on cuda, host pointers on host), on `stream` (cuda;
+    /// null = the communicator's stream).
+    pub unsafe fn all_reduce_add_rms_norm_raw(
+        &mut self,
+        args: &crate::fused::AddRmsNorm,
+        algo: Algorithm,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        let id = crate::flight::CallId {
+            op: backend::SgOp::AddRmsNorm,
+            count: args.tokens.wrapping_mul(args.hidden),
+            dtype: args.dtype,
+            reduce: ReduceOp::Sum,
+            in_place: args.out.cast_const() == args.input,
+            stream,
+        };
+        self.recorded(id, |c| {
+            let shape = crate::fused::check(c.rank(), args)?;
+            let algo = match algo {
+                Algorithm::Auto | Algorithm::OneShot | Algorithm::TwoShot => {
+                    let bytes = shape.count() * args.dtype.size();
+                    match c.resolve(algo, bytes) {
+                        // An environment or tuned NCCL choice does not apply to the fused op.
+                        Algorithm::Nccl | Algorithm::Auto => plan::choose(
+                            Algorithm::Auto,
+                            None,
+                            c.backend(),
+                            c.backend.fabric(),
+                            c.world(),
+                            bytes,
+                        ),
+                        a => a,
+                    }
+                }
+                other => {
+                    return Err(Error::invalid(
+                        c.rank(),
+                        crate::fused::NAME,
+                        format!("runs auto, oneshot or twoshot, not {other}"),
+                    ))
+                }
+            };
+            c.flight.path(algo);
+            // SAFETY: checked above; the caller vouches for the memory.
+            unsafe { c.backend.add_rms_norm_raw(args, algo, stream) }
+        })
+    }
+
+    /// The reference add + RMSNorm (cuda): `args.input` holds rows already all-reduced; the
+    /// same epilogue as [`Self::all_reduce_add_rms_norm_raw`] runs on them, on this rank alone
+    /// (no peers, no call number), so tests can compare the fused call with the unfused one.
+    ///
+    /// # Safety
+    /// As [`Self::all_reduce_add_rms_norm_raw`].
+    #[cfg(feature = "test-support")]
+    pub unsafe fn add_rms_norm_reference_raw(
+        &mut self,
+        args: &crate::fused::AddRmsNorm,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        let rank = self.rank();
+        match self
+            .backend
+            .as_any_mut()
+            .downcast_mut::<backend::cuda::CudaComm>()
+        {
+            // SAFETY: forwarded contract.
+            Some(c) => unsafe { c.add_rms_norm_reference(args, stream) },
+            None => Err(Error::invalid(
+                rank,
+                crate::fused::NAME,
+                "the reference kernel needs the cuda backend",
+            )),
+        }
+    }
+
     /// All-reduce of host slices (host backend).
     pub fn all_reduce_host<T: Element>(
         &mut self,

@@ -60,6 +60,7 @@ pub(super) fn launch(
         in_place: send == recv,
         send: registered(send),
         recv: registered(recv),
+        fused: None,
     };
     let mut args = l.kernel_args(call, &ident, zero_copy);
     let knobs = l.limits.staged;

@@ -405,6 +405,7 @@ impl Launcher {
             in_place: false,
             send: None,
             recv: None,
+            fused: None,
         };
         let f = self.function(path, dtype, reduce)?;
         self.took(path, 1);
