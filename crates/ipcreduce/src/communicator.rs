@@ -294,6 +294,62 @@ impl Communicator {
         })
     }
 
+    /// All-reduce of `args.input` over the ranks, then residual add and RMSNorm (and an FP8
+    /// copy of the result when `args.fp8_out` is set), in one call; the numerics and the
+    /// aliasing rules are [`crate::fused`]'s. `algo`: `Auto` (chosen by size), `OneShot` or
+    /// `TwoShot`; others are refused. Every rank must pass the same shape, eps and outputs
+    /// (a difference is a mismatch error on every rank).
+    ///
+    /// # Safety
+    /// The pointers must be valid for the sizes [`crate::AddRmsNorm`] gives (device pointers
+    /// of this communicator's device on cuda, host pointers on host), on `stream` (cuda;
+    /// null = the communicator's stream).
+    pub unsafe fn all_reduce_add_rms_norm_raw(
+        &mut self,
+        args: &crate::fused::AddRmsNorm,
+        algo: Algorithm,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        let id = crate::flight::CallId {
+            op: backend::SgOp::AddRmsNorm,
+            count: args.tokens.wrapping_mul(args.hidden),
+            dtype: args.dtype,
+            reduce: ReduceOp::Sum,
+            in_place: args.out.cast_const() == args.input,
+            stream,
+        };
+        self.recorded(id, |c| {
+            let shape = crate::fused::check(c.rank(), args)?;
+            let algo = match algo {
+                Algorithm::Auto | Algorithm::OneShot | Algorithm::TwoShot => {
+                    let bytes = shape.count() * args.dtype.size();
+                    match c.resolve(algo, bytes) {
+                        // An environment or tuned NCCL choice does not apply to the fused op.
+                        Algorithm::Nccl | Algorithm::Auto => plan::choose(
+                            Algorithm::Auto,
+                            None,
+                            c.backend(),
+                            c.backend.fabric(),
+                            c.world(),
+                            bytes,
+                        ),
+                        a => a,
+                    }
+                }
+                other => {
+                    return Err(Error::invalid(
+                        c.rank(),
+                        crate::fused::NAME,
+                        format!("runs auto, oneshot or twoshot, not {other}"),
+                    ))
+                }
+            };
+            c.flight.path(algo);
+            // SAFETY: checked above; the caller vouches for the memory.
+            unsafe { c.backend.add_rms_norm_raw(args, algo, stream) }
+        })
+    }
+
     /// All-reduce of host slices (host backend).
     pub fn all_reduce_host<T: Element>(
         &mut self,

@@ -12,6 +12,7 @@
 //! | [`shards`] | shard boundaries of reduce-scatter, all-gather and the hierarchical all-reduce |
 //! | [`backend::host`] | shared-memory data plane, reduction loops in Rust |
 //! | [`backend::cuda`] | CUDA IPC data plane: workspaces, NVRTC kernels, NCCL |
+//! | [`fused`] | all-reduce + residual add + RMSNorm in one call: arguments and numerics |
 //! | [`reference`] | deterministic test data and the float64 reference |
 //!
 //! The `ipcreduce` command (bench, check, overlap, launch) lives in the `ipcreduce-cli` crate.
@@ -24,6 +25,7 @@ pub mod config;
 pub mod element;
 pub mod error;
 pub mod flight;
+pub mod fused;
 pub mod plan;
 pub mod reference;
 pub mod shards;
@@ -48,4 +50,5 @@ pub fn machine_cores() -> usize {
 }
 pub use element::Element;
 pub use error::{Error, Result};
+pub use fused::AddRmsNorm;
 pub use types::{Algorithm, BackendChoice, BackendKind, DType, ReduceOp};

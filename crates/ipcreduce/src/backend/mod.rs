@@ -16,10 +16,17 @@ pub enum SgOp {
     AllReduce,
     ReduceScatter,
     AllGather,
+    /// All-reduce + residual add + RMSNorm in one call (see [`crate::fused`]).
+    AddRmsNorm,
 }
 
 impl SgOp {
-    pub const ALL: [SgOp; 3] = [SgOp::AllReduce, SgOp::ReduceScatter, SgOp::AllGather];
+    pub const ALL: [SgOp; 4] = [
+        SgOp::AllReduce,
+        SgOp::ReduceScatter,
+        SgOp::AllGather,
+        SgOp::AddRmsNorm,
+    ];
 
     /// The name errors use.
     pub fn name(self) -> &'static str {
@@ -27,6 +34,7 @@ impl SgOp {
             SgOp::AllReduce => "all_reduce",
             SgOp::ReduceScatter => "reduce_scatter",
             SgOp::AllGather => "all_gather",
+            SgOp::AddRmsNorm => "all_reduce_add_rms_norm",
         }
     }
 
@@ -36,6 +44,7 @@ impl SgOp {
             SgOp::AllReduce => 0,
             SgOp::ReduceScatter => 1,
             SgOp::AllGather => 2,
+            SgOp::AddRmsNorm => 3,
         }
     }
 }
@@ -176,6 +185,19 @@ pub trait BackendOps: Send {
         shards: crate::shards::Shards,
         dtype: DType,
         op: ReduceOp,
+        stream: *mut c_void,
+    ) -> Result<()>;
+
+    /// Enqueues (cuda) or runs (host) one fused all-reduce + residual add + RMSNorm. `algo` is
+    /// `OneShot` or `TwoShot`; the arguments were checked by the communicator
+    /// ([`crate::fused::check`]).
+    ///
+    /// # Safety
+    /// As [`crate::Communicator::all_reduce_add_rms_norm_raw`].
+    unsafe fn add_rms_norm_raw(
+        &mut self,
+        args: &crate::fused::AddRmsNorm,
+        algo: Algorithm,
         stream: *mut c_void,
     ) -> Result<()>;
 

@@ -43,6 +43,7 @@ fn op_words(op: SgOp) -> &'static str {
         SgOp::AllReduce => "all-reduce",
         SgOp::ReduceScatter => "reduce-scatter",
         SgOp::AllGather => "all-gather",
+        SgOp::AddRmsNorm => "all-reduce+add+rmsnorm",
     }
 }
 

@@ -38,6 +38,7 @@
 mod allreduce;
 mod ce;
 pub mod driver;
+mod fused;
 mod hier;
 pub mod identity;
 mod init;

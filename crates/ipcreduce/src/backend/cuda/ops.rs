@@ -57,6 +57,16 @@ impl BackendOps for CudaComm {
         self.enqueue(&call, algo).map_err(|e| self.in_job(e))
     }
 
+    unsafe fn add_rms_norm_raw(
+        &mut self,
+        args: &crate::fused::AddRmsNorm,
+        algo: Algorithm,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { super::fused::run(self, args, algo, stream) }
+    }
+
     unsafe fn scatter_gather_raw(
         &mut self,
         what: SgOp,

@@ -19,6 +19,7 @@ pub(crate) mod arena;
 #[cfg(feature = "test-support")]
 mod buffers;
 mod failure;
+mod fused;
 mod heap;
 mod oneshot;
 mod reduce;
@@ -449,6 +450,16 @@ impl BackendOps for HostComm {
     ) -> Result<()> {
         // SAFETY: forwarded contract.
         unsafe { self.all_reduce(send.cast(), recv.cast(), count, dtype, op, algo) }
+    }
+
+    unsafe fn add_rms_norm_raw(
+        &mut self,
+        args: &crate::fused::AddRmsNorm,
+        algo: Algorithm,
+        _stream: *mut c_void,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.add_rms_norm(args, algo) }
     }
 
     unsafe fn scatter_gather_raw(

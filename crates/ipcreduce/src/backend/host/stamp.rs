@@ -10,13 +10,14 @@ use std::sync::atomic::Ordering;
 /// The arguments of a call as every rank stamps them next to its ready flag.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Stamp {
-    seq: u64,
-    count: u64,
+    pub(super) seq: u64,
+    pub(super) count: u64,
     /// dtype | op << 8 | algo << 16 | operation << 24.
-    codes: u32,
+    pub(super) codes: u32,
     /// [`IN_PLACE`] | (1 + offset in the owner's arena of the call's input, when it lies in
-    /// the symmetric heap; 0 when it does not).
-    place: u64,
+    /// the symmetric heap; 0 when it does not). The identity epoch of a fused call holds its
+    /// shape here instead (`fused.rs`).
+    pub(super) place: u64,
 }
 
 /// `Stamp::place` bit of an in-place call.
@@ -69,6 +70,9 @@ impl Stamp {
 
     /// What differs, in words ("count 100 vs 200").
     pub fn diff(&self, peer: &Stamp) -> String {
+        if let Some(d) = super::fused::diff(self, peer) {
+            return d;
+        }
         let mut parts = Vec::new();
         if self.seq != peer.seq {
             parts.push(format!("call #{} vs #{}", self.seq, peer.seq));
@@ -99,6 +103,9 @@ impl Stamp {
     /// The call in words ("all_reduce #3 of 100 float, sum, oneshot, out of place"), for
     /// errors that name both ranks' calls.
     pub fn describe(&self) -> String {
+        if let Some(d) = super::fused::describe(self) {
+            return d;
+        }
         let name = |field| code_name(self.codes, field);
         let mut s = format!(
             "{} #{} of {} {}, {}, {}, {}",
@@ -135,7 +142,7 @@ fn heap_name(heap: u64) -> String {
 }
 
 /// Name of byte `field` of a codes word (0 dtype, 1 op, 2 algorithm, 3 operation).
-fn code_name(codes: u32, field: u32) -> String {
+pub(super) fn code_name(codes: u32, field: u32) -> String {
     let v = (codes >> (8 * field)) & 0xFF;
     let algos = [
         Algorithm::Auto,
