@@ -9,8 +9,8 @@ row-parallel matmul (this rank's partial sum of the hidden state), then
 
 which replaces `all_reduce(partial); residual = partial + residual; normed = rms_norm(residual)`.
 
-Run (CPU tensors, host backend):  ipcreduce launch -n 2 -- python3 tp_decoder.py
-       (GPUs, cuda backend):      torchrun --standalone --nproc_per_node=2 tp_decoder.py --device cuda
+Run (CPU tensors, host backend): ipcreduce launch -n 2 -- python3 tp_decoder.py
+    (GPUs, cuda backend): torchrun --standalone --nproc_per_node=2 tp_decoder.py --device cuda
 With --device cuda --graph the fused stack is also captured in a CUDA graph and replayed.
 """
 
@@ -69,7 +69,8 @@ def run(comm, device, dtype, tokens: int = 8, hidden: int = 4096, ffn: int = 819
         layers: int = 4, graph: bool = False) -> dict:
     """Runs the stack with the fused op, comparing every layer with the unfused sequence on
     the same inputs (raises past the bound); returns a report: the largest difference as a
-    fraction of the bound, whether the residuals matched bitwise. Collective: every rank calls it with the same arguments."""
+    fraction of the bound, whether the residuals matched bitwise. Collective: every rank
+    calls it with the same arguments."""
     model = TPDecoderMLP(comm, device, dtype, hidden, ffn, layers)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, hidden, generator=g).to(device, dtype)

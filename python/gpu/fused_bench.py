@@ -181,10 +181,11 @@ for hidden in HIDDEN:
                                              f"between ranks")
         rows.append(row)
         kib = row["bytes_per_rank"] / 1024
+        wrong_all = sum(row[v]["wrong_calls"] for v in VARIANTS)
         ctx.log(f"h {hidden:>5} t {tokens:>3} {kib:>8.0f} KiB/rank: fused "
                 f"{row['fused']['us']:8.2f} us  ipcreduce+torch {row['ipcreduce']['us']:8.2f} us"
                 f" (x{row['speedup_vs_ipcreduce']:.2f})  nccl+torch {row['nccl']['us']:9.2f} us"
-                f" (x{row['speedup_vs_nccl']:.2f})  wrong {sum(row[v]['wrong_calls'] for v in VARIANTS)}"
+                f" (x{row['speedup_vs_nccl']:.2f})  wrong {wrong_all}"
                 f"  fp8 {'ok' if row['fp8_ok'] else 'WRONG'}")
         dist.barrier()
 

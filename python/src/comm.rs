@@ -325,7 +325,9 @@ impl Communicator {
             eps: eps as f32,
         };
         // SAFETY: the caller's contract above.
-        unsafe { crate::fused::all_reduce_add_rms_norm(self, py, args, dtype, on_device, algo, stream) }
+        unsafe {
+            crate::fused::all_reduce_add_rms_norm(self, py, args, dtype, on_device, algo, stream)
+        }
     }
 
     /// Waits for the work this communicator enqueued on its own stream and raises an error a

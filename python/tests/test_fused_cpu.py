@@ -156,55 +156,105 @@ def _error_of(call):
 
 
 def _usable_after(comm):
-    """A local refusal leaves the communicator usable: the next call meets its peers'."""
+    """A refusal of this layer leaves the communicator usable: the next call meets its peers'."""
     x = torch.full((2, 8), float(comm.rank + 1))
     out, res = itorch.all_reduce_add_rms_norm(x, torch.zeros(2, 8), torch.ones(8), comm, 0.0)
     assert bool((res == sum(r + 1 for r in range(comm.world_size))).all())
     assert torch.allclose(out, torch.ones(2, 8))
 
 
-def test_argument_errors_raise_on_every_rank(comm):
+def test_tensor_errors_raise_on_every_rank(comm):
+    # Refused by the Python layer before anything collective starts, alike on every rank.
     x, w = torch.ones(4, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
     r = comm.rank
-    op = "all_reduce_add_rms_norm"
     cases = [
-        ("negative eps", lambda: itorch.all_reduce_add_rms_norm(x, x, w, comm, -1e-6),
-         ipcreduce.InvalidArgumentError, r"eps"),
-        ("NaN eps", lambda: itorch.all_reduce_add_rms_norm(x, x, w, comm, float("nan")),
-         ipcreduce.InvalidArgumentError, r"eps"),
         ("residual of another shape",
          lambda: itorch.all_reduce_add_rms_norm(x, x[:3], w, comm, 1e-6),
-         ipcreduce.InvalidArgumentError, r"residual has shape \(3, 64\), expected \(4, 64\)"),
+         r"residual has shape \(3, 64\), expected \(4, 64\)"),
         ("weight of another width",
-         lambda: itorch.all_reduce_add_rms_norm(x, x, w[:63], comm, 1e-6),
-         ipcreduce.InvalidArgumentError, r"weight has shape \(63,\), expected \(64,\)"),
+         lambda: itorch.all_reduce_add_rms_norm(x, x.clone(), w[:63], comm, 1e-6),
+         r"weight has shape \(63,\), expected \(64,\)"),
         ("weight of another dtype",
-         lambda: itorch.all_reduce_add_rms_norm(x, x, w.float(), comm, 1e-6),
-         ipcreduce.InvalidArgumentError, r"weight is torch.float32, the input torch.bfloat16"),
+         lambda: itorch.all_reduce_add_rms_norm(x, x.clone(), w.float(), comm, 1e-6),
+         r"weight is torch.float32, the input torch.bfloat16"),
         ("float64", lambda: itorch.all_reduce_add_rms_norm(x.double(), x.double(), w.double(),
                                                            comm, 1e-6),
-         ipcreduce.InvalidArgumentError, r"float64 is not reduced"),
-        ("fp8 output without scale",
-         lambda: comm.all_reduce_add_rms_norm(
-             x.clone(), x.clone(), w, 1e-6,
-             fp8_out=torch.empty(4, 64, dtype=torch.float8_e4m3fn)),
-         ipcreduce.InvalidArgumentError, r"scale"),
+         r"float64 is not reduced"),
         ("scale of two elements",
-         lambda: itorch.all_reduce_add_rms_norm(x, x, w, comm, 1e-6,
+         lambda: itorch.all_reduce_add_rms_norm(x, x.clone(), w, comm, 1e-6,
                                                 scale=torch.ones(2, dtype=torch.float32)),
-         ipcreduce.InvalidArgumentError, r"scale must be a torch float32 tensor of one"),
+         r"scale must be a torch float32 tensor of one"),
+        ("fp8_out of another dtype",
+         lambda: comm.all_reduce_add_rms_norm(x.clone(), x.clone(), w, 1e-6,
+                                              scale=torch.ones(1), fp8_out=x.clone()),
+         r"fp8_out must be a torch float8_e4m3fn tensor of shape \(4, 64\)"),
         ("not contiguous",
          lambda: comm.all_reduce_add_rms_norm(torch.ones(64, 4, dtype=torch.bfloat16).t(),
                                               x.clone(), w, 1e-6),
-         ipcreduce.InvalidArgumentError, r"input is not contiguous"),
+         r"input is not contiguous"),
+        ("a scalar", lambda: comm.all_reduce_add_rms_norm(x[0, 0], x[0, 0].clone(), w, 1e-6),
+         r"input is a scalar"),
+        ("a numpy array", lambda: comm.all_reduce_add_rms_norm(x.float().numpy(), x, w, 1e-6),
+         r"input is not a torch tensor \(ndarray\)"),
     ]
-    for what, call, kind, pattern in cases:
+    for what, call, pattern in cases:
         err = _error_of(call)
         msg = str(err)
-        assert isinstance(err, kind), f"{what}: {type(err).__name__}: {msg}"
-        assert msg.startswith(f"rank {r}:") and op in msg, f"{what}: {msg}"
+        assert isinstance(err, ipcreduce.InvalidArgumentError), f"{what}: {type(err)}: {msg}"
+        assert msg.startswith(f"rank {r}: invalid argument to all_reduce_add_rms_norm: "), msg
         assert re.search(pattern, msg), f"{what}: {msg!r} does not say {pattern!r}"
     _usable_after(comm)
+
+
+# Refused by the library: the calling rank raises InvalidArgumentError and aborts the
+# communicator with it (its peers may already wait in the call): every later call, and every
+# peer's call, raises AbortedError naming the reason. With the same bad argument on every rank,
+# a rank raises either, whichever comes first: its own refusal or a faster peer's abort.
+LIBRARY_REFUSALS = {
+    "negative eps": (dict(eps=-1e-6), r"eps must be finite and >= 0"),
+    "NaN eps": (dict(eps=float("nan")), r"eps must be finite and >= 0"),
+    "infinite eps": (dict(eps=float("inf")), r"eps must be finite and >= 0"),
+    "fp8_out without scale": (dict(fp8_out=True), r"fp8_out and fp8_scale come together"),
+}
+
+
+def _library_call(comm, eps=1e-6, fp8_out=False):
+    x = torch.ones(4, 64, dtype=torch.bfloat16)
+    f8 = torch.empty(4, 64, dtype=torch.float8_e4m3fn) if fp8_out else None
+    return comm.all_reduce_add_rms_norm(x, x.clone(), torch.ones(64, dtype=torch.bfloat16),
+                                        eps, fp8_out=f8)
+
+
+@pytest.mark.parametrize("what", list(LIBRARY_REFUSALS))
+def test_library_refusals_on_every_rank(comm, what):
+    kwargs, pattern = LIBRARY_REFUSALS[what]
+    err = _error_of(lambda: _library_call(comm, **kwargs))
+    msg = str(err)
+    if isinstance(err, ipcreduce.InvalidArgumentError):
+        assert msg.startswith(
+            f"rank {comm.rank}: invalid argument to all_reduce_add_rms_norm: "), msg
+    else:
+        assert isinstance(err, ipcreduce.AbortedError), f"{type(err).__name__}: {msg}"
+        assert msg.startswith(f"rank {comm.rank}: communicator is aborted: "), msg
+        assert "invalid argument to all_reduce_add_rms_norm" in msg, msg
+    assert re.search(pattern, msg), msg
+    after = _error_of(lambda: _library_call(comm))
+    assert isinstance(after, ipcreduce.AbortedError) and re.search(pattern, str(after)), after
+
+
+def test_negative_eps_on_one_rank_stops_every_rank(comm):
+    # The culprit raises InvalidArgumentError; the others, in the same call, AbortedError
+    # naming the culprit's reason, within the bound (the test's own timeout), never a hang.
+    culprit = comm.world_size - 1
+    eps = -1.0 if comm.rank == culprit else 1e-6
+    err = _error_of(lambda: _library_call(comm, eps=eps))
+    msg = str(err)
+    if comm.rank == culprit:
+        assert isinstance(err, ipcreduce.InvalidArgumentError), msg
+    else:
+        assert isinstance(err, MISMATCH), f"{type(err).__name__}: {msg}"
+    assert msg.startswith(f"rank {comm.rank}:"), msg
+    assert "eps" in msg, msg
 
 
 def _assert_mismatch(comm, err, culprit: int) -> None:
@@ -225,7 +275,8 @@ def test_tokens_differing_between_ranks_raise_on_every_rank(comm):
     tokens = 5 if comm.rank == culprit else 4
     x = torch.ones(tokens, 96)
     _assert_mismatch(comm, _error_of(
-        lambda: itorch.all_reduce_add_rms_norm(x, x, torch.ones(96), comm, 1e-6)), culprit)
+        lambda: itorch.all_reduce_add_rms_norm(x, x.clone(), torch.ones(96), comm, 1e-6)),
+        culprit)
 
 
 def test_hidden_differing_between_ranks_raise_on_every_rank(comm):
@@ -233,7 +284,8 @@ def test_hidden_differing_between_ranks_raise_on_every_rank(comm):
     culprit = 0
     x = torch.ones(12, 64) if comm.rank == culprit else torch.ones(8, 96)
     _assert_mismatch(comm, _error_of(
-        lambda: itorch.all_reduce_add_rms_norm(x, x, torch.ones(x.shape[1]), comm, 1e-6)),
+        lambda: itorch.all_reduce_add_rms_norm(x, x.clone(), torch.ones(x.shape[1]), comm,
+                                               1e-6)),
         culprit)
 
 
@@ -242,7 +294,8 @@ def test_eps_differing_between_ranks_raise_on_every_rank(comm):
     eps = 1e-5 if comm.rank == culprit else 1e-6
     x = torch.ones(2, 32)
     _assert_mismatch(comm, _error_of(
-        lambda: itorch.all_reduce_add_rms_norm(x, x, torch.ones(32), comm, eps)), culprit)
+        lambda: itorch.all_reduce_add_rms_norm(x, x.clone(), torch.ones(32), comm, eps)),
+        culprit)
 
 
 def test_fp8_on_one_rank_only_raise_on_every_rank(comm):
@@ -251,7 +304,8 @@ def test_fp8_on_one_rank_only_raise_on_every_rank(comm):
     w = torch.ones(32, dtype=torch.bfloat16)
     scale = torch.ones(1) if comm.rank == culprit else None
     _assert_mismatch(comm, _error_of(
-        lambda: itorch.all_reduce_add_rms_norm(x, x, w, comm, 1e-6, scale=scale)), culprit)
+        lambda: itorch.all_reduce_add_rms_norm(x, x.clone(), w, comm, 1e-6, scale=scale)),
+        culprit)
 
 
 def test_tp_decoder_example_matches_the_unfused_sequence(comm):
