@@ -11,7 +11,8 @@ which replaces `all_reduce(partial); residual = partial + residual; normed = rms
 
 Run (CPU tensors, host backend): ipcreduce launch -n 2 -- python3 tp_decoder.py
     (GPUs, cuda backend): torchrun --standalone --nproc_per_node=2 tp_decoder.py --device cuda
-With --device cuda --graph the fused stack is also captured in a CUDA graph and replayed.
+With --device cuda --graph the fused stack is also captured in a CUDA graph and replayed
+(NaN-poisoned outputs, every replay the same bits).
 """
 
 import argparse
@@ -95,12 +96,14 @@ def run(comm, device, dtype, tokens: int = 8, hidden: int = 4096, ffn: int = 819
     report = {"layers": layers, "tokens": tokens, "hidden": hidden, "dtype": str(dtype),
               "max_diff_of_bound": worst, "residual_bitwise": bool(bitwise)}
     if graph:
-        report["graph_replay_bitwise"] = _graph_check(model, x0, r0, x, residual)
+        report["graph"] = _graph_check(model, x0, r0, x, residual)
     return report
 
 
-def _graph_check(model, x0, r0, x_eager, r_eager) -> bool:
-    """The fused stack captured in a CUDA graph and replayed: the same bits as eager."""
+def _graph_check(model, x0, r0, x_eager, r_eager) -> dict:
+    """The fused stack captured in a CUDA graph and replayed 3 times: each replay the same bits
+    as the first, and as eager where cuBLAS picks the same matmul kernels in the graph as
+    eagerly (it need not: then within a few bf16 ulp of it)."""
     xs, rs = x0.clone(), r0.clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -110,12 +113,22 @@ def _graph_check(model, x0, r0, x_eager, r_eager) -> bool:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = model.forward(xs, rs)
-    ok = True
+    first, stable = None, True
     for _ in range(3):
+        for t in out:
+            t.fill_(float("nan"))  # each replay must write them again
         g.replay()
         torch.cuda.synchronize()
-        ok &= torch.equal(out[0], x_eager) and torch.equal(out[1], r_eager)
-    return ok
+        now = (out[0].clone(), out[1].clone())
+        if first is None:
+            first = now
+        stable &= torch.equal(now[0], first[0]) and torch.equal(now[1], first[1])
+    scale = x_eager.double().abs().max().item() + r_eager.double().abs().max().item()
+    diff = max((first[0].double() - x_eager.double()).abs().max().item(),
+               (first[1].double() - r_eager.double()).abs().max().item())
+    return {"replays_identical": bool(stable),
+            "bitwise_as_eager": torch.equal(first[0], x_eager) and torch.equal(first[1], r_eager),
+            "max_diff_vs_eager_rel": diff / scale}
 
 
 def main() -> None:
@@ -144,7 +157,9 @@ def main() -> None:
             torch.cuda.synchronize()
             comm.check()
         print(f"rank {comm.rank}: {report}", flush=True)
-        if report.get("graph_replay_bitwise") is False or not report["residual_bitwise"]:
+        g = report.get("graph")
+        graph_ok = g is None or (g["replays_identical"] and g["max_diff_vs_eager_rel"] < 2**-5)
+        if not (graph_ok and report["residual_bitwise"]):
             raise SystemExit(f"rank {comm.rank}: check failed: {report}")
 
 

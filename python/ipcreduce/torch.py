@@ -75,6 +75,15 @@ def all_reduce_(x: torch.Tensor, comm: Communicator, op: str = "sum") -> torch.T
     return x
 
 
+def _fused_inputs(input, residual, weight):
+    """Contiguous inputs; a residual that is the input itself is copied (the library refuses
+    overlapping buffers, and an out-of-place op may be called so)."""
+    input, residual = input.contiguous(), residual.contiguous()
+    if residual.data_ptr() == input.data_ptr() and input.numel():
+        residual = residual.clone()
+    return input, residual, weight.contiguous()
+
+
 def _fused_outputs(input: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return (torch.empty_like(input, memory_format=torch.contiguous_format),
             torch.empty_like(input, memory_format=torch.contiguous_format))
@@ -88,8 +97,8 @@ def _fp8_output(input: torch.Tensor) -> torch.Tensor:
 def _fused_op(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, handle: int,
               eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
     out, residual_out = _fused_outputs(input)
-    _comm(handle).all_reduce_add_rms_norm(input.contiguous(), residual.contiguous(),
-                                          weight.contiguous(), eps, out=out,
+    input, residual, weight = _fused_inputs(input, residual, weight)
+    _comm(handle).all_reduce_add_rms_norm(input, residual, weight, eps, out=out,
                                           residual_out=residual_out)
     return out, residual_out
 
@@ -105,8 +114,8 @@ def _fused_fp8_op(input: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
                   eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out, residual_out = _fused_outputs(input)
     fp8_out = _fp8_output(input)
-    _comm(handle).all_reduce_add_rms_norm(input.contiguous(), residual.contiguous(),
-                                          weight.contiguous(), eps, out=out,
+    input, residual, weight = _fused_inputs(input, residual, weight)
+    _comm(handle).all_reduce_add_rms_norm(input, residual, weight, eps, out=out,
                                           residual_out=residual_out, scale=scale.contiguous(),
                                           fp8_out=fp8_out)
     return out, residual_out, fp8_out

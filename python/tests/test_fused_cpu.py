@@ -97,6 +97,17 @@ def test_method_in_place_as_vllm_calls_it(comm):
     assert torch.equal(res_out, want_res) and torch.equal(out, x)
 
 
+def test_op_with_the_input_as_its_residual(comm):
+    # The same tensor as input and residual: the op copies the residual (the library refuses
+    # overlapping buffers); the result is as with two tensors of the same values.
+    x = rank_input(comm.rank, (3, 100), torch.bfloat16, 8)
+    out, res = itorch.all_reduce_add_rms_norm(x, x, torch.ones(100, dtype=torch.bfloat16),
+                                              comm, 1e-6)
+    out2, res2 = itorch.all_reduce_add_rms_norm(x, x.clone(),
+                                                torch.ones(100, dtype=torch.bfloat16), comm, 1e-6)
+    assert torch.equal(out, out2) and torch.equal(res, res2)
+
+
 def test_zero_eps(comm):
     # eps = 0 is allowed (only negative or NaN eps is refused).
     shape, dtype = (3, 64), torch.float32
