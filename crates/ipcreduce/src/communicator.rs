@@ -350,6 +350,34 @@ impl Communicator {
         })
     }
 
+    /// The reference add + RMSNorm (cuda): `args.input` holds rows already all-reduced; the
+    /// same epilogue as [`Self::all_reduce_add_rms_norm_raw`] runs on them, on this rank alone
+    /// (no peers, no call number), so tests can compare the fused call with the unfused one.
+    ///
+    /// # Safety
+    /// As [`Self::all_reduce_add_rms_norm_raw`].
+    #[cfg(feature = "test-support")]
+    pub unsafe fn add_rms_norm_reference_raw(
+        &mut self,
+        args: &crate::fused::AddRmsNorm,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        let rank = self.rank();
+        match self
+            .backend
+            .as_any_mut()
+            .downcast_mut::<backend::cuda::CudaComm>()
+        {
+            // SAFETY: forwarded contract.
+            Some(c) => unsafe { c.add_rms_norm_reference(args, stream) },
+            None => Err(Error::invalid(
+                rank,
+                crate::fused::NAME,
+                "the reference kernel needs the cuda backend",
+            )),
+        }
+    }
+
     /// All-reduce of host slices (host backend).
     pub fn all_reduce_host<T: Element>(
         &mut self,

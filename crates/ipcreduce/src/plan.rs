@@ -328,6 +328,9 @@ pub fn default_ctas(path: CudaPath, bytes: usize) -> usize {
         },
         // One line of no data.
         CudaPath::Empty => 1,
+        // The fused kernels deal rows to blocks: their grid follows the rows
+        // (backend/cuda/fused.rs), not the bytes.
+        CudaPath::FusedOneShot | CudaPath::FusedReference => 1,
     }
 }
 

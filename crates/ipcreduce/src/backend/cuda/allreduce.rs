@@ -57,6 +57,7 @@ pub(super) fn launch(
         in_place: send == recv,
         send: registered(send),
         recv: registered(recv),
+        fused: None,
     };
     let mut args = l.kernel_args(call, &ident, zero_copy);
     args.chunk_bytes = crate::plan::staged_chunk_bytes(l.fabric, bytes, l.slot_bytes) as u64;

@@ -1,25 +1,262 @@
-//! The fused all-reduce + residual add + RMSNorm on the cuda backend (numerics: [`crate::fused`]).
+//! The fused all-reduce + residual add + RMSNorm on the cuda backend (numerics:
+//! [`crate::fused`]; kernels, layout and ordering: kernels/fused.cu).
+//!
+//! One kernel per call ([`CudaPath::FusedOneShot`]): the input staged through the workspace
+//! in chunks of whole rows, every rank's rows summed in rank order, each row normalised in the
+//! same kernel. Its identity carries the shape, the eps bits and the outputs
+//! ([`FusedShape`]), so ranks that differ in any of them fail with a mismatch on every rank.
+//! The reference kernel ([`CudaPath::FusedReference`]) runs the same epilogue on an
+//! already all-reduced buffer, for the tests' bitwise comparison.
+//!
+//! Not yet here: a two-shot kernel (two-shot calls run the one-shot kernel), the LL variant,
+//! and reading registered buffers in place (registered buffers are staged like any other).
 
-use super::CudaComm;
+use super::identity::{CallIdentity, FusedShape};
+use super::kernels::MAX_BLOCKS;
+use super::launcher::{CallArgs, Kernel, KernelArgs, Launcher, THREADS};
+use super::paths::CudaPath;
+use crate::backend::SgOp;
 use crate::error::{Error, Result};
-use crate::fused::{self, AddRmsNorm};
-use crate::types::Algorithm;
-use std::ffi::c_void;
+use crate::fused::{self, AddRmsNorm, Shape};
+use crate::types::ReduceOp;
+use cudarc::driver::sys;
 
-/// Enqueues one fused call on `stream`.
-///
-/// # Safety
-/// As [`crate::Communicator::all_reduce_add_rms_norm_raw`].
-pub(super) unsafe fn run(
-    c: &mut CudaComm,
+/// `struct FusedArgs` in kernels/fused.cu, field by field.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct FusedKernelArgs {
+    a: KernelArgs,
+    residual: u64,
+    weight: u64,
+    residual_out: u64,
+    fp8_out: u64,
+    fp8_scale: u64,
+    tokens: u64,
+    hidden: u64,
+    rows_per_chunk: u64,
+    eps: f32,
+    pad: u32,
+}
+
+/// Rows each block pass takes (the kernel's two halves of 256 lanes).
+const ROWS_PER_PASS: usize = 2;
+
+fn kernel_args(a: KernelArgs, args: &AddRmsNorm, rows_per_chunk: usize) -> FusedKernelArgs {
+    FusedKernelArgs {
+        a,
+        residual: args.residual as u64,
+        weight: args.weight as u64,
+        residual_out: args.residual_out as u64,
+        fp8_out: args.fp8_out as u64,
+        fp8_scale: args.fp8_scale as u64,
+        tokens: args.tokens as u64,
+        hidden: args.hidden as u64,
+        rows_per_chunk: rows_per_chunk as u64,
+        eps: args.eps,
+        pad: 0,
+    }
+}
+
+/// Rows per chunk: as many whole rows as a slot holds, at most the call's.
+fn rows_per_chunk(rank: usize, slot_bytes: usize, s: &Shape, size: usize) -> Result<usize> {
+    let row = s.hidden * size;
+    match slot_bytes / row {
+        0 => Err(Error::invalid(
+            rank,
+            fused::NAME,
+            format!(
+                "a row of {row} bytes is larger than the workspace slot ({slot_bytes} bytes): \
+                 raise IPCREDUCE_WORKSPACE_BYTES"
+            ),
+        )),
+        n => Ok(n.min(s.tokens)),
+    }
+}
+
+/// Enqueues one fused call (a begun call: [`Launcher::begin`]) on `stream`. The arguments were
+/// checked ([`fused::check`]) and the buffers are device memory of our GPU.
+pub(super) fn launch(
+    l: &mut Launcher,
     args: &AddRmsNorm,
-    algo: Algorithm,
-    stream: *mut c_void,
+    s: &Shape,
+    stream: sys::CUstream,
 ) -> Result<()> {
-    let _ = (args, algo, stream);
-    Err(Error::invalid(
-        c.rank,
-        fused::NAME,
-        "not available on the cuda backend yet",
-    ))
+    let dtype = args.dtype;
+    if s.tokens == 0 {
+        return l.empty(SgOp::AddRmsNorm, dtype, ReduceOp::Sum, stream);
+    }
+    let path = CudaPath::FusedOneShot;
+    let rpc = rows_per_chunk(l.rank, l.slot_bytes, s, dtype.size())?;
+    // Every rank derives the grid from the identity (rows, slot) and the agreed cap.
+    let grid = rpc
+        .div_ceil(ROWS_PER_PASS)
+        .min(l.limits.cap)
+        .clamp(1, MAX_BLOCKS) as u32;
+    let f = l.gpu.function(path, dtype, ReduceOp::Sum, l.rank)?;
+    l.took(path, grid);
+    let ident = CallIdentity {
+        op: SgOp::AddRmsNorm,
+        path,
+        dtype,
+        reduce: ReduceOp::Sum,
+        count: s.count() as u64,
+        in_place: s.out_in_place,
+        send: None,
+        recv: None,
+        fused: Some(FusedShape {
+            hidden: s.hidden as u64,
+            eps_bits: s.eps_bits,
+            fp8: s.fp8,
+            residual_in_place: s.residual_in_place,
+        }),
+    };
+    let call = CallArgs {
+        send: args.input as u64,
+        recv: args.out as u64,
+        count: s.count(),
+        dtype,
+        op: ReduceOp::Sum,
+        stream,
+    };
+    let mut k = kernel_args(l.kernel_args(&call, &ident, None), args, rpc);
+    let kernel = Kernel {
+        f,
+        grid,
+        threads: THREADS,
+        stream,
+    };
+    l.launch(kernel, &mut k, || {
+        format!(
+            "launching the {} kernel ({} x {} {dtype})",
+            path.name(),
+            s.tokens,
+            s.hidden
+        )
+    })
+}
+
+/// Enqueues the reference add + RMSNorm on `stream`: `args.input` holds the all-reduced rows.
+/// A local kernel: no peer, no call number, no identity exchanged.
+pub(super) fn reference(l: &Launcher, args: &AddRmsNorm, stream: sys::CUstream) -> Result<()> {
+    let s = fused::check(l.rank, args)?;
+    if s.tokens == 0 {
+        return Ok(());
+    }
+    let path = CudaPath::FusedReference;
+    let dtype = args.dtype;
+    let f = l.gpu.function(path, dtype, ReduceOp::Sum, l.rank)?;
+    let ident = CallIdentity {
+        op: SgOp::AddRmsNorm,
+        path,
+        dtype,
+        reduce: ReduceOp::Sum,
+        count: s.count() as u64,
+        in_place: s.out_in_place,
+        send: None,
+        recv: None,
+        fused: None,
+    };
+    let call = CallArgs {
+        send: args.input as u64,
+        recv: args.out as u64,
+        count: s.count(),
+        dtype,
+        op: ReduceOp::Sum,
+        stream,
+    };
+    let mut k = kernel_args(l.kernel_args(&call, &ident, None), args, s.tokens);
+    let grid = s.tokens.div_ceil(ROWS_PER_PASS).min(1 << 16) as u32;
+    let kernel = Kernel {
+        f,
+        grid,
+        threads: THREADS,
+        stream,
+    };
+    l.launch(kernel, &mut k, || {
+        format!("launching the {} kernel", path.name())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::kernels;
+    use crate::types::DType;
+
+    /// The tree's width and the rows per pass are the kernel's.
+    #[test]
+    fn the_kernel_source_agrees_with_the_host() {
+        let src = kernels::KERNEL_SOURCES
+            .iter()
+            .find(|(n, _)| *n == "fused.cu")
+            .expect("fused.cu is compiled with the other kernels")
+            .1;
+        assert!(src.contains(&format!("#define FUSED_LANES {}", fused::SS_LANES)));
+        assert_eq!(THREADS as usize, ROWS_PER_PASS * fused::SS_LANES);
+    }
+
+    #[test]
+    fn chunks_hold_whole_rows() {
+        let s = |tokens, hidden| Shape {
+            tokens,
+            hidden,
+            eps_bits: 0,
+            fp8: false,
+            out_in_place: false,
+            residual_in_place: false,
+        };
+        assert_eq!(rows_per_chunk(0, 1 << 20, &s(512, 4096), 2).unwrap(), 128);
+        assert_eq!(rows_per_chunk(0, 1 << 20, &s(3, 4096), 2).unwrap(), 3);
+        assert_eq!(rows_per_chunk(0, 8190, &s(3, 4095), 2).unwrap(), 1);
+        let e = rows_per_chunk(3, 8188, &s(3, 4095), 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rank 3") && e.contains("8190 bytes"), "{e}");
+    }
+
+    /// The fused kernels compile with NVRTC (no GPU) for Ampere (software e4m3) and Hopper
+    /// (the cvt instruction), every entry point present with the argument size of
+    /// [`FusedKernelArgs`], and within the budget of the kernels they share the GPU with (two
+    /// blocks of 512 threads per SM: 64 registers), without spills.
+    #[test]
+    fn fused_kernels_compile_and_fit_their_register_budget() {
+        if !kernels::nvrtc_for_tests() {
+            return;
+        }
+        let size = std::mem::size_of::<FusedKernelArgs>();
+        for w in [2, 4, 8] {
+            let ptx = kernels::compile("sm_90", w)
+                .unwrap_or_else(|e| panic!("{e}"))
+                .to_src();
+            for dtype in DType::ALL {
+                for path in [CudaPath::FusedOneShot, CudaPath::FusedReference] {
+                    let name = path.kernel_name(w, dtype, ReduceOp::Sum);
+                    let at = ptx
+                        .find(&format!(".entry {name}("))
+                        .unwrap_or_else(|| panic!("w{w}: {name} missing"));
+                    let decl = &ptx[at..at + 200.min(ptx.len() - at)];
+                    assert!(decl.contains(&format!("_param_0[{size}]")), "{decl}");
+                }
+            }
+            assert!(ptx.contains("cvt.rn.satfinite.e4m3x2.f32"));
+            let all = kernels::resources("sm_90", w).unwrap_or_else(|e| panic!("{e}"));
+            for dtype in DType::ALL {
+                for path in [CudaPath::FusedOneShot, CudaPath::FusedReference] {
+                    let name = path.kernel_name(w, dtype, ReduceOp::Sum);
+                    let k = all.iter().find(|k| k.kernel == name).unwrap();
+                    eprintln!(
+                        "{name}: {} registers, {} B spilled",
+                        k.registers, k.spill_bytes
+                    );
+                    assert!(k.registers > 0 && k.registers <= 64, "{k:?}");
+                    assert_eq!(k.spill_bytes, 0, "{k:?}");
+                }
+            }
+        }
+        let ptx = kernels::compile("sm_80", 2)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .to_src();
+        assert!(ptx.contains(".entry ipcr_fusedoneshot_w2_bf16("));
+        assert!(!ptx.contains("e4m3x2"), "sm_80 has no e4m3 conversion");
+    }
 }

@@ -19,6 +19,19 @@ pub struct RegionAt {
     pub offset: u64,
 }
 
+/// What a fused all-reduce + residual add + RMSNorm call adds to the identity (its tokens are
+/// `count / hidden`; `in_place` is `out == input`). Carried in the words of the registered
+/// regions, which its (staged) path has none of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FusedShape {
+    pub hidden: u64,
+    pub eps_bits: u32,
+    /// The FP8 output is written.
+    pub fp8: bool,
+    /// `residual_out == residual`.
+    pub residual_in_place: bool,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CallIdentity {
     pub op: SgOp,
@@ -32,7 +45,12 @@ pub struct CallIdentity {
     /// whose buffers are private to each rank).
     pub send: Option<RegionAt>,
     pub recv: Option<RegionAt>,
+    /// Fused calls: the shape, eps and outputs (then `send` and `recv` are None).
+    pub fused: Option<FusedShape>,
 }
+
+/// Flags-word bit of an identity that carries a [`FusedShape`].
+const FLAG_FUSED: u32 = 1 << 3;
 
 fn op_code(op: SgOp) -> u32 {
     op.code() + 1
@@ -57,8 +75,9 @@ impl CallIdentity {
         let (rid, roff) = region(self.recv);
         let flags = self.in_place as u32
             | (self.send.is_some() as u32) << 1
-            | (self.recv.is_some() as u32) << 2;
-        [
+            | (self.recv.is_some() as u32) << 2
+            | if self.fused.is_some() { FLAG_FUSED } else { 0 };
+        let mut w = [
             op_code(self.op)
                 | (self.path.code() & 0xFF) << 8
                 | (self.dtype.code() & 0xFF) << 16
@@ -72,7 +91,15 @@ impl CallIdentity {
             (soff >> 32) as u32,
             roff as u32,
             (roff >> 32) as u32,
-        ]
+        ];
+        if let Some(f) = self.fused {
+            debug_assert!(self.send.is_none() && self.recv.is_none());
+            w[4] = f.hidden as u32;
+            w[5] = (f.hidden >> 32) as u32;
+            w[6] = f.eps_bits;
+            w[7] = f.fp8 as u32 | (f.residual_in_place as u32) << 1;
+        }
+        w
     }
 
     /// The identity of `w`, or None if a field holds no known value.
@@ -86,6 +113,24 @@ impl CallIdentity {
         let at = |bit: u32, id: u32, off: u64| {
             (w[1] & (1 << bit) != 0).then_some(RegionAt { id, offset: off })
         };
+        if w[1] & FLAG_FUSED != 0 {
+            return Some(CallIdentity {
+                op,
+                path,
+                dtype,
+                reduce,
+                count: wide(2),
+                in_place: w[1] & 1 != 0,
+                send: None,
+                recv: None,
+                fused: Some(FusedShape {
+                    hidden: wide(4),
+                    eps_bits: w[6],
+                    fp8: w[7] & 1 != 0,
+                    residual_in_place: w[7] & 2 != 0,
+                }),
+            });
+        }
         Some(CallIdentity {
             op,
             path,
@@ -95,6 +140,7 @@ impl CallIdentity {
             in_place: w[1] & 1 != 0,
             send: at(1, w[4], wide(6)),
             recv: at(2, w[5], wide(8)),
+            fused: None,
         })
     }
 
@@ -111,6 +157,28 @@ impl CallIdentity {
         } else {
             "out of place"
         };
+        if let Some(f) = self.fused {
+            let tokens = self.count.checked_div(f.hidden).unwrap_or(0);
+            let residual = if f.residual_in_place {
+                "in place"
+            } else {
+                "out of place"
+            };
+            let outputs = if f.fp8 {
+                "out, residual_out, fp8_out"
+            } else {
+                "out, residual_out"
+            };
+            return format!(
+                "{} {} {tokens} x {} {}, eps {:e}, outputs {outputs}, out {place}, residual \
+                 {residual}",
+                op_words(self.op),
+                self.path.name(),
+                f.hidden,
+                self.dtype.name(),
+                f32::from_bits(f.eps_bits)
+            );
+        }
         let mut s = format!(
             "{} {} {} x {} {} {place}",
             op_words(self.op),
@@ -141,7 +209,25 @@ impl CallIdentity {
         check(self.path != other.path, "path");
         check(self.dtype != other.dtype, "dtype");
         check(self.reduce != other.reduce, "op");
-        check(self.count != other.count, "count");
+        let (fa, fb) = (self.fused, other.fused);
+        let both = fa.zip(fb);
+        let count = match both {
+            Some((a, b)) if a.hidden == b.hidden => "tokens",
+            Some(_) => "tokens x hidden",
+            None => "count",
+        };
+        check(self.count != other.count, count);
+        if let Some((a, b)) = both {
+            check(a.hidden != b.hidden, "hidden");
+            check(a.eps_bits != b.eps_bits, "eps");
+            check(a.fp8 != b.fp8, "outputs");
+            check(
+                a.residual_in_place != b.residual_in_place,
+                "residual in place",
+            );
+        } else {
+            check(fa.is_some() != fb.is_some(), "shape");
+        }
         check(self.in_place != other.in_place, "in place");
         check(self.send != other.send, "send buffer");
         check(self.recv != other.recv, "recv buffer");
@@ -221,6 +307,7 @@ mod tests {
             in_place: false,
             send: None,
             recv: None,
+            fused: None,
         }
     }
 
@@ -245,9 +332,26 @@ mod tests {
                             offset: (5 << 32) + 4096,
                         }),
                         recv: path.registered().then_some(RegionAt { id: 0, offset: 0 }),
+                        fused: None,
                     });
                 }
             }
+        }
+        for fp8 in [false, true] {
+            cases.push(CallIdentity {
+                op: SgOp::AddRmsNorm,
+                path: CudaPath::FusedOneShot,
+                dtype: DType::Bf16,
+                count: 32 * 8192,
+                in_place: !fp8,
+                fused: Some(FusedShape {
+                    hidden: (3 << 32) + 8192,
+                    eps_bits: 1e-6f32.to_bits(),
+                    fp8,
+                    residual_in_place: fp8,
+                }),
+                ..ar(CudaPath::OneShotLl, 0)
+            });
         }
         for id in cases {
             let w = id.encode();
@@ -299,6 +403,58 @@ mod tests {
         assert!(text.ends_with("they differ in path, count"), "{text}");
         let unknown = describe_mismatch(1, &empty, 0, None);
         assert!(unknown.contains("rank 0: another call"), "{unknown}");
+    }
+
+    #[test]
+    fn fused_calls_name_their_shape_and_what_differs() {
+        let shape = FusedShape {
+            hidden: 4096,
+            eps_bits: 1e-6f32.to_bits(),
+            fp8: false,
+            residual_in_place: true,
+        };
+        let mine = CallIdentity {
+            op: SgOp::AddRmsNorm,
+            path: CudaPath::FusedOneShot,
+            dtype: DType::Bf16,
+            count: 8 * 4096,
+            fused: Some(shape),
+            ..ar(CudaPath::OneShotLl, 0)
+        };
+        assert_eq!(
+            mine.describe(),
+            "all-reduce+add+rmsnorm fused-oneshot 8 x 4096 bfloat16, eps 1e-6, outputs out, \
+             residual_out, out out of place, residual in place"
+        );
+        let other = |f: FusedShape, count| CallIdentity {
+            fused: Some(f),
+            count,
+            ..mine
+        };
+        let d = |t: &CallIdentity| mine.differences(t);
+        assert_eq!(d(&other(shape, 9 * 4096)), ["tokens"]);
+        let wider = FusedShape {
+            hidden: 8192,
+            ..shape
+        };
+        assert_eq!(d(&other(wider, 4 * 8192)), ["hidden"]);
+        assert_eq!(d(&other(wider, 8 * 8192)), ["tokens x hidden", "hidden"]);
+        let eps = FusedShape {
+            eps_bits: 1e-5f32.to_bits(),
+            ..shape
+        };
+        assert_eq!(d(&other(eps, 8 * 4096)), ["eps"]);
+        let fp8 = FusedShape { fp8: true, ..shape };
+        assert_eq!(d(&other(fp8, 8 * 4096)), ["outputs"]);
+        assert_ne!(mine.digest(), other(eps, 8 * 4096).digest());
+        assert_ne!(mine.digest(), other(fp8, 8 * 4096).digest());
+        // Against an all-reduce of the same count: the operation, the path and the shape.
+        let ar = CallIdentity {
+            count: 8 * 4096,
+            dtype: DType::Bf16,
+            ..ar(CudaPath::OneShotStaged, 0)
+        };
+        assert_eq!(d(&ar), ["operation", "path", "shape"]);
     }
 
     #[test]

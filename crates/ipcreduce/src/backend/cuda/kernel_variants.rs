@@ -35,10 +35,12 @@ pub enum Group {
     Ce,
     /// scatter_gather.cu: reduce-scatter and all-gather, staged and registered.
     ScatterGather,
+    /// fused.cu: all-reduce + residual add + RMSNorm, and its reference kernel (sum only).
+    Fused,
 }
 
 impl Group {
-    pub const ALL: [Group; 7] = [
+    pub const ALL: [Group; 8] = [
         Group::Ll,
         Group::Ll12,
         Group::Staged,
@@ -46,6 +48,7 @@ impl Group {
         Group::ZeroCopyDeep,
         Group::Ce,
         Group::ScatterGather,
+        Group::Fused,
     ];
 
     /// The group whose module holds `path`'s kernels.
@@ -61,6 +64,7 @@ impl Group {
             ReduceScatterStaged | ReduceScatterReg | AllGatherStaged | AllGatherReg => {
                 Group::ScatterGather
             }
+            FusedOneShot | FusedReference => Group::Fused,
         }
     }
 
@@ -73,6 +77,7 @@ impl Group {
             Group::ZeroCopyDeep => "zerocopy16",
             Group::Ce => "ce",
             Group::ScatterGather => "scatter_gather",
+            Group::Fused => "fused",
         }
     }
 
@@ -86,6 +91,7 @@ impl Group {
             Group::ZeroCopyDeep => "IPCR_GROUP_ZEROCOPY16",
             Group::Ce => "IPCR_GROUP_CE",
             Group::ScatterGather => "IPCR_GROUP_SCATTER_GATHER",
+            Group::Fused => "IPCR_GROUP_FUSED",
         }
     }
 
@@ -130,6 +136,10 @@ impl Variant {
             }
             for dtype in DType::ALL {
                 for op in ReduceOp::ALL {
+                    // The fused kernels only sum: their max and min variants would be empty.
+                    if group == Group::Fused && op != ReduceOp::Sum {
+                        continue;
+                    }
                     all.push(Variant {
                         group,
                         w,

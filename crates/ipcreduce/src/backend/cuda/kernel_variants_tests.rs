@@ -26,9 +26,10 @@ fn every_path_has_one_group_and_every_kernel_one_variant() {
     assert_eq!(Variant::classes(8), vec![2, 4, 8]);
     assert_eq!(Variant::classes(2), vec![2]);
     assert_eq!(Variant::classes(3), vec![2, 4]);
-    // 7 groups x 9 (dtype, op) at two ranks, the copy-engine group only there.
-    assert_eq!(Variant::every(2).len(), 63);
-    assert_eq!(Variant::every(8).len(), 54);
+    // 7 groups x 9 (dtype, op) at two ranks, the copy-engine group only there, and the fused
+    // group's 3 dtypes (sum only).
+    assert_eq!(Variant::every(2).len(), 66);
+    assert_eq!(Variant::every(8).len(), 57);
 }
 
 #[test]

@@ -366,6 +366,7 @@ impl Launcher {
             in_place: false,
             send: None,
             recv: None,
+            fused: None,
         };
         let f = self.gpu.function(path, dtype, reduce, self.rank)?;
         self.took(path, 1);

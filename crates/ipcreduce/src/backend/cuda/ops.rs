@@ -63,8 +63,40 @@ impl BackendOps for CudaComm {
         algo: Algorithm,
         stream: *mut c_void,
     ) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { super::fused::run(self, args, algo, stream) }
+        self.bind()?;
+        let name = SgOp::AddRmsNorm.name();
+        if self.inter.is_some() {
+            return Err(Error::invalid(
+                self.inter.as_ref().map_or(self.rank, hier::Inter::rank),
+                name,
+                "not available yet for jobs across nodes (the all-reduce is)",
+            ));
+        }
+        let shape = crate::fused::check(self.rank, args)?;
+        if shape.tokens > 0 {
+            let (size, n) = (args.dtype.size(), shape.count());
+            for (ptr, bytes, what) in [
+                (args.input as u64, n * size, "input"),
+                (args.residual as u64, n * size, "residual"),
+                (args.weight as u64, shape.hidden * size, "weight"),
+                (args.out as u64, n * size, "out"),
+                (args.residual_out as u64, n * size, "residual_out"),
+                (args.fp8_out as u64, n, "fp8_out"),
+                (args.fp8_scale as u64, 4, "fp8_scale"),
+            ] {
+                if ptr != 0 {
+                    self.check_buffer(name, ptr, bytes, what)?;
+                }
+            }
+        }
+        // One kernel serves both algorithms until the two-shot one exists (fused.rs).
+        let _ = algo;
+        let stream = stream as sys::CUstream;
+        self.in_stream_order(stream, |c| {
+            c.launch.begin()?;
+            super::fused::launch(&mut c.launch, args, &shape, stream)
+        })
+        .map_err(|e| self.in_job(e))
     }
 
     unsafe fn scatter_gather_raw(
@@ -289,6 +321,21 @@ impl CudaComm {
         self.streams.before(&mut self.events, key, capturing)?;
         issue(self)?;
         self.streams.after(&mut self.events, key, capturing)
+    }
+
+    /// The reference add + RMSNorm of an already all-reduced `args.input` on `stream` (no
+    /// peers: for the tests' comparison with the fused call).
+    ///
+    /// # Safety
+    /// As [`crate::Communicator::all_reduce_add_rms_norm_raw`].
+    #[cfg(feature = "test-support")]
+    pub unsafe fn add_rms_norm_reference(
+        &mut self,
+        args: &crate::fused::AddRmsNorm,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        self.bind()?;
+        super::fused::reference(&self.launch, args, stream as sys::CUstream)
     }
 
     /// Waits (bounded) for all work this communicator enqueued on any stream.

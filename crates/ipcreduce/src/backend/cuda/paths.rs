@@ -39,6 +39,12 @@ pub enum CudaPath {
     /// A call of zero elements (any operation): the LL kernel with one line of no data, so the
     /// ranks still exchange their call identity and keep their call numbers paired.
     Empty,
+    /// All-reduce + residual add + RMSNorm: input copied into the workspace, every rank's rows
+    /// read and summed, the row's norm in the same kernel (kernels/fused.cu).
+    FusedOneShot,
+    /// The reference add + RMSNorm of an already all-reduced buffer (a local kernel, no peers:
+    /// what the tests compare the fused kernels with).
+    FusedReference,
 }
 
 /// How a path's kernel is named: `ipcr_<stem>[_w<W>]_<dtype>[_<op>]`.
@@ -95,10 +101,11 @@ const fn row(
 const AR: Option<SgOp> = Some(SgOp::AllReduce);
 const RS: Option<SgOp> = Some(SgOp::ReduceScatter);
 const AG: Option<SgOp> = Some(SgOp::AllGather);
+const FU: Option<SgOp> = Some(SgOp::AddRmsNorm);
 
 /// Every path, in the order of [`CudaPath`] (row `i` is the path of code `i + 1`).
 #[rustfmt::skip]
-pub const TABLE: [PathRow; 14] = [
+pub const TABLE: [PathRow; 16] = [
     row(CudaPath::OneShotLl, 1, "oneshot-ll", "IPCR_PATH_ONESHOT_LL", AR, false, ("oneshotll", false, true)),
     row(CudaPath::OneShotLl12, 2, "oneshot-ll12", "IPCR_PATH_ONESHOT_LL12", AR, false, ("oneshotll12", false, true)),
     row(CudaPath::OneShotStaged, 3, "oneshot-staged", "IPCR_PATH_ONESHOT_STAGED", AR, false, ("oneshot", true, true)),
@@ -114,6 +121,8 @@ pub const TABLE: [PathRow; 14] = [
     row(CudaPath::AllGatherReg, 13, "all-gather-reg", "IPCR_PATH_ALL_GATHER_REG", AG, true, ("allgatherreg", false, false)),
     // The LL kernel, run with count 0.
     row(CudaPath::Empty, 14, "empty", "IPCR_PATH_EMPTY", None, false, ("oneshotll", false, true)),
+    row(CudaPath::FusedOneShot, 15, "fused-oneshot", "IPCR_PATH_FUSED_ONESHOT", FU, false, ("fusedoneshot", true, false)),
+    row(CudaPath::FusedReference, 16, "fused-reference", "IPCR_PATH_FUSED_REFERENCE", FU, false, ("fusedref", false, false)),
 ];
 
 /// The copy-engine path's barrier kernel (one block, any dtype).
@@ -121,8 +130,8 @@ pub const CE_BARRIER_KERNEL: &str = "ipcr_ce_barrier";
 
 impl CudaPath {
     /// Every path, [`TABLE`]'s order.
-    pub const ALL: [CudaPath; 14] = {
-        let mut all = [CudaPath::Empty; 14];
+    pub const ALL: [CudaPath; 16] = {
+        let mut all = [CudaPath::Empty; 16];
         let mut i = 0;
         while i < TABLE.len() {
             all[i] = TABLE[i].path;
@@ -261,6 +270,8 @@ mod tests {
             (CudaPath::ReduceScatterReg, "reduce-scatter-reg"),
             (CudaPath::AllGatherStaged, "all-gather-staged"),
             (CudaPath::AllGatherReg, "all-gather-reg"),
+            (CudaPath::FusedOneShot, "fused-oneshot"),
+            (CudaPath::FusedReference, "fused-reference"),
         ];
         for (p, name) in want {
             assert_eq!(p.name(), name);
@@ -300,5 +311,17 @@ mod tests {
             CudaPath::OneShotLl.kernel_name(8, DType::F32, ReduceOp::Min)
         );
         assert!(nvrtc_defines().contains(&"-DIPCR_PATH_TWOSHOT_REG=6".to_string()));
+        assert_eq!(
+            CudaPath::FusedOneShot.kernel_name(4, DType::Bf16, ReduceOp::Sum),
+            "ipcr_fusedoneshot_w4_bf16"
+        );
+        assert_eq!(
+            CudaPath::FusedReference.kernel_name(8, DType::F16, ReduceOp::Sum),
+            "ipcr_fusedref_f16"
+        );
+        for p in [CudaPath::FusedOneShot, CudaPath::FusedReference] {
+            assert_eq!(p.row().op, Some(SgOp::AddRmsNorm));
+            assert_eq!(p.effective_op(ReduceOp::Max), ReduceOp::Sum);
+        }
     }
 }

@@ -127,6 +127,7 @@ pub(super) fn launch(
         in_place,
         send: at(read_send),
         recv: at(read_recv),
+        fused: None,
     };
     let whole = CallArgs {
         count: shards.total,

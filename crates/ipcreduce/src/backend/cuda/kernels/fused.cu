@@ -1,0 +1,233 @@
+// ipcreduce fused all-reduce + residual add + RMSNorm (sum only), after staged.cu (its slots):
+// the one-shot kernel, and the reference kernel (add + norm of an already all-reduced buffer)
+// the tests compare it with, bit for bit. Built on prims.cuh (its invariants are numbered there).
+//
+// Numerics (crate::fused, docs/fused.md), per row: s = round(x_0 + ... + x_{W-1}) (rank order,
+// f32); residual_out = round(s + residual); ss = sum of squares of f32(residual_out) over a
+// fixed tree of FUSED_LANES = 256 lanes (lane j accumulates elements j, j + 256, ... in order
+// with fmaf, then lane j += lane j + h for h = 128, ..., 1); rstd = 1 / sqrt(ss / hidden + eps)
+// (IEEE division and square root); y = (f32(residual_out) * rstd) * f32(weight); out = round(y);
+// fp8 = e4m3 satfinite of y / scale. Every step is written with its _rn intrinsic, so neither
+// contraction nor a fast approximation can change a rounding. The tree does not depend on the
+// grid, the chunking or the rank: every rank's outputs are bitwise the same, and equal to the
+// all-reduce followed by the reference kernel.
+//
+// Work split. 512 threads per block (prims.cuh's ENTRY bounds, so the CTA caps hold): the two
+// halves of the block take one row each, thread j of a half being lane j of its row. Rows are
+// dealt to blocks in pairs: local row 2p + h of a chunk goes to half h of block p mod grid.
+//
+// Layout and ordering: staged.cu's, with chunks of whole rows. Chunk k (rows_per_chunk rows,
+// set by the host so that a chunk fits a slot; the same on every rank) lives in slot parity
+// (L0 + k) & 1 of every rank's data area, local row lr at lr * hidden elements. Block b copies
+// in exactly the rows it reduces (the same on every rank: the grid and rows_per_chunk follow
+// from the identity), then barriers with block b of every peer, so block b reads only what
+// block b of a peer wrote; the short last chunk touches a subset of the same bytes. Copy-in of
+// chunk k+1 follows the barrier of chunk k, the chunk counter L advances by the call's chunks,
+// and there is no end barrier: staged.cu's argument for reuse across chunks and calls holds
+// unchanged. Our own rows are read from the input, never from our slot. Each output element is
+// read (residual, input) and written (residual_out, out) by the one thread of its lane, so
+// residual_out == residual and out == input are safe; peers only read our slot.
+//
+// No early trigger of the next kernel (programmatic dependent launch): the dependent launch
+// happens at completion, after every output is written.
+
+#define FUSED_LANES 256
+
+// The fused kernels' argument (backend/cuda/fused.rs `FusedKernelArgs`, field by field): the
+// protocol's arguments (send = input, recv = out, count = tokens * hidden), then the rest.
+struct FusedArgs {
+    Args a;
+    const char *residual;    // [tokens, hidden]
+    const char *weight;      // [hidden]
+    char *residual_out;      // [tokens, hidden]
+    unsigned char *fp8_out;  // null, or [tokens, hidden]
+    const float *fp8_scale;  // null, or one f32
+    u64 tokens;
+    u64 hidden;
+    u64 rows_per_chunk;      // one-shot: rows per chunk (a chunk fits a slot)
+    float eps;
+    u32 pad;
+};
+
+// f32 -> e4m3, round to nearest even, finite values saturated to +-448, NaN -> 0x7F.
+__device__ __forceinline__ unsigned char fused_e4m3(float x) {
+#if __CUDA_ARCH__ >= 890
+    u16 pair;
+    // The second source goes to the low byte.
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(x));
+    return (unsigned char)(pair & 0xFF);
+#else
+    if (x != x) return 0x7F;
+    const u32 bits = __float_as_uint(x);
+    const unsigned char sign = (bits >> 24) & 0x80;
+    const float a = fabsf(x);
+    if (a >= 448.0f) return sign | 0x7E;
+    const int e = (int)((bits >> 23) & 0xFF) - 127;
+    u32 q;
+    if (e < -6) {
+        q = (u32)__float2int_rn(__fmul_rn(a, 512.0f)); // multiples of 2^-9, ties to even
+    } else {
+        const u32 mant = bits & 0x7FFFFF, keep = mant >> 20, rest = mant & 0xFFFFF;
+        const u32 up = rest > 0x80000 || (rest == 0x80000 && (keep & 1));
+        q = (((u32)(e + 7) << 3) | keep) + up;
+    }
+    return sign | (unsigned char)(q < 0x7E ? q : 0x7E);
+#endif
+}
+
+// `v` rounded to D and back.
+template <typename D> __device__ __forceinline__ float fused_round(float v) {
+    char b[4];
+    D::store(b, v);
+    return D::load(b);
+}
+
+// Rank r's row: peers' from their slot, ours from our input.
+struct FusedSrc {
+    const Args &a;
+    u64 slot_row; // byte offset of the row in a slot
+    const char *own;
+    __device__ const char *operator()(int r) const {
+        return r == a.rank ? own : a.data[r] + slot_row;
+    }
+};
+// The reference kernel's only source: the all-reduced row.
+struct FusedOneSrc {
+    const char *row;
+    __device__ const char *operator()(int) const { return row; }
+};
+
+// One row's sum and epilogue, by one half of the block (`lanes`: its FUSED_LANES floats of
+// shared memory). Every thread of the block calls it together (barriers); a half without a row
+// (`active` false) only takes part in them.
+template <typename D, int W, typename Src>
+__device__ void fused_row(const FusedArgs &f, const Src &src, int world, u64 row, bool active,
+                          float *lanes) {
+    const u32 j = threadIdx.x % FUSED_LANES;
+    const u64 H = f.hidden;
+    const u64 o = row * H * D::SIZE;
+    float acc = 0.0f;
+    if (active) {
+        for (u64 i = j; i < H; i += FUSED_LANES) {
+            float s = D::load(src(0) + i * D::SIZE);
+#pragma unroll
+            for (int r = 1; r < W; r++)
+                if (r < world) s = __fadd_rn(s, D::load(src(r) + i * D::SIZE));
+            s = fused_round<D>(s);
+            const float v = fused_round<D>(__fadd_rn(s, D::load(f.residual + o + i * D::SIZE)));
+            D::store(f.residual_out + o + i * D::SIZE, v);
+            acc = __fmaf_rn(v, v, acc);
+        }
+    }
+    lanes[j] = acc;
+    __syncthreads();
+#pragma unroll
+    for (u32 h = FUSED_LANES / 2; h > 0; h /= 2) {
+        if (j < h) lanes[j] = __fadd_rn(lanes[j], lanes[j + h]);
+        __syncthreads();
+    }
+    if (active) {
+        const float ss = lanes[0];
+        const float rstd =
+            __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)H), f.eps)));
+        const float scale = f.fp8_out ? *f.fp8_scale : 1.0f;
+        for (u64 i = j; i < H; i += FUSED_LANES) {
+            // residual_out as this thread stored it above.
+            const float r = D::load(f.residual_out + o + i * D::SIZE);
+            const float y = __fmul_rn(__fmul_rn(r, rstd), D::load(f.weight + i * D::SIZE));
+            D::store(f.a.recv + o + i * D::SIZE, y);
+            if (f.fp8_out) f.fp8_out[row * H + i] = fused_e4m3(__fdiv_rn(y, scale));
+        }
+    }
+    // lanes[0] was read by every thread: the next row's lanes wait for all of them.
+    __syncthreads();
+}
+
+// Block b's rows of chunk k (starting at row r0, n rows) from our input into our slot of
+// chunk counter L.
+template <typename D>
+__device__ void fused_copy_in(const FusedArgs &f, u32 L, u64 r0, u64 n) {
+    const Args &a = f.a;
+    const u64 row_bytes = f.hidden * D::SIZE;
+    char *slot = a.data[a.rank] + slot_offset(a, L);
+    const bool wide = row_bytes % 16 == 0 && aligned16(a.send);
+    for (u64 p = blockIdx.x; 2 * p < n; p += gridDim.x) {
+        const u64 lr0 = 2 * p, rows = min((u64)2, n - lr0);
+        char *dst = slot + lr0 * row_bytes;
+        const char *src = a.send + (r0 + lr0) * row_bytes;
+        const u64 bytes = rows * row_bytes;
+        if (wide) {
+            for (u64 b = threadIdx.x * 16; b < bytes; b += blockDim.x * 16)
+                *(uint4 *)(dst + b) = ld_cg16(src + b);
+        } else {
+            for (u64 e = threadIdx.x; e * D::SIZE < bytes; e += blockDim.x)
+                copy_elem_cg<D>(dst + e * D::SIZE, src + e * D::SIZE);
+        }
+    }
+}
+
+template <typename D, int W> __device__ void fused_one_shot(const FusedArgs &f) {
+    __shared__ float lanes[2][FUSED_LANES];
+    const Args &a = f.a;
+    u32 *ctr = a.counters + 2 * blockIdx.x;
+    u32 *st = a.counters + STATE_CALL;
+    const u64 call = begin_call(a);
+    u32 F = ctr[0];
+    const u32 L0 = *(volatile u32 *)&st[3];
+    const u64 rpc = f.rows_per_chunk;
+    const u32 chunks = (u32)((f.tokens + rpc - 1) / rpc);
+    const u64 row_bytes = f.hidden * D::SIZE;
+    const int half = threadIdx.x / FUSED_LANES;
+    fused_copy_in<D>(f, L0, 0, min(rpc, f.tokens));
+    for (u32 k = 0; k < chunks; k++) {
+        const u64 r0 = (u64)k * rpc;
+        const u64 n = min(rpc, f.tokens - r0);
+        const u64 off = slot_offset(a, L0 + k);
+        if (!barrier(a, F, call, k == 0)) break;
+        if (k + 1 < chunks) fused_copy_in<D>(f, L0 + k + 1, r0 + rpc, min(rpc, f.tokens - r0 - rpc));
+        for (u64 p = blockIdx.x; 2 * p < n; p += gridDim.x) {
+            const u64 lr = 2 * p + half;
+            const bool active = lr < n;
+            const u64 lrc = active ? lr : 0;
+            fused_row<D, W>(f, FusedSrc{a, off + lrc * row_bytes, a.send + (r0 + lrc) * row_bytes},
+                            a.world, r0 + lrc, active, lanes[half]);
+        }
+    }
+    if (threadIdx.x == 0) ctr[0] = F;
+    finish_call(a, call, true, L0 + chunks);
+}
+
+// The reference: no peers, no protocol state (it is not a call: the call counter stays).
+template <typename D> __device__ void fused_reference(const FusedArgs &f) {
+    __shared__ float lanes[2][FUSED_LANES];
+    const int half = threadIdx.x / FUSED_LANES;
+    const u64 row_bytes = f.hidden * D::SIZE;
+    for (u64 p = blockIdx.x; 2 * p < f.tokens; p += gridDim.x) {
+        const u64 row = 2 * p + half;
+        const bool active = row < f.tokens;
+        const u64 rc = active ? row : 0;
+        fused_row<D, 1>(f, FusedOneSrc{f.a.send + rc * row_bytes}, 1, rc, active, lanes[half]);
+    }
+}
+
+// Entry points: ipcr_fusedoneshot_w<W>_<dtype> and ipcr_fusedref_<dtype> (sum only: emitted in
+// the sum variant, IPCR_SEL_GATHER, like the all-gather kernels).
+#define FUSED_ENTRY(NAME, CALL)                                                               \
+    extern "C" __global__ void __launch_bounds__(512, 2) NAME(const FusedArgs f) {            \
+        wait_for_previous_kernel();                                                           \
+        CALL;                                                                                 \
+    }
+#define FUSED_KERNELS_W(DT, D, W)                                                             \
+    FUSED_ENTRY(ipcr_fusedoneshot_w##W##_##DT, (fused_one_shot<D, W>(f)))                     \
+    FUSED_ENTRY(ipcr_fusedref_##DT, (fused_reference<D>(f)))
+#define FUSED_KERNELS_FOR(DT, D, W) FUSED_KERNELS_W(DT, D, W)
+#define FUSED_KERNELS(DT, D) FUSED_KERNELS_FOR(DT, D, IPCR_W)
+#if !defined(IPCR_ONE_GROUP) || defined(IPCR_GROUP_FUSED)
+#ifndef IPCR_SEL_DT
+FUSED_KERNELS(f32, F32)
+FUSED_KERNELS(f16, F16)
+FUSED_KERNELS(bf16, BF16)
+#elif defined(IPCR_SEL_GATHER)
+IPCR_APPLY(FUSED_KERNELS, IPCR_SEL_DT, IPCR_SEL_D)
+#endif
+#endif

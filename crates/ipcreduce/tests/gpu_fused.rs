@@ -1,0 +1,673 @@
+//! The fused all-reduce + residual add + RMSNorm on a real GPU (feature `gpu`): ranks are
+//! processes of this test binary sharing one GPU under MPS (scripts/device/fused.sh).
+//!
+//! - a random sweep of shapes (odd hidden sizes, 1 token, widths not a multiple of 16) at
+//!   worlds 2, 4 and 8, every dtype, both algorithms, plain and registered buffers, in place
+//!   and not, with and without the FP8 output: the fused call equals `all_reduce_raw` followed
+//!   by the reference kernel bit for bit, equals the independent CPU reference
+//!   (tests/common/fused_ref.rs) bit for bit, and every rank's outputs are the same;
+//! - CUDA graph replays of the fused call with inputs that change between replays;
+//! - ranks that pass another shape, eps or outputs: a mismatch on every rank, promptly.
+
+mod common;
+
+use common::fused_ref::{Case, Tensor};
+use common::{say, Job, Rank, Spawn, SECRET};
+use cudarc::driver::sys;
+use ipcreduce::backend::cuda::memory::DeviceAlloc;
+use ipcreduce::{AddRmsNorm, Algorithm, BackendChoice, Communicator, Config, DType, ReduceOp};
+use std::ffi::c_void;
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+const ROLE: &str = "IPCREDUCE_GPU_FUSED_ROLE";
+const CASE: &str = "GPU_FUSED_CASE";
+const T: Duration = Duration::from_secs(600);
+/// How soon every rank must see a mismatch (the kernels' timeout is 8 s).
+const PROMPT: Duration = Duration::from_secs(2);
+
+fn play_rank_if_child() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let code = match role.as_str() {
+        "sweep" => rank_sweep(),
+        "graph" => rank_graph(),
+        "mismatch" => rank_mismatch(),
+        other => panic!("unknown role {other}"),
+    };
+    let _ = std::io::stdout().flush();
+    std::process::exit(code);
+}
+
+fn ck(res: sys::CUresult, what: &str) {
+    assert_eq!(res, sys::CUresult::CUDA_SUCCESS, "{what}");
+}
+
+fn join(timeout: Option<Duration>) -> Communicator {
+    let cfg = Config {
+        backend: BackendChoice::Cuda,
+        // Small slots: the larger cases cross several chunks of rows.
+        workspace_bytes: Some(4 << 20),
+        timeout,
+        ..Config::default()
+    };
+    Communicator::init(&cfg).expect("cuda communicator")
+}
+
+struct Stream(sys::CUstream);
+
+impl Stream {
+    fn new() -> Stream {
+        let mut s = std::ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: creates one stream, destroyed in Drop.
+        ck(
+            unsafe { sys::cuStreamCreate(&mut s, flags) },
+            "cuStreamCreate",
+        );
+        Stream(s)
+    }
+    fn ptr(&self) -> *mut c_void {
+        self.0.cast()
+    }
+    fn sync(&self) {
+        // SAFETY: a live stream.
+        ck(
+            unsafe { sys::cuStreamSynchronize(self.0) },
+            "cuStreamSynchronize",
+        );
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: ours, destroyed once.
+        unsafe { sys::cuStreamDestroy_v2(self.0) };
+    }
+}
+
+/// Device memory of the test: a plain allocation, or part of a registered buffer.
+enum Mem {
+    Plain(DeviceAlloc),
+    At(u64),
+}
+
+impl Mem {
+    fn ptr(&self) -> u64 {
+        match self {
+            Mem::Plain(d) => d.ptr,
+            Mem::At(p) => *p,
+        }
+    }
+}
+
+/// One case's device tensors.
+struct Bufs {
+    input: Mem,
+    residual: Mem,
+    weight: Mem,
+    out: Mem,
+    residual_out: Mem,
+    fp8: Mem,
+    scale: Mem,
+    /// The unfused sequence's outputs.
+    sum: Mem,
+    ref_out: Mem,
+    ref_residual_out: Mem,
+    ref_fp8: Mem,
+}
+
+fn upload(dst: u64, data: &[u8], s: &Stream) {
+    // SAFETY: in bounds (the caller sized the buffer); synchronized before `data` can go away.
+    ck(
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, data.as_ptr().cast(), data.len(), s.0) },
+        "upload",
+    );
+    s.sync();
+}
+
+fn download(src: u64, n: usize, s: &Stream) -> Vec<u8> {
+    let mut out = vec![0u8; n];
+    // SAFETY: the caller passes a live device range of n bytes.
+    ck(
+        unsafe { sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), src, n, s.0) },
+        "download",
+    );
+    s.sync();
+    out
+}
+
+/// Allocates the case's tensors: plain allocations, or slices of one registered buffer every
+/// rank allocates alike (`reg`, at the same offsets everywhere).
+fn alloc(
+    c: &mut Communicator,
+    bytes: usize,
+    hidden_bytes: usize,
+    elems: usize,
+    reg: bool,
+) -> (Bufs, Option<ipcreduce::RegisteredBuffer>) {
+    let rank = c.rank();
+    let sizes = [
+        bytes,
+        bytes,
+        hidden_bytes,
+        bytes,
+        bytes,
+        elems,
+        4,
+        bytes,
+        bytes,
+        bytes,
+        elems,
+    ];
+    let (mems, buf) = if reg {
+        let padded: Vec<usize> = sizes.iter().map(|b| b.div_ceil(256) * 256).collect();
+        let buf = c.alloc(padded.iter().sum()).expect("registered buffer");
+        let mut at = buf.ptr();
+        let mut v = Vec::new();
+        for p in padded {
+            v.push(Mem::At(at));
+            at += p as u64;
+        }
+        (v, Some(buf))
+    } else {
+        let v = sizes
+            .iter()
+            .map(|b| Mem::Plain(DeviceAlloc::new((*b).max(16), rank).unwrap()))
+            .collect();
+        (v, None)
+    };
+    let mut it = mems.into_iter();
+    let mut next = || it.next().unwrap();
+    let b = Bufs {
+        input: next(),
+        residual: next(),
+        weight: next(),
+        out: next(),
+        residual_out: next(),
+        fp8: next(),
+        scale: next(),
+        sum: next(),
+        ref_out: next(),
+        ref_residual_out: next(),
+        ref_fp8: next(),
+    };
+    (b, buf)
+}
+
+/// The fused call's (or the reference's) arguments over `b`.
+fn fused_args(
+    case: &Case,
+    input: u64,
+    out: u64,
+    residual: u64,
+    residual_out: u64,
+    fp8: u64,
+    b: &Bufs,
+) -> AddRmsNorm {
+    AddRmsNorm {
+        input: input as *const c_void,
+        residual: residual as *const c_void,
+        weight: b.weight.ptr() as *const c_void,
+        out: out as *mut c_void,
+        residual_out: residual_out as *mut c_void,
+        fp8_out: if case.scale.is_some() {
+            fp8 as *mut c_void
+        } else {
+            std::ptr::null_mut()
+        },
+        fp8_scale: if case.scale.is_some() {
+            b.scale.ptr() as *const c_void
+        } else {
+            std::ptr::null()
+        },
+        tokens: case.tokens,
+        hidden: case.hidden,
+        dtype: case.dtype,
+        eps: case.eps,
+    }
+}
+
+/// Bitwise comparison of two tensors of `dtype` (NaNs of any payload equal each other: the
+/// CPU and the GPU make different NaN bits), the first few differences in words.
+fn differences(what: &str, dtype: DType, got: &[u8], want: &[u8]) -> Vec<String> {
+    let size = dtype.size();
+    let mut bad = Vec::new();
+    for (i, (g, w)) in got.chunks(size).zip(want.chunks(size)).enumerate() {
+        let nan = |b: &[u8]| {
+            let mut t = Tensor::new(dtype, &[0.0]);
+            t.bytes().copy_from_slice(b);
+            t.get(0).is_nan()
+        };
+        if g != w && !(size > 1 && nan(g) && nan(w)) {
+            bad.push(format!("{what}[{i}] {g:02x?} want {w:02x?}"));
+        }
+    }
+    bad.truncate(3);
+    bad
+}
+
+/// Runs one case: the fused call and the unfused sequence on `s`, then compares both with each
+/// other and with the CPU reference. Returns the differences (empty: right).
+#[allow(clippy::too_many_arguments)]
+fn run_case(
+    c: &mut Communicator,
+    s: &Stream,
+    case: &Case,
+    algo: Algorithm,
+    in_place: bool,
+    reg: bool,
+) -> Vec<String> {
+    let (d, n, h) = (case.dtype, case.tokens * case.hidden, case.hidden);
+    let bytes = n * d.size();
+    let (b, buf) = alloc(c, bytes, h * d.size(), n, reg);
+    let mut input = Tensor::new(d, &case.inputs[c.rank()]);
+    let mut residual = Tensor::new(d, &case.residual);
+    let mut weight = Tensor::new(d, &case.weight);
+    let scale = case.scale.unwrap_or(1.0).to_le_bytes();
+    let load = |b: &Bufs, input: &mut Tensor, residual: &mut Tensor| {
+        upload(b.input.ptr(), input.bytes(), s);
+        upload(b.residual.ptr(), residual.bytes(), s);
+    };
+    load(&b, &mut input, &mut residual);
+    upload(b.weight.ptr(), weight.bytes(), s);
+    upload(b.scale.ptr(), &scale, s);
+    // The unfused sequence first (it reads input and residual, which the in-place fused call
+    // overwrites).
+    let stream = s.ptr();
+    // SAFETY: every buffer holds its tensor; device memory of this rank's GPU.
+    unsafe {
+        c.all_reduce_raw(
+            b.input.ptr() as *const c_void,
+            b.sum.ptr() as *mut c_void,
+            n,
+            d,
+            ReduceOp::Sum,
+            algo,
+            stream,
+        )
+        .unwrap_or_else(|e| panic!("all-reduce: {e}"));
+        let r = fused_args(
+            case,
+            b.sum.ptr(),
+            b.ref_out.ptr(),
+            b.residual.ptr(),
+            b.ref_residual_out.ptr(),
+            b.ref_fp8.ptr(),
+            &b,
+        );
+        c.add_rms_norm_reference_raw(&r, stream)
+            .unwrap_or_else(|e| panic!("reference: {e}"));
+    }
+    s.sync();
+    let (out, res_out) = if in_place {
+        (b.input.ptr(), b.residual.ptr())
+    } else {
+        (b.out.ptr(), b.residual_out.ptr())
+    };
+    let args = fused_args(
+        case,
+        b.input.ptr(),
+        out,
+        b.residual.ptr(),
+        res_out,
+        b.fp8.ptr(),
+        &b,
+    );
+    // SAFETY: as above.
+    let r = unsafe { c.all_reduce_add_rms_norm_raw(&args, algo, stream) };
+    if let Err(e) = r {
+        return vec![format!("fused call failed: {e}")];
+    }
+    s.sync();
+    if let Err(e) = c.synchronize() {
+        return vec![format!("after the fused call: {e}")];
+    }
+    let want = case.expected();
+    let mut cpu_out = Tensor::new(d, &want.out);
+    let mut cpu_res = Tensor::new(d, &want.residual_out);
+    let got_out = download(out, bytes, s);
+    let got_res = download(res_out, bytes, s);
+    let mut bad = Vec::new();
+    bad.extend(differences(
+        "out vs unfused",
+        d,
+        &got_out,
+        &download(b.ref_out.ptr(), bytes, s),
+    ));
+    bad.extend(differences(
+        "residual_out vs unfused",
+        d,
+        &got_res,
+        &download(b.ref_residual_out.ptr(), bytes, s),
+    ));
+    bad.extend(differences("out vs cpu", d, &got_out, cpu_out.bytes()));
+    bad.extend(differences(
+        "residual_out vs cpu",
+        d,
+        &got_res,
+        cpu_res.bytes(),
+    ));
+    if case.scale.is_some() {
+        let got = download(b.fp8.ptr(), n, s);
+        let unfused = download(b.ref_fp8.ptr(), n, s);
+        bad.extend(differences(
+            "fp8 vs unfused",
+            DType::F16,
+            &pair(&got),
+            &pair(&unfused),
+        ));
+        bad.extend(differences(
+            "fp8 vs cpu",
+            DType::F16,
+            &pair(&got),
+            &pair(&want.fp8),
+        ));
+    }
+    // Every rank's outputs are the same.
+    let fp = fingerprint(&[&got_out, &got_res]).to_le_bytes();
+    let all = c.bootstrap().all_gather(&fp).expect("all_gather");
+    if !all.iter().all(|f| f[..] == fp) {
+        bad.push("ranks' outputs differ".into());
+    }
+    if let Some(buf) = buf {
+        drop(b);
+        c.free(buf).expect("free");
+    }
+    bad
+}
+
+/// FP8 bytes widened to 16-bit words (NaN-agnostic comparison does not apply: e4m3 has one
+/// NaN code per sign, which both sides produce alike).
+fn pair(b: &[u8]) -> Vec<u8> {
+    b.iter().flat_map(|x| [*x, 0]).collect()
+}
+
+fn fingerprint(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for x in p.iter() {
+            h ^= *x as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+fn rank_sweep() -> i32 {
+    let mut c = join(None);
+    let world = c.world();
+    let s = Stream::new();
+    let cases: usize = std::env::var("GPU_FUSED_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(40);
+    let mut done = 0;
+    let mut shapes: Vec<Case> = (0..cases)
+        .map(|k| Case::random(5000 + k as u64, world))
+        .collect();
+    // Decode sizes, a row wider than the 256 lanes many times over, and more rows than a
+    // 2 MiB slot holds (several chunks).
+    for (i, (tokens, hidden)) in [(1, 4096), (8, 8192), (32, 16384), (129, 4099)]
+        .into_iter()
+        .enumerate()
+    {
+        for dtype in DType::ALL {
+            shapes.push(Case::with(
+                77 + i as u64,
+                world,
+                tokens,
+                hidden,
+                dtype,
+                1e-6,
+                Some(0.02),
+            ));
+        }
+    }
+    for (k, case) in shapes.iter().enumerate() {
+        let algo = [Algorithm::Auto, Algorithm::OneShot, Algorithm::TwoShot][k % 3];
+        for (in_place, reg) in [(false, false), (true, false), (false, true), (true, true)] {
+            let bad = run_case(&mut c, &s, case, algo, in_place, reg);
+            if !bad.is_empty() {
+                say(format!(
+                    "BAD case {k} ({} x {} {} eps {} fp8 {:?} {algo} in place {in_place} registered {reg}): {}",
+                    case.tokens, case.hidden, case.dtype, case.eps, case.scale, bad.join("; ")
+                ));
+                return 1;
+            }
+            done += 1;
+        }
+    }
+    say(format!("DONE {done}"));
+    0
+}
+
+/// A fused call captured in a CUDA graph, replayed with new inputs each time (uploaded before
+/// the replay), checked against the CPU reference.
+fn rank_graph() -> i32 {
+    let mut c = join(None);
+    let (rank, world) = (c.rank(), c.world());
+    let s = Stream::new();
+    let mut done = 0;
+    for (tokens, hidden, dtype) in [
+        (1, 4096, DType::Bf16),
+        (16, 8191, DType::F16),
+        (64, 2048, DType::F32),
+    ] {
+        let first = Case::with(1, world, tokens, hidden, dtype, 1e-6, Some(0.05));
+        let n = tokens * hidden;
+        let bytes = n * dtype.size();
+        let (b, _) = alloc(&mut c, bytes, hidden * dtype.size(), n, false);
+        let args = fused_args(
+            &first,
+            b.input.ptr(),
+            b.out.ptr(),
+            b.residual.ptr(),
+            b.residual_out.ptr(),
+            b.fp8.ptr(),
+            &b,
+        );
+        upload(b.scale.ptr(), &0.05f32.to_le_bytes(), &s);
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        // SAFETY: capture on our stream, ended below.
+        ck(
+            unsafe { sys::cuStreamBeginCapture_v2(s.0, mode) },
+            "begin capture",
+        );
+        // SAFETY: buffers hold the shape; captured, run at each replay.
+        unsafe { c.all_reduce_add_rms_norm_raw(&args, Algorithm::Auto, s.ptr()) }
+            .unwrap_or_else(|e| panic!("capture: {e}"));
+        let mut graph = std::ptr::null_mut();
+        // SAFETY: ends our capture.
+        ck(
+            unsafe { sys::cuStreamEndCapture(s.0, &mut graph) },
+            "end capture",
+        );
+        let mut exec = std::ptr::null_mut();
+        // SAFETY: instantiates the graph just captured.
+        ck(
+            unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
+            "instantiate",
+        );
+        for replay in 0..8u64 {
+            let case = Case::with(100 + replay, world, tokens, hidden, dtype, 1e-6, Some(0.05));
+            upload(
+                b.input.ptr(),
+                Tensor::new(dtype, &case.inputs[rank]).bytes(),
+                &s,
+            );
+            upload(
+                b.residual.ptr(),
+                Tensor::new(dtype, &case.residual).bytes(),
+                &s,
+            );
+            upload(b.weight.ptr(), Tensor::new(dtype, &case.weight).bytes(), &s);
+            // SAFETY: our instantiated graph on our stream.
+            ck(unsafe { sys::cuGraphLaunch(exec, s.0) }, "graph launch");
+            s.sync();
+            let want = case.expected();
+            let mut bad = differences(
+                "out",
+                dtype,
+                &download(b.out.ptr(), bytes, &s),
+                Tensor::new(dtype, &want.out).bytes(),
+            );
+            bad.extend(differences(
+                "residual_out",
+                dtype,
+                &download(b.residual_out.ptr(), bytes, &s),
+                Tensor::new(dtype, &want.residual_out).bytes(),
+            ));
+            bad.extend(differences(
+                "fp8",
+                DType::F16,
+                &pair(&download(b.fp8.ptr(), n, &s)),
+                &pair(&want.fp8),
+            ));
+            if !bad.is_empty() {
+                say(format!(
+                    "BAD graph {tokens} x {hidden} {dtype} replay {replay}: {}",
+                    bad.join("; ")
+                ));
+                return 1;
+            }
+            done += 1;
+        }
+        // SAFETY: ours, after the last replay was synchronized.
+        unsafe {
+            sys::cuGraphExecDestroy(exec);
+            sys::cuGraphDestroy(graph);
+        }
+    }
+    if let Some(e) = c.async_error() {
+        panic!("after the graphs: {e}");
+    }
+    say(format!("DONE {done}"));
+    0
+}
+
+/// The last rank passes another shape, eps or outputs: every rank must fail with a mismatch
+/// naming what differs, promptly.
+fn rank_mismatch() -> i32 {
+    let mut c = join(Some(Duration::from_secs(8)));
+    let s = Stream::new();
+    let world = c.world();
+    let odd = c.rank() + 1 == world;
+    let what = std::env::var(CASE).unwrap();
+    let good = Case::with(3, world, 4, 64, DType::Bf16, 1e-6, None);
+    assert!(run_case(&mut c, &s, &good, Algorithm::OneShot, false, false).is_empty());
+    let (mut tokens, mut hidden, mut eps, mut scale) = (4, 64, 1e-6f32, None);
+    if odd {
+        match what.as_str() {
+            "tokens" => tokens = 5,
+            "hidden" => hidden = 65,
+            "transposed" => (tokens, hidden) = (64, 4),
+            "eps" => eps = 1e-5,
+            "fp8" => scale = Some(1.0),
+            other => panic!("unknown case {other}"),
+        }
+    }
+    let case = Case::with(3, world, tokens, hidden, DType::Bf16, eps, scale);
+    let t0 = Instant::now();
+    let bad = run_case(&mut c, &s, &case, Algorithm::OneShot, false, false);
+    let ms = t0.elapsed().as_millis();
+    say(format!("RESULT {ms} {}", bad.join("; ")));
+    0
+}
+
+// ---------------------------------------------------------------------------------------
+// Parent side
+
+fn run_role(test: &str, role: &str, world: usize, extra: &[(&str, &str)]) -> Vec<(usize, String)> {
+    let job = Job::new("gpufused", &format!("{role}{world}"));
+    let spec = Spawn {
+        test,
+        role_var: ROLE,
+        role,
+        world,
+        extra,
+        hold: false,
+    };
+    let _ = SECRET;
+    let mut ranks: Vec<Rank> = common::spawn_world(&spec, &job);
+    let mut lines = Vec::new();
+    for r in &mut ranks {
+        let m = r.next(T);
+        lines.push((r.rank, m));
+    }
+    for r in &mut ranks {
+        r.wait(T);
+    }
+    lines
+}
+
+fn expect_done(lines: &[(usize, String)], what: &str) {
+    let counts: Vec<usize> = lines
+        .iter()
+        .map(|(rank, m)| {
+            m.strip_prefix("DONE ")
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("{what} rank {rank}: {m}"))
+        })
+        .collect();
+    assert!(
+        counts.iter().all(|n| *n > 0 && *n == counts[0]),
+        "{what}: {counts:?}"
+    );
+    eprintln!("{what}: {} checked per rank", counts[0]);
+}
+
+#[test]
+fn fused_equals_all_reduce_plus_reference_at_worlds_2_4_8() {
+    play_rank_if_child();
+    let test = "fused_equals_all_reduce_plus_reference_at_worlds_2_4_8";
+    for world in [2, 4, 8] {
+        expect_done(
+            &run_role(test, "sweep", world, &[]),
+            &format!("sweep world {world}"),
+        );
+    }
+}
+
+#[test]
+fn fused_graph_replays_with_changing_inputs() {
+    play_rank_if_child();
+    let test = "fused_graph_replays_with_changing_inputs";
+    for world in [2, 4] {
+        expect_done(
+            &run_role(test, "graph", world, &[]),
+            &format!("graph world {world}"),
+        );
+    }
+}
+
+#[test]
+fn fused_shape_mismatch_fails_on_every_rank() {
+    play_rank_if_child();
+    let test = "fused_shape_mismatch_fails_on_every_rank";
+    for (case, world, word) in [
+        ("tokens", 2, "tokens"),
+        ("hidden", 4, "hidden"),
+        ("transposed", 2, "hidden"),
+        ("eps", 2, "eps"),
+        ("fp8", 4, "outputs"),
+    ] {
+        for (rank, line) in run_role(test, "mismatch", world, &[(CASE, case)]) {
+            let rest = line
+                .strip_prefix("RESULT ")
+                .unwrap_or_else(|| panic!("{case} rank {rank}: {line}"));
+            let (ms, text) = rest.split_once(' ').unwrap_or((rest, ""));
+            let ms: u128 = ms.parse().unwrap();
+            assert!(
+                ms < PROMPT.as_millis(),
+                "{case} rank {rank}: {ms} ms: {text}"
+            );
+            assert!(
+                text.contains("fused call failed") || text.contains("after the fused call"),
+                "{case} rank {rank}: {text}"
+            );
+            assert!(text.contains(word), "{case} rank {rank}: {text}");
+        }
+    }
+}
