@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The fused all-reduce + residual add + RMSNorm from Python on GPUs: the tensor-parallel decoder
-# example (fused vs unfused on the same inputs, eager and CUDA-graph replay) at world 2, then
-# python/gpu/fused_bench.py at worlds 2 and 4 (fused vs ipcreduce all-reduce + torch add +
+# The fused all-reduce + residual add + RMSNorm from Python on GPUs: python/gpu/fused_check.py
+# (a sweep of shapes and dtypes with the fp8 output against the documented numerics, the same
+# bits on every rank, torch.compile with inductor and its CUDA graphs, a shape mismatch between
+# ranks) at world 2; the tensor-parallel decoder example (fused vs unfused on the same inputs,
+# eager and CUDA-graph replay) at world 2; then python/gpu/fused_bench.py at worlds 2 and 4 (fused vs ipcreduce all-reduce + torch add +
 # rms_norm vs NCCL all-reduce + the same; bf16, CUDA-graph replay, every result checked).
 # Builds nothing: expects the abi3 wheel in target/wheels/ (README.md "Python") and
 # target/release/ipcreduce (for the kernel-cache warm-up). Fewer GPUs than ranks: the ranks
 # share the GPUs under MPS (NCCL then needs NCCL_HOSTID per rank: python/gpu/common.py).
-# FUSED_HIDDEN / FUSED_TOKENS (comma lists) narrow the sweep.
+# FUSED_HIDDEN / FUSED_TOKENS (comma lists) narrow the benchmark.
 # Usage: scripts/device/fused-py.sh OUT_DIR
 set -u
 # mps_on/mps_off.
@@ -69,6 +71,7 @@ py_step() {
 }
 TORCHRUN="torchrun --standalone --nproc_per_node"
 
+py_step fused-check 300 $TORCHRUN=2 "$REPO/python/gpu/fused_check.py" || status=1
 py_step tp-decoder 180 $TORCHRUN=2 "$REPO/python/examples/tp_decoder.py" --device cuda --graph \
   --tokens 8 --hidden 4096 --ffn 8192 --layers 4 || status=1
 py_step fused-bench-w2 420 $TORCHRUN=2 "$REPO/python/gpu/fused_bench.py" || status=1
@@ -78,8 +81,9 @@ python3 - "$OUT" <<'PY' || status=1
 import glob, json, os, sys
 out = sys.argv[1]
 expected = [f"fused-bench-w{w}-rank{r}" for w in (2, 4) for r in range(w)]
+expected += ["fused-check-rank0", "fused-check-rank1"]
 summary = {}
-for path in sorted(glob.glob(os.path.join(out, "fused-bench-*-rank*.json"))):
+for path in sorted(glob.glob(os.path.join(out, "fused-*-rank*.json"))):
     summary[os.path.basename(path)[:-len(".json")]] = json.load(open(path))
 json.dump(summary, open(os.path.join(out, "fused-summary.json"), "w"), indent=1)
 missing = [n for n in expected if n not in summary]
