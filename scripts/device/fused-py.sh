@@ -3,8 +3,9 @@
 # (a sweep of shapes and dtypes with the fp8 output against the documented numerics, the same
 # bits on every rank, torch.compile with inductor and its CUDA graphs, a shape mismatch between
 # ranks) at world 2; the tensor-parallel decoder example (fused vs unfused on the same inputs,
-# eager and CUDA-graph replay) at world 2; then python/gpu/fused_bench.py at worlds 2 and 4 (fused vs ipcreduce all-reduce + torch add +
-# rms_norm vs NCCL all-reduce + the same; bf16, CUDA-graph replay, every result checked).
+# eager and CUDA-graph replay) at world 2; then python/gpu/fused_bench.py at worlds 2 and 4
+# (fused vs ipcreduce all-reduce + torch add + rms_norm vs NCCL all-reduce + the same; bf16,
+# CUDA-graph replay, every result checked).
 # Builds nothing: expects the abi3 wheel in target/wheels/ (README.md "Python") and
 # target/release/ipcreduce (for the kernel-cache warm-up). Fewer GPUs than ranks: the ranks
 # share the GPUs under MPS (NCCL then needs NCCL_HOSTID per rank: python/gpu/common.py).
