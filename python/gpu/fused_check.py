@@ -46,9 +46,9 @@ def bitwise(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
 
 def same_everywhere(t: torch.Tensor, what: str) -> None:
     b = t.contiguous().view(torch.uint8).flatten()
-    g = torch.empty(world, b.numel(), device=dev, dtype=torch.uint8)
+    g = torch.empty(world * b.numel(), device=dev, dtype=torch.uint8)
     dist.all_gather_into_tensor(g, b)
-    ctx.expect(all(torch.equal(g[q], b) for q in range(world)), f"{what}: ranks differ")
+    ctx.expect(all(torch.equal(c, b) for c in g.chunk(world)), f"{what}: ranks differ")
 
 
 # 1. The sweep, eager.
