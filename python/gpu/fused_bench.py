@@ -84,8 +84,10 @@ class Expect:
     def __init__(self, x, res, w):
         h = x.shape[-1]
         self.w64 = w.double()
-        xs = torch.empty(world, *x.shape, device=dev, dtype=x.dtype)
-        dist.all_gather_into_tensor(xs, x)
+        # Gathered flat (the form every process group takes), then viewed per rank.
+        xs = torch.empty(world * x.numel(), device=dev, dtype=x.dtype)
+        dist.all_gather_into_tensor(xs, x.flatten())
+        xs = xs.view(world, *x.shape)
         s = xs[0].float()
         for q in range(1, world):
             s = s + xs[q].float()
@@ -172,10 +174,10 @@ for hidden in HIDDEN:
         row["speedup_vs_nccl"] = row["nccl"]["us"] / row["fused"]["us"]
         # Same bits on every rank: the fused outputs gathered through NCCL and compared.
         out, r = fused(x, res, w)
-        both = torch.stack([out, r]).view(torch.int16)
-        gathered = torch.empty(world, *both.shape, device=dev, dtype=both.dtype)
+        both = torch.stack([out, r]).view(torch.uint8).flatten()
+        gathered = torch.empty(world * both.numel(), device=dev, dtype=both.dtype)
         dist.all_gather_into_tensor(gathered, both)
-        row["same_on_all_ranks"] = all(torch.equal(gathered[q], both) for q in range(world))
+        row["same_on_all_ranks"] = all(torch.equal(c, both) for c in gathered.chunk(world))
         del gathered
         ctx.expect(row["same_on_all_ranks"], f"h{hidden} t{tokens}: fused outputs differ "
                                              f"between ranks")
