@@ -174,6 +174,7 @@ for hidden in HIDDEN:
         row["speedup_vs_nccl"] = row["nccl"]["us"] / row["fused"]["us"]
         # Same bits on every rank: the fused outputs gathered through NCCL and compared.
         out, r = fused(x, res, w)
+        row["fused_path"] = comm.last_path()  # (path, CTAs, zero-copy) of that call
         both = torch.stack([out, r]).view(torch.uint8).flatten()
         gathered = torch.empty(world * both.numel(), device=dev, dtype=both.dtype)
         dist.all_gather_into_tensor(gathered, both)
