@@ -1,9 +1,10 @@
-//! The `ipcreduce` command: `launch`, `bench`, `check`, `overlap`, `model`, `topo`, `warmup`.
+//! The `ipcreduce` command: `launch`, `bench`, `fused-bench`, `check`, `overlap`, `model`, `topo`, `warmup`.
 
 mod bench;
 mod check;
 mod cli;
 mod faults;
+mod fused_bench;
 mod gpu;
 mod harness;
 mod launch;
@@ -70,6 +71,9 @@ enum Cmd {
     },
     /// Time all-reduce, nccl-tests style.
     Bench(crate::bench::BenchArgs),
+    /// Time the fused all-reduce + residual add + RMSNorm against the unfused sequence (CUDA
+    /// graphs, every result checked).
+    FusedBench(crate::fused_bench::FusedBenchArgs),
     /// Check all-reduce results against a float64 reference.
     Check(crate::check::CheckArgs),
     /// Training-loop benchmark: compute overlapped with bucketed all-reduce, ipcreduce vs NCCL
@@ -183,6 +187,7 @@ fn main() -> ExitCode {
             }
         }
         Cmd::Bench(args) => exit(crate::bench::run(args)),
+        Cmd::FusedBench(args) => exit(crate::fused_bench::run(args)),
         Cmd::Check(args) => exit(crate::check::run(args)),
         Cmd::Overlap(args) => exit(crate::overlap::run(args)),
         Cmd::Plot(args) => exit(crate::plot::run(args)),

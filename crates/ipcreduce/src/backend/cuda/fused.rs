@@ -224,33 +224,35 @@ mod tests {
             return;
         }
         let size = std::mem::size_of::<FusedKernelArgs>();
-        for w in [2, 4, 8] {
+        let names = |w| {
+            DType::ALL.into_iter().flat_map(move |d| {
+                [CudaPath::FusedOneShot, CudaPath::FusedReference]
+                    .map(|p| p.kernel_name(w, d, ReduceOp::Sum))
+            })
+        };
+        for w in [2, 8] {
             let ptx = kernels::compile("sm_90", w)
                 .unwrap_or_else(|e| panic!("{e}"))
                 .to_src();
-            for dtype in DType::ALL {
-                for path in [CudaPath::FusedOneShot, CudaPath::FusedReference] {
-                    let name = path.kernel_name(w, dtype, ReduceOp::Sum);
-                    let at = ptx
-                        .find(&format!(".entry {name}("))
-                        .unwrap_or_else(|| panic!("w{w}: {name} missing"));
-                    let decl = &ptx[at..at + 200.min(ptx.len() - at)];
-                    assert!(decl.contains(&format!("_param_0[{size}]")), "{decl}");
-                }
+            for name in names(w) {
+                let at = ptx
+                    .find(&format!(".entry {name}("))
+                    .unwrap_or_else(|| panic!("w{w}: {name} missing"));
+                let decl = &ptx[at..ptx.len().min(at + 200)];
+                assert!(decl.contains(&format!("_param_0[{size}]")), "{decl}");
             }
             assert!(ptx.contains("cvt.rn.satfinite.e4m3x2.f32"));
+        }
+        for w in [2, 4] {
             let all = kernels::resources("sm_90", w).unwrap_or_else(|e| panic!("{e}"));
-            for dtype in DType::ALL {
-                for path in [CudaPath::FusedOneShot, CudaPath::FusedReference] {
-                    let name = path.kernel_name(w, dtype, ReduceOp::Sum);
-                    let k = all.iter().find(|k| k.kernel == name).unwrap();
-                    eprintln!(
-                        "{name}: {} registers, {} B spilled",
-                        k.registers, k.spill_bytes
-                    );
-                    assert!(k.registers > 0 && k.registers <= 64, "{k:?}");
-                    assert_eq!(k.spill_bytes, 0, "{k:?}");
-                }
+            for name in names(w) {
+                let k = all.iter().find(|k| k.kernel == name).unwrap();
+                eprintln!(
+                    "{name}: {} registers, {} B spilled",
+                    k.registers, k.spill_bytes
+                );
+                assert!(k.registers > 0 && k.registers <= 64, "{k:?}");
+                assert_eq!(k.spill_bytes, 0, "{k:?}");
             }
         }
         let ptx = kernels::compile("sm_80", 2)

@@ -82,6 +82,14 @@ template <typename D> __device__ __forceinline__ float fused_round(float v) {
     return D::load(b);
 }
 
+// One element of a source row as f32, loaded around L1 (.cg, as every load of peer-written
+// memory in prims.cuh: a slot line cached in L1 from an earlier call would be stale).
+template <typename D> __device__ __forceinline__ float fused_load_cg(const char *p) {
+    char b[4];
+    copy_elem_cg<D>(b, p);
+    return D::load(b);
+}
+
 // Rank r's row: peers' from their slot, ours from our input.
 struct FusedSrc {
     const Args &a;
@@ -109,10 +117,10 @@ __device__ void fused_row(const FusedArgs &f, const Src &src, int world, u64 row
     float acc = 0.0f;
     if (active) {
         for (u64 i = j; i < H; i += FUSED_LANES) {
-            float s = D::load(src(0) + i * D::SIZE);
+            float s = fused_load_cg<D>(src(0) + i * D::SIZE);
 #pragma unroll
             for (int r = 1; r < W; r++)
-                if (r < world) s = __fadd_rn(s, D::load(src(r) + i * D::SIZE));
+                if (r < world) s = __fadd_rn(s, fused_load_cg<D>(src(r) + i * D::SIZE));
             s = fused_round<D>(s);
             const float v = fused_round<D>(__fadd_rn(s, D::load(f.residual + o + i * D::SIZE)));
             D::store(f.residual_out + o + i * D::SIZE, v);
