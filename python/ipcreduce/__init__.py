@@ -131,12 +131,7 @@ class Communicator:
             raise self._invalid(f"tensors on {x.device} are not supported (cpu or cuda)")
         handle = 0
         if on_device:
-            import torch
-
-            if stream is None:
-                stream = torch.cuda.current_stream(x.device)
-            elif isinstance(stream, int):
-                stream = torch.cuda.ExternalStream(stream, device=x.device)
+            stream = self._stream(x.device, stream)
             handle = stream.cuda_stream
         self._native.all_reduce_ptr(x.data_ptr(), out.data_ptr(), x.numel(), dtype, on_device,
                                     op, algo, handle)
@@ -147,6 +142,102 @@ class Communicator:
             # does). On the tensors' own allocation stream, and for memory the allocator does
             # not own (registered buffers), this records nothing.
             _record_stream((x, out), stream)
+
+    def all_reduce_add_rms_norm(self, input: Any, residual: Any, weight: Any,
+                                eps: float = 1e-6, *, out: Any = None, residual_out: Any = None,
+                                scale: Any = None, fp8_out: Any = None, stream: Any = None,
+                                algo: str = "auto") -> tuple:
+        """All-reduce (sum) of `input`, residual add and RMSNorm in one call, as a
+        tensor-parallel layer ends:
+
+            residual_out = round(round(sum over ranks of input) + residual)
+            out = round(residual_out * rsqrt(mean(residual_out ** 2, -1) + eps) * weight)
+
+        (sums in float32 in rank order; docs/fused.md gives every rounding point). Torch tensors
+        of one dtype (bfloat16, float16, float32), contiguous: `input` and `residual` of one
+        shape [..., hidden], `weight` [hidden]; CPU tensors on the host backend, CUDA tensors
+        on the cuda backend (enqueued on `stream`, default the current stream).
+
+        In place by default, as vLLM's fused_add_rms_norm: `out` defaults to `input` and
+        `residual_out` to `residual`. With `scale` (one float32, on the tensors' device) the
+        normalised rows are also written as float8 e4m3 `sat(out / scale)` into `fp8_out`
+        (allocated when not given). Returns (out, residual_out), or (out, residual_out,
+        fp8_out) with `scale`. `ipcreduce.torch.all_reduce_add_rms_norm` is the out-of-place
+        torch op of it (torch.compile, CUDA graphs).
+        """
+        op = "all_reduce_add_rms_norm"
+        if out is None:
+            out = input
+        if residual_out is None:
+            residual_out = residual
+        tensors = {"input": input, "residual": residual, "weight": weight, "out": out,
+                   "residual_out": residual_out}
+        for name, t in tensors.items():
+            if not _is_torch_tensor(t):
+                raise self._invalid(f"{name} is not a torch tensor ({type(t).__name__})", op)
+        dtype = _TORCH_DTYPES.get(str(input.dtype))
+        if dtype is None:
+            raise self._invalid(
+                f"dtype {input.dtype} is not reduced (float32, float16, bfloat16)", op)
+        if input.dim() == 0:
+            raise self._invalid("input is a scalar: it needs a last dimension (hidden)", op)
+        hidden = input.shape[-1]
+        for name, t in tensors.items():
+            if t.dtype != input.dtype:
+                raise self._invalid(f"{name} is {t.dtype}, the input {input.dtype}", op)
+            want = (hidden,) if name == "weight" else tuple(input.shape)
+            if tuple(t.shape) != want:
+                raise self._invalid(f"{name} has shape {tuple(t.shape)}, expected {want} "
+                                    f"(input {tuple(input.shape)})", op)
+        if scale is not None:
+            if not _is_torch_tensor(scale) or str(scale.dtype) != "torch.float32" \
+                    or scale.numel() != 1:
+                raise self._invalid("scale must be a torch float32 tensor of one element", op)
+            if fp8_out is None:
+                import torch
+
+                fp8_out = torch.empty(input.shape, dtype=torch.float8_e4m3fn,
+                                      device=input.device)
+            tensors["scale"] = scale
+        if fp8_out is not None:
+            if not _is_torch_tensor(fp8_out) or str(fp8_out.dtype) != "torch.float8_e4m3fn" \
+                    or tuple(fp8_out.shape) != tuple(input.shape):
+                raise self._invalid(f"fp8_out must be a torch float8_e4m3fn tensor of shape "
+                                    f"{tuple(input.shape)}", op)
+            tensors["fp8_out"] = fp8_out
+        for name, t in tensors.items():
+            if t.device != input.device:
+                raise self._invalid(f"{name} is on {t.device}, the input on {input.device}", op)
+            if not t.is_contiguous():
+                raise self._invalid(f"{name} is not contiguous (call .contiguous())", op)
+        on_device = input.device.type == "cuda"
+        if not on_device and input.device.type != "cpu":
+            raise self._invalid(f"tensors on {input.device} are not supported (cpu or cuda)", op)
+        stream = self._stream(input.device, stream) if on_device else None
+        handle = 0 if stream is None else stream.cuda_stream
+        tokens = input.numel() // hidden if hidden else 0
+        # fp8_out without scale goes to the library as it is: its refusal is the one message.
+        self._native.all_reduce_add_rms_norm(
+            input.data_ptr(), residual.data_ptr(), weight.data_ptr(), float(eps),
+            out.data_ptr(), residual_out.data_ptr(), tokens, hidden, dtype, on_device,
+            fp8_out=0 if fp8_out is None else fp8_out.data_ptr(),
+            scale=0 if scale is None else scale.data_ptr(), algo=algo, stream=handle)
+        if on_device:
+            # As in all_reduce: enqueued, not done.
+            _record_stream(tensors.values(), stream)
+        return (out, residual_out) if fp8_out is None else (out, residual_out, fp8_out)
+
+    @staticmethod
+    def _stream(device, stream):
+        """The torch stream of a call: `stream`, or an int CUstream wrapped, or (None) the
+        current stream of `device`."""
+        import torch
+
+        if stream is None:
+            return torch.cuda.current_stream(device)
+        if isinstance(stream, int):
+            return torch.cuda.ExternalStream(stream, device=device)
+        return stream
 
     def synchronize(self) -> None:
         """Waits for the work enqueued on the communicator's own stream; raises an error a
@@ -199,9 +290,9 @@ class Communicator:
     def __repr__(self) -> str:
         return repr(self._native)
 
-    def _invalid(self, detail: str) -> InvalidArgumentError:
+    def _invalid(self, detail: str, op: str = "all_reduce") -> InvalidArgumentError:
         # Worded as the library's own argument errors.
-        return InvalidArgumentError(f"rank {self.rank}: invalid argument to all_reduce: {detail}")
+        return InvalidArgumentError(f"rank {self.rank}: invalid argument to {op}: {detail}")
 
 
 def nccl_library() -> str:

@@ -4,6 +4,11 @@
   `ipcreduce::all_reduce` (out of place) and `ipcreduce::all_reduce_inplace`, with fake
   implementations, so that `torch.compile` traces them and CUDA graphs capture them (the kernel
   runs on the current stream and keeps its protocol state on the device).
+- `all_reduce_add_rms_norm(input, residual, weight, comm, eps)`: the custom ops
+  `ipcreduce::all_reduce_add_rms_norm` (-> out, residual_out) and
+  `ipcreduce::all_reduce_add_rms_norm_fp8` (-> out, residual_out, fp8_out), out of place, with
+  fake implementations: the all-reduce, residual add and RMSNorm that end a tensor-parallel
+  layer, in one call (`Communicator.all_reduce_add_rms_norm` gives the numerics).
 - `empty(shape, dtype, comm)`: a tensor in registered memory (zero-copy all-reduces).
 - `hook`: a DDP communication hook that averages gradient buckets:
   `ddp.register_comm_hook(comm, ipcreduce.torch.hook)`. On the cuda backend it divides each
@@ -17,7 +22,7 @@ import contextlib
 import logging
 import math
 import weakref
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -26,7 +31,8 @@ from . import _BY_HANDLE, Communicator
 
 _log = logging.getLogger("ipcreduce")
 
-__all__ = ["all_reduce", "all_reduce_", "empty", "free", "hook", "HookState"]
+__all__ = ["all_reduce", "all_reduce_", "all_reduce_add_rms_norm", "empty", "free", "hook",
+           "HookState"]
 
 
 def _comm(handle: int) -> Communicator:
@@ -67,6 +73,71 @@ def all_reduce_(x: torch.Tensor, comm: Communicator, op: str = "sum") -> torch.T
     """All-reduces contiguous `x` in place (`ipcreduce::all_reduce_inplace`); returns `x`."""
     _all_reduce_inplace_op(x, comm.handle, op)
     return x
+
+
+def _fused_inputs(input, residual, weight):
+    """Contiguous inputs; a residual that is the input itself is copied (the library refuses
+    overlapping buffers, and an out-of-place op may be called so)."""
+    input, residual = input.contiguous(), residual.contiguous()
+    if residual.data_ptr() == input.data_ptr() and input.numel():
+        residual = residual.clone()
+    return input, residual, weight.contiguous()
+
+
+def _fused_outputs(input: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(input, memory_format=torch.contiguous_format),
+            torch.empty_like(input, memory_format=torch.contiguous_format))
+
+
+def _fp8_output(input: torch.Tensor) -> torch.Tensor:
+    return torch.empty(input.shape, dtype=torch.float8_e4m3fn, device=input.device)
+
+
+@torch.library.custom_op("ipcreduce::all_reduce_add_rms_norm", mutates_args=())
+def _fused_op(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, handle: int,
+              eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    out, residual_out = _fused_outputs(input)
+    input, residual, weight = _fused_inputs(input, residual, weight)
+    _comm(handle).all_reduce_add_rms_norm(input, residual, weight, eps, out=out,
+                                          residual_out=residual_out)
+    return out, residual_out
+
+
+@_fused_op.register_fake
+def _(input, residual, weight, handle, eps):
+    return _fused_outputs(input)
+
+
+@torch.library.custom_op("ipcreduce::all_reduce_add_rms_norm_fp8", mutates_args=())
+def _fused_fp8_op(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                  scale: torch.Tensor, handle: int,
+                  eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, residual_out = _fused_outputs(input)
+    fp8_out = _fp8_output(input)
+    input, residual, weight = _fused_inputs(input, residual, weight)
+    _comm(handle).all_reduce_add_rms_norm(input, residual, weight, eps, out=out,
+                                          residual_out=residual_out, scale=scale.contiguous(),
+                                          fp8_out=fp8_out)
+    return out, residual_out, fp8_out
+
+
+@_fused_fp8_op.register_fake
+def _(input, residual, weight, scale, handle, eps):
+    return _fused_outputs(input) + (_fp8_output(input),)
+
+
+def all_reduce_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            comm: Communicator, eps: float = 1e-6, *,
+                            scale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, ...]:
+    """The all-reduce (sum over `comm`'s ranks) of `input`, plus `residual`, RMS-normalised
+    over the last dimension and multiplied by `weight`, as new tensors: (out, residual_out),
+    where residual_out (the rounded sum plus the residual) is the next layer's residual.
+    With `scale` (a float32 tensor of one element on the tensors' device) also fp8_out,
+    float8 e4m3 `sat(out / scale)`: (out, residual_out, fp8_out). The ops
+    `ipcreduce::all_reduce_add_rms_norm` and `ipcreduce::all_reduce_add_rms_norm_fp8`."""
+    if scale is None:
+        return _fused_op(input, residual, weight, comm.handle, eps)
+    return _fused_fp8_op(input, residual, weight, scale, comm.handle, eps)
 
 
 def empty(shape: Union[int, Sequence[int]], dtype: torch.dtype, comm: Communicator) -> torch.Tensor:

@@ -36,12 +36,16 @@ fn parse<T: std::str::FromStr<Err = String>>(what: &str, s: &str) -> PyResult<T>
 }
 
 impl Communicator {
+    pub(crate) fn backend_kind(&self) -> BackendKind {
+        self.backend
+    }
+
     fn lock(&self) -> MutexGuard<'_, Option<ipcreduce::Communicator>> {
         // A panic inside the library leaves the communicator as it was; keep using the lock.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn invalid(&self, op: &'static str, detail: impl Into<String>) -> PyErr {
+    pub(crate) fn invalid(&self, op: &'static str, detail: impl Into<String>) -> PyErr {
         to_py(ipcreduce::Error::invalid(self.rank, op, detail))
     }
 
@@ -80,7 +84,7 @@ impl Communicator {
     }
 
     /// Runs `f` on the open communicator with the GIL released.
-    fn with<T: Send>(
+    pub(crate) fn with<T: Send>(
         &self,
         py: Python<'_>,
         op: &'static str,
@@ -275,6 +279,55 @@ impl Communicator {
         }
         // SAFETY: the caller's contract above.
         unsafe { self.raw(py, send, recv, count, dtype, op, algo, stream) }
+    }
+
+    /// Fused all-reduce + residual add + RMSNorm of raw pointers, as the torch layer calls
+    /// it: `out = rms_norm(residual_out) * weight` with `residual_out = round(sum over ranks
+    /// of input) + residual`, for `tokens` rows of `hidden` elements of `dtype` (weight:
+    /// `hidden` elements). `fp8_out` (e4m3, `tokens * hidden` bytes) is written when given,
+    /// with `scale` the address of one float32 (device memory on cuda, host on host).
+    /// Addresses are ints (0 = not given); `on_device` and `stream` as for `all_reduce_ptr`.
+    /// The caller vouches that each is valid for its size until the call has completed.
+    #[pyo3(signature = (
+        input, residual, weight, eps, out, residual_out, tokens, hidden, dtype, on_device,
+        fp8_out = 0, scale = 0, algo = "auto", stream = 0
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_add_rms_norm(
+        &self,
+        py: Python<'_>,
+        input: usize,
+        residual: usize,
+        weight: usize,
+        eps: f64,
+        out: usize,
+        residual_out: usize,
+        tokens: usize,
+        hidden: usize,
+        dtype: &str,
+        on_device: bool,
+        fp8_out: usize,
+        scale: usize,
+        algo: &str,
+        stream: usize,
+    ) -> PyResult<()> {
+        let args = crate::fused::FusedArgs {
+            input,
+            residual,
+            weight,
+            out,
+            residual_out,
+            fp8_out,
+            fp8_scale: scale,
+            tokens,
+            hidden,
+            // The library's eps is a float32 (NaN and negatives stay so: it refuses them).
+            eps: eps as f32,
+        };
+        // SAFETY: the caller's contract above.
+        unsafe {
+            crate::fused::all_reduce_add_rms_norm(self, py, args, dtype, on_device, algo, stream)
+        }
     }
 
     /// Waits for the work this communicator enqueued on its own stream and raises an error a

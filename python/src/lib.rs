@@ -4,12 +4,14 @@
 //! | module | what is there |
 //! |---|---|
 //! | `comm.rs` | the `Communicator` class: init, all-reduce of buffers and raw pointers |
+//! | `fused.rs` | the fused all-reduce + residual add + RMSNorm of raw pointers |
 //! | `registered.rs` | registered (zero-copy) device buffers, exported to torch |
 //! | `hostbuf.rs` | reading numpy arrays and other buffer-protocol objects |
 //! | `errors.rs` | the exception classes and the mapping from library errors |
 
 mod comm;
 mod errors;
+mod fused;
 mod hostbuf;
 mod registered;
 

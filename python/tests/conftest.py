@@ -11,7 +11,7 @@ import pytest
 import ipcreduce
 from jobfiles import JobFiles
 
-TORCH_TESTS = "test_torch_cpu.py"
+TORCH_TESTS = ("test_torch_cpu.py", "test_fused_cpu.py")
 
 
 def launched() -> bool:
@@ -65,7 +65,7 @@ _torch_skips = []
 
 
 def _note_skip(report) -> None:
-    if report.skipped and TORCH_TESTS in report.nodeid:
+    if report.skipped and any(name in report.nodeid for name in TORCH_TESTS):
         _torch_skips.append(report.nodeid)
 
 
