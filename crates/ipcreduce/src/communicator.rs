@@ -522,6 +522,8 @@ impl Drop for Communicator {
         // Collective and bounded (see the backends' `leave`); then the backend's memory goes,
         // then the connections (field order).
         self.backend.leave(&mut self.boot);
+        // After the leave, so that peers are not kept waiting for a file write.
+        self.flight.close();
     }
 }
 

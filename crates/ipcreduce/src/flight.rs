@@ -16,6 +16,10 @@
 //! recording and dumps off). The file goes to `IPCREDUCE_FLIGHT_DIR` (which `ipcreduce launch
 //! --log-dir DIR` sets to DIR for its ranks), else the temp directory, and is named after the
 //! job id and the rank: `ipcreduce-flight-<job>-rank<r>.jsonl`.
+//!
+//! `IPCREDUCE_TRACE=DIR` also writes the ring when the communicator is closed (dropped), failed
+//! or not, as `ipcreduce-trace-<job>-rank<r>.jsonl` in DIR: the input of `ipcreduce trace
+//! export` for a job that ran to its end.
 
 use crate::backend::SgOp;
 use crate::error::{Error, Result};
@@ -145,6 +149,10 @@ pub struct Recorder {
     dir: Option<PathBuf>,
     /// The file written at the first failure; later failures name it again.
     dumped: Option<PathBuf>,
+    /// `IPCREDUCE_TRACE`: where the ring goes at close.
+    trace_dir: Option<PathBuf>,
+    /// The first failure's words, for the trace written at close.
+    error: Option<String>,
 }
 
 fn now_ns() -> u64 {
@@ -192,6 +200,8 @@ impl Recorder {
             who: None,
             dir,
             dumped: None,
+            trace_dir: None,
+            error: None,
         }
     }
 
@@ -228,8 +238,17 @@ impl Recorder {
                 )))
             }
         };
+        let trace_dir = get("IPCREDUCE_TRACE").map(PathBuf::from);
+        if trace_dir.is_some() && capacity == 0 {
+            return Err(Error::Config(
+                "IPCREDUCE_TRACE is set but IPCREDUCE_FLIGHT=0 keeps no calls to trace: unset \
+                 one of them"
+                    .into(),
+            ));
+        }
         let mut r = Self::new(capacity, get("IPCREDUCE_FLIGHT_DIR").map(PathBuf::from));
         r.times = times;
+        r.trace_dir = trace_dir;
         Ok(r)
     }
 
@@ -346,8 +365,10 @@ impl Recorder {
         if self.ring.is_empty() {
             return None;
         }
+        let words = error.to_string();
+        self.error = Some(words.clone());
         let path = self.file()?;
-        match self.write(&path, error) {
+        match self.write(&path, Some(&words), "error") {
             Ok(()) => {
                 self.dumped = Some(path.clone());
                 Some(path)
@@ -359,9 +380,31 @@ impl Recorder {
         }
     }
 
+    /// Where the trace goes at close (`IPCREDUCE_TRACE`), if it is on.
+    pub fn trace_file(&self) -> Option<PathBuf> {
+        let who = self.who.as_ref()?;
+        let dir = self.trace_dir.as_ref()?;
+        Some(dir.join(format!(
+            "ipcreduce-trace-{}-rank{}.jsonl",
+            who.job, who.rank
+        )))
+    }
+
+    /// At close: with `IPCREDUCE_TRACE` set, writes the ring (and the first failure, if any)
+    /// into its directory; a write that fails is a warning, never an error of the close.
+    pub fn close(&mut self) {
+        let Some(path) = self.trace_file() else {
+            return;
+        };
+        let error = self.error.clone();
+        if let Err(e) = self.write(&path, error.as_deref(), "close") {
+            tracing::warn!("trace: could not write {}: {e}", path.display());
+        }
+    }
+
     /// Header line, then the entries oldest first; written beside and renamed, so a reader
-    /// never sees half a file.
-    fn write(&self, path: &Path, error: &Error) -> std::io::Result<()> {
+    /// never sees half a file. `written`: `error` (the first failure's dump) or `close`.
+    fn write(&self, path: &Path, error: Option<&str>, written: &str) -> std::io::Result<()> {
         let who = self.who.as_ref().expect("file() checked it");
         let header = serde_json::json!({
             "flight_record": FORMAT_VERSION,
@@ -373,7 +416,8 @@ impl Recorder {
             "capacity": self.ring.len(),
             "calls": self.calls,
             "dumped_ns": now_ns(),
-            "error": error.to_string(),
+            "written": written,
+            "error": error,
         });
         let mut text = header.to_string();
         text.push('\n');
@@ -521,6 +565,62 @@ mod tests {
             1,
             "{again}"
         );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn the_trace_is_written_at_close_with_the_first_failure() {
+        let dir = std::env::temp_dir().join(format!("ipcreduce-trace-unit-{}", std::process::id()));
+        let get = |k: &str| match k {
+            "IPCREDUCE_TRACE" => Some(dir.display().to_string()),
+            "IPCREDUCE_FLIGHT_DIR" => Some(dir.join("flight").display().to_string()),
+            _ => None,
+        };
+        let mut r = Recorder::from_lookup(get).unwrap();
+        r.identify(who("tr"));
+        r.begin(&call(7));
+        r.end(true);
+        r.close();
+        let file = dir.join("ipcreduce-trace-tr-rank3.jsonl");
+        let read = || -> Vec<serde_json::Value> {
+            std::fs::read_to_string(&file)
+                .unwrap()
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect()
+        };
+        let lines = read();
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[0]["written"], "close");
+        assert!(lines[0]["error"].is_null());
+        assert_eq!(lines[1]["count"], 7);
+        // A failure later: its dump goes to the flight directory, and the trace at close has
+        // both calls and the error.
+        r.begin(&call(8));
+        let e = r.note(Error::invalid(3, "all_reduce", "null buffer pointer"));
+        assert_eq!(
+            e.flight_record(),
+            Some(dir.join("flight").join("ipcreduce-flight-tr-rank3.jsonl"))
+        );
+        r.close();
+        let lines = read();
+        assert_eq!(lines.len(), 3);
+        assert!(lines[0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("null buffer pointer"));
+        assert_eq!(lines[2]["state"], "running");
+        // Tracing with no ring is refused.
+        let off = |k: &str| match k {
+            "IPCREDUCE_TRACE" => Some("/tmp".to_string()),
+            "IPCREDUCE_FLIGHT" => Some("0".to_string()),
+            _ => None,
+        };
+        let e = Recorder::from_lookup(off)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains("IPCREDUCE_TRACE"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
     }
 
