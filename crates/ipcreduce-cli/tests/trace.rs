@@ -353,3 +353,75 @@ fn job_id(dir: &Path) -> String {
     let rest = &name["ipcreduce-trace-".len()..];
     rest[..rest.rfind("-rank").unwrap()].to_string()
 }
+
+/// Traces written by hand as a cuda run with `IPCREDUCE_TIMELINE=1` writes them: the device
+/// spans become a second track of each rank, placed on the same clock as the host calls.
+#[test]
+fn device_spans_are_a_track_of_their_own_on_the_host_clock() {
+    let dir = scratch("device");
+    let t0 = 1_700_000_000_000_000_000u64;
+    for rank in 0..2u64 {
+        let mut body = serde_json::json!({
+            "flight_record": 1, "job": "dev", "rank": rank, "world": 2, "host": "h",
+            "pid": 1, "capacity": 8, "calls": 3, "dumped_ns": t0 + 1_000_000_000,
+            "written": "close", "error": null,
+        })
+        .to_string();
+        for seq in 1..=3u64 {
+            // Host call: 10 us from t0 + seq ms (rank 1 starts 2 us later); device span: from
+            // 4 us after the host start, 50 us long; rank 1's call #3 has none (not finished
+            // when the trace was written).
+            let start = t0 + seq * 1_000_000 + rank * 2_000;
+            let dev = !(rank == 1 && seq == 3);
+            body.push('\n');
+            body.push_str(
+                &serde_json::json!({
+                    "seq": seq, "op": "all_reduce", "path": "twoshot", "count": 1 << 20,
+                    "dtype": "bfloat16", "reduce": "sum", "in_place": true, "stream": "0x5a",
+                    "start_ns": start, "end_ns": start + 10_000, "state": "ok",
+                    "dev_start_ns": dev.then_some(start + 4_000),
+                    "dev_end_ns": dev.then_some(start + 54_000),
+                })
+                .to_string(),
+            );
+        }
+        std::fs::write(
+            dir.join(format!("ipcreduce-trace-dev-rank{rank}.jsonl")),
+            body,
+        )
+        .unwrap();
+    }
+    let t = export(&dir, "perfetto");
+    assert_eq!(t["otherData"]["jobs"][0]["zero_ns"], t0 + 1_000_000, "{t}");
+    for rank in 0..2u64 {
+        let named = events(&t).iter().any(|e| {
+            e["ph"] == "M"
+                && e["pid"] == rank
+                && e["tid"] == 2
+                && e["args"]["name"] == "device (stream order)"
+        });
+        assert!(named, "rank {rank}: {t}");
+        let dev: Vec<&Value> = events(&t)
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["pid"] == rank && e["cat"] == "device")
+            .collect();
+        assert_eq!(dev.len(), if rank == 0 { 3 } else { 2 }, "rank {rank}: {t}");
+        for (i, e) in dev.iter().enumerate() {
+            let seq = i as u64 + 1;
+            assert_eq!(e["tid"], 2, "{e}");
+            assert_eq!(e["args"]["seq"], seq, "{e}");
+            assert_eq!(e["name"], "all_reduce 2 MiB twoshot", "{e}");
+            let want_ts = ((seq - 1) * 1_000_000 + rank * 2_000 + 4_000) as f64 / 1e3;
+            assert!((e["ts"].as_f64().unwrap() - want_ts).abs() < 1e-6, "{e}");
+            assert!((e["dur"].as_f64().unwrap() - 50.0).abs() < 1e-6, "{e}");
+            assert!(
+                (e["args"]["queued_us"].as_f64().unwrap() - 4.0).abs() < 1e-6,
+                "{e}"
+            );
+        }
+        let host = slices(&t, rank as usize);
+        assert_eq!(host.len(), 3, "{t}");
+        assert_eq!(host[0]["args"]["stream"], "0x5a", "{t}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

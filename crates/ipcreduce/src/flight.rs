@@ -20,6 +20,12 @@
 //! `IPCREDUCE_TRACE=DIR` also writes the ring when the communicator is closed (dropped), failed
 //! or not, as `ipcreduce-trace-<job>-rank<r>.jsonl` in DIR: the input of `ipcreduce trace
 //! export` for a job that ran to its end.
+//!
+//! `IPCREDUCE_TIMELINE=1` (cuda) adds when each call ran on its stream ([`timeline`]), read
+//! back when the ring is written; `IPCREDUCE_NVTX=1` an NVTX range per call ([`nvtx`]).
+
+pub mod nvtx;
+pub mod timeline;
 
 use crate::backend::SgOp;
 use crate::error::{Error, Result};
@@ -77,6 +83,9 @@ pub struct Entry {
     pub start_ns: u64,
     pub end_ns: u64,
     pub state: State,
+    /// When it ran on its stream (host wall-clock ns; 0: unknown, or no device timeline).
+    pub dev_start_ns: u64,
+    pub dev_end_ns: u64,
 }
 
 impl Entry {
@@ -92,6 +101,8 @@ impl Entry {
         start_ns: 0,
         end_ns: 0,
         state: State::Running,
+        dev_start_ns: 0,
+        dev_end_ns: 0,
     };
 
     /// The entry as one JSON line (no newline).
@@ -109,6 +120,8 @@ impl Entry {
             "start_ns": nonzero(self.start_ns),
             "end_ns": nonzero(self.end_ns),
             "state": self.state.name(),
+            "dev_start_ns": nonzero(self.dev_start_ns),
+            "dev_end_ns": nonzero(self.dev_end_ns),
         })
         .to_string()
     }
@@ -153,6 +166,12 @@ pub struct Recorder {
     trace_dir: Option<PathBuf>,
     /// The first failure's words, for the trace written at close.
     error: Option<String>,
+    /// `IPCREDUCE_TIMELINE=1`: whether a device timeline is wanted, and the timeline once the
+    /// cuda backend is up ([`Recorder::attach_device`]).
+    timeline_wanted: bool,
+    timeline: Option<Box<timeline::Timeline>>,
+    /// `IPCREDUCE_NVTX=1`: a range per call.
+    nvtx: Option<nvtx::Ranges>,
 }
 
 fn now_ns() -> u64 {
@@ -202,6 +221,9 @@ impl Recorder {
             dumped: None,
             trace_dir: None,
             error: None,
+            timeline_wanted: false,
+            timeline: None,
+            nvtx: None,
         }
     }
 
@@ -246,9 +268,36 @@ impl Recorder {
                     .into(),
             ));
         }
+        let timeline_wanted =
+            match get("IPCREDUCE_TIMELINE").as_deref().map(str::trim) {
+                None | Some("0") => false,
+                Some("1") if capacity == 0 => return Err(Error::Config(
+                    "IPCREDUCE_TIMELINE=1 but IPCREDUCE_FLIGHT=0 keeps no calls to time: unset \
+                     one of them"
+                        .into(),
+                )),
+                Some("1") => true,
+                Some(v) => {
+                    return Err(Error::Config(format!(
+                        "IPCREDUCE_TIMELINE={v:?}: expected 1 (record when each call ran on its \
+                     stream) or 0 (off, the default)"
+                    )))
+                }
+            };
         let mut r = Self::new(capacity, get("IPCREDUCE_FLIGHT_DIR").map(PathBuf::from));
         r.times = times;
         r.trace_dir = trace_dir;
+        r.timeline_wanted = timeline_wanted;
+        r.nvtx = match get("IPCREDUCE_NVTX").as_deref().map(str::trim) {
+            None | Some("0") => None,
+            Some("1") => nvtx::load(get("IPCREDUCE_NVTX_LIB").as_deref()).map(nvtx::Ranges::new),
+            Some(v) => {
+                return Err(Error::Config(format!(
+                    "IPCREDUCE_NVTX={v:?}: expected 1 (an NVTX range per call) or 0 (off, the \
+                     default)"
+                )))
+            }
+        };
         Ok(r)
     }
 
@@ -261,10 +310,30 @@ impl Recorder {
         self.ring.len()
     }
 
+    /// The cuda backend is up, its context current on this thread: starts the device timeline
+    /// if `IPCREDUCE_TIMELINE=1` asked for one.
+    pub fn attach_device(&mut self) {
+        if !self.timeline_wanted || self.timeline.is_some() {
+            return;
+        }
+        self.timeline = timeline::Timeline::new(self.ring.len()).map(Box::new);
+        if self.timeline.is_none() {
+            tracing::warn!("IPCREDUCE_TIMELINE=1: no CUDA context current; no device timeline");
+        }
+    }
+
+    /// Whether a device timeline is being recorded.
+    pub fn has_timeline(&self) -> bool {
+        self.timeline.is_some()
+    }
+
     /// Records the start of a call; it becomes the current entry.
     #[inline]
     pub fn begin(&mut self, id: &CallId) {
         self.calls += 1;
+        if let Some(r) = &mut self.nvtx {
+            r.begin(id.op, id.count as u64, id.dtype);
+        }
         let n = self.ring.len();
         if n == 0 {
             return;
@@ -287,7 +356,12 @@ impl Recorder {
             start_ns: if self.times { stamp() } else { 0 },
             end_ns: 0,
             state: State::Running,
+            dev_start_ns: 0,
+            dev_end_ns: 0,
         };
+        if let Some(t) = &mut self.timeline {
+            t.begin(self.calls, id.stream);
+        }
     }
 
     #[inline]
@@ -304,15 +378,24 @@ impl Recorder {
         if let Some(e) = self.current() {
             e.path = Some(path);
         }
+        if let Some(r) = &mut self.nvtx {
+            r.path(path.name());
+        }
     }
 
     /// Records the end of the current call.
     #[inline]
     pub fn end(&mut self, ok: bool) {
+        if let Some(r) = &mut self.nvtx {
+            r.pop();
+        }
         let times = self.times;
-        if let Some(e) = self.current() {
-            e.end_ns = if times { stamp() } else { 0 };
-            e.state = if ok { State::Ok } else { State::Failed };
+        let Some(e) = self.current() else { return };
+        e.end_ns = if times { stamp() } else { 0 };
+        e.state = if ok { State::Ok } else { State::Failed };
+        let (seq, stream) = (e.seq, e.stream);
+        if let Some(t) = &mut self.timeline {
+            t.end(seq, stream as *mut std::ffi::c_void);
         }
     }
 
@@ -368,7 +451,8 @@ impl Recorder {
         let words = error.to_string();
         self.error = Some(words.clone());
         let path = self.file()?;
-        match self.write(&path, Some(&words), "error") {
+        let spans = self.spans();
+        match self.write(&path, Some(&words), "error", &spans) {
             Ok(()) => {
                 self.dumped = Some(path.clone());
                 Some(path)
@@ -397,14 +481,36 @@ impl Recorder {
             return;
         };
         let error = self.error.clone();
-        if let Err(e) = self.write(&path, error.as_deref(), "close") {
+        let spans = self.spans();
+        if let Err(e) = self.write(&path, error.as_deref(), "close", &spans) {
             tracing::warn!("trace: could not write {}: {e}", path.display());
         }
     }
 
+    /// The device spans read back so far (empty without a timeline).
+    fn spans(&mut self) -> std::collections::HashMap<u64, (u64, u64)> {
+        self.timeline
+            .as_mut()
+            .map(|t| t.spans())
+            .unwrap_or_default()
+    }
+
+    /// At the communicator's end, while its context still lives: the trace (above), then the
+    /// timeline's events go.
+    pub fn close_all(&mut self) {
+        self.close();
+        self.timeline = None;
+    }
+
     /// Header line, then the entries oldest first; written beside and renamed, so a reader
     /// never sees half a file. `written`: `error` (the first failure's dump) or `close`.
-    fn write(&self, path: &Path, error: Option<&str>, written: &str) -> std::io::Result<()> {
+    fn write(
+        &self,
+        path: &Path,
+        error: Option<&str>,
+        written: &str,
+        spans: &std::collections::HashMap<u64, (u64, u64)>,
+    ) -> std::io::Result<()> {
         let who = self.who.as_ref().expect("file() checked it");
         let header = serde_json::json!({
             "flight_record": FORMAT_VERSION,
@@ -421,7 +527,10 @@ impl Recorder {
         });
         let mut text = header.to_string();
         text.push('\n');
-        for e in self.entries() {
+        for mut e in self.entries() {
+            if let Some(&(b, d)) = spans.get(&e.seq) {
+                (e.dev_start_ns, e.dev_end_ns) = (b, d);
+            }
             text.push_str(&e.to_json());
             text.push('\n');
         }
