@@ -1,5 +1,9 @@
 //! The library's errors as Python exceptions: one base class, one subclass per kind of failure
-//! a caller may want to catch apart. The message is the library's own (rank, peer, operation).
+//! a caller may want to catch apart. The message is the library's own (rank, peer, operation);
+//! the exception also carries, as attributes, `rank` (the rank that raised it, None where the
+//! error is not a rank's, e.g. configuration), `kind` (the error's kind in one word:
+//! `timeout`, `mismatch`, `aborted`, ...) and `flight_record` (the path of the file where this
+//! rank wrote its last calls, as in the message, or None: see docs/tracing.md).
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -55,11 +59,36 @@ create_exception!(
     "Missing or contradictory configuration (rank variables, IPCREDUCE_* variables)."
 );
 
-/// The Python exception for a library error, carrying the library's message.
+/// The error's kind in one word (the `kind` attribute), and the rank that raised it.
+fn kind_and_rank(e: &ipcreduce::Error) -> (&'static str, Option<usize>) {
+    use ipcreduce::Error as E;
+    match e {
+        E::Config(_) => ("config", None),
+        E::InvalidArgument { rank, .. } => ("invalid_argument", Some(*rank)),
+        E::Bootstrap { rank, .. } => ("bootstrap", Some(*rank)),
+        E::PeerLost { rank, .. } => ("peer_lost", Some(*rank)),
+        E::Timeout { rank, .. } => ("timeout", Some(*rank)),
+        E::Mismatch { rank, .. } => ("mismatch", Some(*rank)),
+        E::Aborted { rank, .. } => ("aborted", Some(*rank)),
+        E::CudaUnavailable(_) => ("cuda_unavailable", None),
+        E::Cuda { rank, .. } => ("cuda", Some(*rank)),
+        E::CudaDriver { rank, .. } => ("cuda_driver", Some(*rank)),
+        E::PeerAccess { rank, .. } => ("peer_access", Some(*rank)),
+        E::Io { .. } => ("io", None),
+        // Whatever later versions add: the message still says it all.
+        #[allow(unreachable_patterns)]
+        _ => ("error", None),
+    }
+}
+
+/// The Python exception for a library error, carrying the library's message and, as
+/// attributes, the rank, the kind and the flight record's path.
 pub fn to_py(e: ipcreduce::Error) -> PyErr {
     use ipcreduce::Error as E;
     let msg = e.to_string();
-    match e {
+    let (kind, rank) = kind_and_rank(&e);
+    let record = e.flight_record();
+    let err = match e {
         E::Timeout { .. } => TimeoutError::new_err(msg),
         E::PeerLost { .. } => PeerLostError::new_err(msg),
         E::Aborted { .. } => AbortedError::new_err(msg),
@@ -69,7 +98,19 @@ pub fn to_py(e: ipcreduce::Error) -> PyErr {
         E::Config(_) => ConfigError::new_err(msg),
         // Bootstrap, CUDA driver, I/O and whatever later versions add.
         _ => Error::new_err(msg),
-    }
+    };
+    Python::attach(|py| {
+        let v = err.value(py);
+        // Setting attributes on a fresh exception instance cannot fail short of memory; the
+        // message alone is still right if it does.
+        let _ = v.setattr("rank", rank);
+        let _ = v.setattr("kind", kind);
+        let _ = v.setattr(
+            "flight_record",
+            record.map(|p| p.to_string_lossy().into_owned()),
+        );
+    });
+    err
 }
 
 /// Adds the exception classes to the module.

@@ -7,13 +7,22 @@
 #   2. dumps: the cuda fault scenarios mismatch-count and kill (4 ranks): every surviving
 #      rank's error must name a flight record, and `ipcreduce trace summarize` on them must
 #      name call #1 and rank 3 -> faults-*.log, summary-*.txt, summary-*.json.
+#   3. trace: a cuda bench at 2 ranks with IPCREDUCE_TRACE and IPCREDUCE_TIMELINE=1, exported
+#      as a Chrome/Perfetto trace with a device track, checked (every rank has host and device
+#      slices, each device span after its host call's start, in order) and summarized ->
+#      trace.json, trace-check.txt, trace-summary.txt (under 150 s: PARTS=trace runs it alone).
+#   The cuda cost rounds include the device timeline on (tl/off); with LIB_TESTS, the
+#   timeline's own host cost per call (flight::timeline's ignored GPU test).
 # Builds nothing: expects target/release/ipcreduce.
-# Usage: scripts/device/flight.sh OUT_DIR   Knobs: ROUNDS=5 BUDGET=540 LIB_TESTS=PATH
+# Usage: scripts/device/flight.sh OUT_DIR
+# Knobs: ROUNDS=5 BUDGET=540 LIB_TESTS=PATH PARTS=cost,dumps,trace
 set -u
 OUT=${1:?usage: flight.sh OUT_DIR}
 BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
 ROUNDS=${ROUNDS:-5}
 BUDGET=${BUDGET:-540}
+PARTS=${PARTS:-cost,dumps,trace}
+part() { case ",$PARTS," in *",$1,"*) return 0 ;; esac; return 1; }
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 SUMMARY="$OUT/summary.txt"
@@ -27,11 +36,13 @@ env_txt "flight recorder: cost (rounds $ROUNDS) and dumps"
 mps_on || exit 1
 status=0
 
-# bench_rounds BACKEND MAXBYTES: ROUNDS rounds of off/on/ids, JSON per run.
+# bench_rounds BACKEND MAXBYTES: ROUNDS rounds of off/on/ids (and tl, the device timeline on,
+# on cuda), JSON per run.
 bench_rounds() {
-  local backend=$1 max=$2 r mode
+  local backend=$1 max=$2 r mode modes="off on ids"
+  [ "$backend" = cuda ] && modes="off on ids tl"
   for r in $(seq 1 "$ROUNDS"); do
-    for mode in off on ids; do
+    for mode in $modes; do
       budget_allows 60 || return 0
       case $mode in
         off) env IPCREDUCE_FLIGHT=0 "$BIN" bench --backend "$backend" --ranks 2 -b 8 -e "$max" -f 8 \
@@ -40,6 +51,8 @@ bench_rounds() {
               -b 8 -e "$max" -f 8 -a oneshot --json "$OUT/bench-$backend-$mode-$r.json" ;;
         ids) env IPCREDUCE_FLIGHT_TIMES=0 "$BIN" bench --backend "$backend" --ranks 2 -b 8 -e "$max" -f 8 \
                -a oneshot --json "$OUT/bench-$backend-$mode-$r.json" ;;
+        tl) env -u IPCREDUCE_FLIGHT IPCREDUCE_TIMELINE=1 "$BIN" bench --backend "$backend" --ranks 2 \
+              -b 8 -e "$max" -f 8 -a oneshot --json "$OUT/bench-$backend-$mode-$r.json" ;;
       esac >>"$OUT/bench-$backend.log" 2>&1 || echo "bench $backend $mode round $r failed"
     done
   done
@@ -51,21 +64,25 @@ ratios() {
 import glob, json, statistics, sys
 out, backend = sys.argv[1], sys.argv[2]
 times = {}
-for mode in ("off", "on", "ids"):
+MODES = ("off", "on", "ids", "tl")
+for mode in MODES:
     for f in sorted(glob.glob(f"{out}/bench-{backend}-{mode}-*.json")):
         for row in json.load(open(f))["rows"]:
             times.setdefault((row["bytes"], mode), []).append(row["time_us"])
 sizes = sorted({b for b, _ in times})
 if not sizes:
     sys.exit("no bench rows")
-print(f"{backend}: median over rounds of the time per call (us); on/off and ids/off")
-print(f"{'bytes':>9} {'off':>9} {'on':>9} {'ids':>9} {'on/off':>7} {'ids/off':>7} rounds")
+print(f"{backend}: median over rounds of the time per call (us); on/off, ids/off, tl/off "
+      "(tl: the device timeline on)")
+print(f"{'bytes':>9} {'off':>9} {'on':>9} {'ids':>9} {'tl':>9} {'on/off':>7} {'ids/off':>7} "
+      f"{'tl/off':>7} rounds")
 for b in sizes:
-    med = {m: statistics.median(times[(b, m)]) for m in ("off", "on", "ids") if (b, m) in times}
+    med = {m: statistics.median(times[(b, m)]) for m in MODES if (b, m) in times}
     off = med.get("off")
     r = lambda m: f"{med[m] / off:7.3f}" if off and m in med else "      -"
     cell = lambda m: f"{med[m]:9.2f}" if m in med else "        -"
-    print(f"{b:>9} {cell('off')} {cell('on')} {cell('ids')} {r('on')} {r('ids')} {len(times.get((b, 'off'), []))}")
+    print(f"{b:>9} {cell('off')} {cell('on')} {cell('ids')} {cell('tl')} {r('on')} {r('ids')} "
+          f"{r('tl')} {len(times.get((b, 'off'), []))}")
 EOF
 }
 
@@ -74,13 +91,22 @@ EOF
 # --no-run prints its path).
 if [ -n "${LIB_TESTS:-}" ] && [ -x "$LIB_TESTS" ]; then
   "$LIB_TESTS" flight::tests::cost --ignored --nocapture 2>&1 | grep "ns per call" | tee "$OUT/cost-recorder.txt"
+  # The device timeline on a GPU: its spans checked, and its host cost per call on and off.
+  if timeout 60 "$LIB_TESTS" flight::timeline --ignored --nocapture >"$OUT/timeline-unit.log" 2>&1; then
+    echo "PASS timeline unit: $(grep 'ns per call' "$OUT/timeline-unit.log")" | tee -a "$SUMMARY"
+  else
+    echo "FAIL timeline unit: $(grep -E 'panicked|FAIL' "$OUT/timeline-unit.log" | head -n 2)" | tee -a "$SUMMARY"
+    status=1
+  fi
 fi
-echo "== [$SECONDS s] cost: host backend"
-bench_rounds host 64K
-ratios host | tee "$OUT/cost-host.txt"
-echo "== [$SECONDS s] cost: cuda backend"
-bench_rounds cuda 1M
-ratios cuda | tee "$OUT/cost-cuda.txt"
+if part cost; then
+  echo "== [$SECONDS s] cost: host backend"
+  bench_rounds host 64K
+  ratios host | tee "$OUT/cost-host.txt"
+  echo "== [$SECONDS s] cost: cuda backend"
+  bench_rounds cuda 1M
+  ratios cuda | tee "$OUT/cost-cuda.txt"
+fi
 
 # dumps SCENARIO SURVIVORS: the fault scenario with flight records into OUT/flight-SCENARIO.
 dumps() {
@@ -102,8 +128,35 @@ dumps() {
   fi
   sed -n 1,8p "$OUT/summary-$scenario.txt"
 }
-dumps mismatch-count 4
-dumps kill 3
+if part dumps; then
+  dumps mismatch-count 4
+  dumps kill 3
+fi
+
+# trace: a whole cuda bench traced with its device timeline, exported and checked.
+trace_run() {
+  local dir="$OUT/trace"
+  rm -rf "$dir"; mkdir -p "$dir"
+  budget_fits 120 40 || { echo "SKIP trace: out of time" | tee -a "$SUMMARY"; status=1; return; }
+  echo "== [$SECONDS s] trace: cuda bench, 2 ranks, IPCREDUCE_TRACE + IPCREDUCE_TIMELINE=1"
+  IPCREDUCE_TRACE=$dir IPCREDUCE_TIMELINE=1 IPCREDUCE_FLIGHT=4096 timeout "$T" "$BIN" bench \
+    --backend cuda --ranks 2 -b 8 -e 16M -f 4 -a auto,oneshot,twoshot -n 10 -w 3 \
+    --json "$OUT/trace-bench.json" >"$OUT/trace-bench.log" 2>&1 \
+    || echo "trace bench failed (exit $?): $(tail -n 2 "$OUT/trace-bench.log")"
+  ls "$dir" >"$OUT/trace-files.txt"
+  "$BIN" trace export --format perfetto -o "$OUT/trace.json" "$dir" >"$OUT/trace-export.log" 2>&1
+  "$BIN" trace summarize "$dir" >"$OUT/trace-summary.txt" 2>&1
+  "$BIN" trace summarize --json "$dir" >"$OUT/trace-summary.json" 2>&1
+  if python3 "$(dirname "$0")/lib/trace_check.py" "$OUT/trace.json" >"$OUT/trace-check.txt" 2>&1; then
+    echo "PASS trace: $(head -n 1 "$OUT/trace-check.txt"); trace.json opens in Perfetto" | tee -a "$SUMMARY"
+  else
+    echo "FAIL trace: $(head -n 2 "$OUT/trace-check.txt" | tr '\n' ' ')" | tee -a "$SUMMARY"
+    status=1
+  fi
+  cat "$OUT/trace-check.txt"
+  sed -n 1,12p "$OUT/trace-summary.txt"
+}
+part trace && trace_run
 
 cat "$SUMMARY"
 exit $status

@@ -2,7 +2,9 @@
 //! wrote when a call failed (see `ipcreduce::flight` and docs/tracing.md) and says where they
 //! diverged: the first call a rank never made or made differently, else the first call that
 //! failed; which rank arrived last there, and which ranks arrived last most often.
+//! `ipcreduce trace export` turns the same files into a Chrome / Perfetto trace (export.rs).
 
+mod export;
 mod records;
 
 use records::{files, load, Dump, Ident, Rec};
@@ -27,6 +29,19 @@ pub enum TraceCmd {
         /// Print the summary as JSON instead of text.
         #[arg(long)]
         json: bool,
+    },
+    /// Write the ranks' records (flight records, or traces of IPCREDUCE_TRACE) as one
+    /// trace-event JSON file that Perfetto and chrome://tracing open: one track per rank.
+    Export {
+        /// Flight-record or trace files, or directories holding them.
+        #[arg(required = true)]
+        inputs: Vec<PathBuf>,
+        /// `chrome` or `perfetto`: the same trace-event JSON (Perfetto reads Chrome's format).
+        #[arg(long, default_value = "chrome", value_parser = ["chrome", "perfetto"])]
+        format: String,
+        /// Where to write it; `-` (the default): standard output.
+        #[arg(short, long, default_value = "-")]
+        output: PathBuf,
     },
 }
 
@@ -94,15 +109,23 @@ struct JobSummary {
     divergence: Option<Divergence>,
     /// Times: only when every record comes from one host (one wall clock).
     last_arrival: Option<Arrival>,
+    /// The call whose last rank came latest after the first, over every call compared.
+    latest_arrival: Option<Arrival>,
     stragglers: Vec<Straggler>,
     same_host: bool,
     errors: Vec<RankError>,
 }
 
-fn summarize_job(mut dumps: Vec<Dump>) -> JobSummary {
-    // The same rank twice (the job id reused): its latest dump.
+/// One dump per rank, in rank order: of the same rank twice (a failure's dump and the trace
+/// at close, or the job id reused), the latest.
+fn latest_per_rank(mut dumps: Vec<Dump>) -> Vec<Dump> {
     dumps.sort_by_key(|d| (d.header.rank, std::cmp::Reverse(d.header.dumped_ns)));
     dumps.dedup_by_key(|d| d.header.rank);
+    dumps
+}
+
+fn summarize_job(dumps: Vec<Dump>) -> JobSummary {
+    let dumps = latest_per_rank(dumps);
     let world = dumps.iter().map(|d| d.header.world).max().unwrap_or(0);
     let ranks: Vec<usize> = dumps.iter().map(|d| d.header.rank).collect();
     let missing: Vec<usize> = (0..world).filter(|r| !ranks.contains(r)).collect();
@@ -113,14 +136,16 @@ fn summarize_job(mut dumps: Vec<Dump>) -> JobSummary {
     let same_host = dumps
         .windows(2)
         .all(|w| w[0].header.host == w[1].header.host);
+    // Traces written at close after a run with no failure have no last call to blame.
+    let failed = dumps.iter().any(|d| d.header.error.is_some());
     let mut divergence = None;
     for seq in first_seq..=last_seq {
-        if let Some(d) = diverges_at(&dumps, &missing, seq, seq == last_seq) {
+        if let Some(d) = diverges_at(&dumps, &missing, seq, failed && seq == last_seq) {
             divergence = Some(d);
             break;
         }
     }
-    let (last_arrival, stragglers) = if same_host {
+    let (last_arrival, latest_arrival, stragglers) = if same_host {
         arrivals(
             &dumps,
             first_seq,
@@ -128,7 +153,7 @@ fn summarize_job(mut dumps: Vec<Dump>) -> JobSummary {
             divergence.as_ref().map(|d| d.seq),
         )
     } else {
-        (None, Vec::new())
+        (None, None, Vec::new())
     };
     JobSummary {
         job: dumps[0].header.job.clone(),
@@ -139,14 +164,17 @@ fn summarize_job(mut dumps: Vec<Dump>) -> JobSummary {
         last_seq,
         divergence,
         last_arrival,
+        latest_arrival,
         stragglers,
         same_host,
         errors: dumps
             .iter()
-            .map(|d| RankError {
-                rank: d.header.rank,
-                file: d.file.clone(),
-                error: d.header.error.clone(),
+            .filter_map(|d| {
+                Some(RankError {
+                    rank: d.header.rank,
+                    file: d.file.clone(),
+                    error: d.header.error.clone()?,
+                })
             })
             .collect(),
     }
@@ -232,39 +260,47 @@ fn diverges_at(dumps: &[Dump], missing: &[usize], seq: u64, last: bool) -> Optio
     })
 }
 
-/// Who started call `at` last (the divergence, else the last call), and per rank how often it
-/// was the last to start a call and how late on average, over every call all ranks made.
+/// Who began call `seq` last and how long after the first rank, from every rank's host start
+/// time (None unless every rank recorded one).
+fn arrival(dumps: &[Dump], seq: u64) -> Option<Arrival> {
+    let starts: Vec<(usize, u64)> = dumps
+        .iter()
+        .map(|d| Some((d.header.rank, d.recs.get(&seq)?.start_ns?)))
+        .collect::<Option<_>>()?;
+    if starts.len() < 2 {
+        return None;
+    }
+    let (first_rank, t0) = *starts.iter().min_by_key(|(r, t)| (*t, *r))?;
+    let (rank, t1) = *starts
+        .iter()
+        .max_by_key(|(r, t)| (*t, std::cmp::Reverse(*r)))?;
+    Some(Arrival {
+        seq,
+        rank,
+        first_rank,
+        after_us: (t1 - t0) as f64 / 1e3,
+    })
+}
+
+/// Who started call `at` last (the divergence, else the last call), the call whose last rank
+/// came latest, and per rank how often it was the last to start a call and how late on
+/// average, over every call all ranks made.
 fn arrivals(
     dumps: &[Dump],
     first: u64,
     last: u64,
     at: Option<u64>,
-) -> (Option<Arrival>, Vec<Straggler>) {
-    let arrival = |seq: u64| -> Option<Arrival> {
-        let starts: Vec<(usize, u64)> = dumps
-            .iter()
-            .map(|d| Some((d.header.rank, d.recs.get(&seq)?.start_ns?)))
-            .collect::<Option<_>>()?;
-        if starts.len() < 2 {
-            return None;
-        }
-        let (first_rank, t0) = *starts.iter().min_by_key(|(r, t)| (*t, *r))?;
-        let (rank, t1) = *starts
-            .iter()
-            .max_by_key(|(r, t)| (*t, std::cmp::Reverse(*r)))?;
-        Some(Arrival {
-            seq,
-            rank,
-            first_rank,
-            after_us: (t1 - t0) as f64 / 1e3,
-        })
-    };
+) -> (Option<Arrival>, Option<Arrival>, Vec<Straggler>) {
     let mut per: BTreeMap<usize, (usize, f64)> = BTreeMap::new();
+    let mut latest: Option<Arrival> = None;
     for seq in first..=last {
-        if let Some(a) = arrival(seq) {
+        if let Some(a) = arrival(dumps, seq) {
             let e = per.entry(a.rank).or_default();
             e.0 += 1;
             e.1 += a.after_us;
+            if latest.as_ref().is_none_or(|l| a.after_us > l.after_us) {
+                latest = Some(a);
+            }
         }
     }
     let mut stragglers: Vec<Straggler> = per
@@ -276,7 +312,7 @@ fn arrivals(
         })
         .collect();
     stragglers.sort_by_key(|s| (std::cmp::Reverse(s.last_in), s.rank));
-    (arrival(at.unwrap_or(last)), stragglers)
+    (arrival(dumps, at.unwrap_or(last)), latest, stragglers)
 }
 
 fn list(ranks: &[usize]) -> String {
@@ -307,8 +343,15 @@ fn text(s: &JobSummary) -> String {
     }
     let _ = writeln!(o, "calls #{}-#{} compared", s.first_seq, s.last_seq);
     match &s.divergence {
-        None => {
+        None if s.last_seq == 0 => {
             let _ = writeln!(o, "no call recorded on any rank");
+        }
+        None => {
+            let _ = writeln!(
+                o,
+                "no divergence: every rank made calls #{}-#{} alike and none failed",
+                s.first_seq, s.last_seq
+            );
         }
         Some(d) => {
             let what = match d.kind {
@@ -361,6 +404,13 @@ fn text(s: &JobSummary) -> String {
         }
         None => {}
     }
+    if let Some(a) = &s.latest_arrival {
+        let _ = writeln!(
+            o,
+            "latest arrival: #{}: rank {}, {:.1} us after rank {}",
+            a.seq, a.rank, a.after_us, a.first_rank
+        );
+    }
     if !s.stragglers.is_empty() {
         let parts: Vec<String> = s
             .stragglers
@@ -374,19 +424,29 @@ fn text(s: &JobSummary) -> String {
             .collect();
         let _ = writeln!(o, "last to arrive, per call: {}", parts.join("; "));
     }
-    let _ = writeln!(o, "errors:");
+    if s.errors.is_empty() {
+        let _ = writeln!(o, "errors: none");
+    } else {
+        let _ = writeln!(o, "errors:");
+    }
     for e in &s.errors {
         let _ = writeln!(o, "  {}", e.error);
     }
     o
 }
 
-fn summarize(inputs: &[PathBuf], json: bool) -> Result<String, String> {
+/// The records in `inputs`, grouped by job.
+fn jobs(inputs: &[PathBuf]) -> Result<BTreeMap<String, Vec<Dump>>, String> {
     let mut jobs: BTreeMap<String, Vec<Dump>> = BTreeMap::new();
     for f in files(inputs)? {
         let d = load(&f)?;
         jobs.entry(d.header.job.clone()).or_default().push(d);
     }
+    Ok(jobs)
+}
+
+fn summarize(inputs: &[PathBuf], json: bool) -> Result<String, String> {
+    let jobs = jobs(inputs)?;
     let summaries: Vec<JobSummary> = jobs.into_values().map(summarize_job).collect();
     if json {
         let v = serde_json::json!({ "jobs": summaries });
@@ -397,6 +457,17 @@ fn summarize(inputs: &[PathBuf], json: bool) -> Result<String, String> {
 
 pub fn run(args: TraceArgs) -> i32 {
     match args.what {
+        TraceCmd::Export {
+            inputs,
+            format,
+            output,
+        } => match export::run(&inputs, &format, &output) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("error: {e}");
+                1
+            }
+        },
         TraceCmd::Summarize { inputs, json } => match summarize(&inputs, json) {
             Ok(out) => {
                 print!("{out}");

@@ -62,6 +62,10 @@ impl Communicator {
             ),
             BackendKind::Cuda => Box::new(backend::cuda::CudaComm::new(&mut boot, &config)?),
         };
+        if kind == BackendKind::Cuda {
+            // Its context is current on this thread now.
+            flight.attach_device();
+        }
         // The tuning hook: every rank uses rank 0's measured table.
         let tune = crate::tune::agree(&mut boot, kind, backend.device())?;
         backend.use_tuning(&tune);
@@ -554,7 +558,8 @@ impl Communicator {
             dtype: c.dtype,
             reduce: c.op,
             in_place: c.send == c.recv,
-            stream: std::ptr::null_mut(),
+            // The stream it runs on (the device timeline records its events there).
+            stream: self.backend.own_stream().unwrap_or(std::ptr::null_mut()),
         });
         self.flight.path(c.algo);
         let r = self.test_buffers().run(&c);
@@ -607,6 +612,9 @@ impl Drop for Communicator {
         // Collective and bounded (see the backends' `leave`); then the backend's memory goes,
         // then the connections (field order).
         self.backend.leave(&mut self.boot);
+        // After the leave, so that peers are not kept waiting for a file write; before the
+        // backend's context goes (field order), which the device timeline's events belong to.
+        self.flight.close_all();
     }
 }
 

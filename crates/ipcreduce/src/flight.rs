@@ -16,6 +16,16 @@
 //! recording and dumps off). The file goes to `IPCREDUCE_FLIGHT_DIR` (which `ipcreduce launch
 //! --log-dir DIR` sets to DIR for its ranks), else the temp directory, and is named after the
 //! job id and the rank: `ipcreduce-flight-<job>-rank<r>.jsonl`.
+//!
+//! `IPCREDUCE_TRACE=DIR` also writes the ring when the communicator is closed (dropped), failed
+//! or not, as `ipcreduce-trace-<job>-rank<r>.jsonl` in DIR: the input of `ipcreduce trace
+//! export` for a job that ran to its end.
+//!
+//! `IPCREDUCE_TIMELINE=1` (cuda) adds when each call ran on its stream ([`timeline`]), read
+//! back when the ring is written; `IPCREDUCE_NVTX=1` an NVTX range per call ([`nvtx`]).
+
+pub mod nvtx;
+pub mod timeline;
 
 use crate::backend::SgOp;
 use crate::error::{Error, Result};
@@ -73,6 +83,9 @@ pub struct Entry {
     pub start_ns: u64,
     pub end_ns: u64,
     pub state: State,
+    /// When it ran on its stream (host wall-clock ns; 0: unknown, or no device timeline).
+    pub dev_start_ns: u64,
+    pub dev_end_ns: u64,
 }
 
 impl Entry {
@@ -88,6 +101,8 @@ impl Entry {
         start_ns: 0,
         end_ns: 0,
         state: State::Running,
+        dev_start_ns: 0,
+        dev_end_ns: 0,
     };
 
     /// The entry as one JSON line (no newline).
@@ -105,6 +120,8 @@ impl Entry {
             "start_ns": nonzero(self.start_ns),
             "end_ns": nonzero(self.end_ns),
             "state": self.state.name(),
+            "dev_start_ns": nonzero(self.dev_start_ns),
+            "dev_end_ns": nonzero(self.dev_end_ns),
         })
         .to_string()
     }
@@ -145,6 +162,16 @@ pub struct Recorder {
     dir: Option<PathBuf>,
     /// The file written at the first failure; later failures name it again.
     dumped: Option<PathBuf>,
+    /// `IPCREDUCE_TRACE`: where the ring goes at close.
+    trace_dir: Option<PathBuf>,
+    /// The first failure's words, for the trace written at close.
+    error: Option<String>,
+    /// `IPCREDUCE_TIMELINE=1`: whether a device timeline is wanted, and the timeline once the
+    /// cuda backend is up ([`Recorder::attach_device`]).
+    timeline_wanted: bool,
+    timeline: Option<Box<timeline::Timeline>>,
+    /// `IPCREDUCE_NVTX=1`: a range per call.
+    nvtx: Option<nvtx::Ranges>,
 }
 
 fn now_ns() -> u64 {
@@ -192,6 +219,11 @@ impl Recorder {
             who: None,
             dir,
             dumped: None,
+            trace_dir: None,
+            error: None,
+            timeline_wanted: false,
+            timeline: None,
+            nvtx: None,
         }
     }
 
@@ -228,8 +260,44 @@ impl Recorder {
                 )))
             }
         };
+        let trace_dir = get("IPCREDUCE_TRACE").map(PathBuf::from);
+        if trace_dir.is_some() && capacity == 0 {
+            return Err(Error::Config(
+                "IPCREDUCE_TRACE is set but IPCREDUCE_FLIGHT=0 keeps no calls to trace: unset \
+                 one of them"
+                    .into(),
+            ));
+        }
+        let timeline_wanted =
+            match get("IPCREDUCE_TIMELINE").as_deref().map(str::trim) {
+                None | Some("0") => false,
+                Some("1") if capacity == 0 => return Err(Error::Config(
+                    "IPCREDUCE_TIMELINE=1 but IPCREDUCE_FLIGHT=0 keeps no calls to time: unset \
+                     one of them"
+                        .into(),
+                )),
+                Some("1") => true,
+                Some(v) => {
+                    return Err(Error::Config(format!(
+                        "IPCREDUCE_TIMELINE={v:?}: expected 1 (record when each call ran on its \
+                     stream) or 0 (off, the default)"
+                    )))
+                }
+            };
         let mut r = Self::new(capacity, get("IPCREDUCE_FLIGHT_DIR").map(PathBuf::from));
         r.times = times;
+        r.trace_dir = trace_dir;
+        r.timeline_wanted = timeline_wanted;
+        r.nvtx = match get("IPCREDUCE_NVTX").as_deref().map(str::trim) {
+            None | Some("0") => None,
+            Some("1") => nvtx::load(get("IPCREDUCE_NVTX_LIB").as_deref()).map(nvtx::Ranges::new),
+            Some(v) => {
+                return Err(Error::Config(format!(
+                    "IPCREDUCE_NVTX={v:?}: expected 1 (an NVTX range per call) or 0 (off, the \
+                     default)"
+                )))
+            }
+        };
         Ok(r)
     }
 
@@ -242,10 +310,30 @@ impl Recorder {
         self.ring.len()
     }
 
+    /// The cuda backend is up, its context current on this thread: starts the device timeline
+    /// if `IPCREDUCE_TIMELINE=1` asked for one.
+    pub fn attach_device(&mut self) {
+        if !self.timeline_wanted || self.timeline.is_some() {
+            return;
+        }
+        self.timeline = timeline::Timeline::new(self.ring.len()).map(Box::new);
+        if self.timeline.is_none() {
+            tracing::warn!("IPCREDUCE_TIMELINE=1: no CUDA context current; no device timeline");
+        }
+    }
+
+    /// Whether a device timeline is being recorded.
+    pub fn has_timeline(&self) -> bool {
+        self.timeline.is_some()
+    }
+
     /// Records the start of a call; it becomes the current entry.
     #[inline]
     pub fn begin(&mut self, id: &CallId) {
         self.calls += 1;
+        if let Some(r) = &mut self.nvtx {
+            r.begin(id.op, id.count as u64, id.dtype);
+        }
         let n = self.ring.len();
         if n == 0 {
             return;
@@ -268,7 +356,12 @@ impl Recorder {
             start_ns: if self.times { stamp() } else { 0 },
             end_ns: 0,
             state: State::Running,
+            dev_start_ns: 0,
+            dev_end_ns: 0,
         };
+        if let Some(t) = &mut self.timeline {
+            t.begin(self.calls, id.stream);
+        }
     }
 
     #[inline]
@@ -285,15 +378,24 @@ impl Recorder {
         if let Some(e) = self.current() {
             e.path = Some(path);
         }
+        if let Some(r) = &mut self.nvtx {
+            r.path(path.name());
+        }
     }
 
     /// Records the end of the current call.
     #[inline]
     pub fn end(&mut self, ok: bool) {
+        if let Some(r) = &mut self.nvtx {
+            r.pop();
+        }
         let times = self.times;
-        if let Some(e) = self.current() {
-            e.end_ns = if times { stamp() } else { 0 };
-            e.state = if ok { State::Ok } else { State::Failed };
+        let Some(e) = self.current() else { return };
+        e.end_ns = if times { stamp() } else { 0 };
+        e.state = if ok { State::Ok } else { State::Failed };
+        let (seq, stream) = (e.seq, e.stream);
+        if let Some(t) = &mut self.timeline {
+            t.end(seq, stream as *mut std::ffi::c_void);
         }
     }
 
@@ -346,8 +448,11 @@ impl Recorder {
         if self.ring.is_empty() {
             return None;
         }
+        let words = error.to_string();
+        self.error = Some(words.clone());
         let path = self.file()?;
-        match self.write(&path, error) {
+        let spans = self.spans();
+        match self.write(&path, Some(&words), "error", &spans) {
             Ok(()) => {
                 self.dumped = Some(path.clone());
                 Some(path)
@@ -359,9 +464,53 @@ impl Recorder {
         }
     }
 
+    /// Where the trace goes at close (`IPCREDUCE_TRACE`), if it is on.
+    pub fn trace_file(&self) -> Option<PathBuf> {
+        let who = self.who.as_ref()?;
+        let dir = self.trace_dir.as_ref()?;
+        Some(dir.join(format!(
+            "ipcreduce-trace-{}-rank{}.jsonl",
+            who.job, who.rank
+        )))
+    }
+
+    /// At close: with `IPCREDUCE_TRACE` set, writes the ring (and the first failure, if any)
+    /// into its directory; a write that fails is a warning, never an error of the close.
+    pub fn close(&mut self) {
+        let Some(path) = self.trace_file() else {
+            return;
+        };
+        let error = self.error.clone();
+        let spans = self.spans();
+        if let Err(e) = self.write(&path, error.as_deref(), "close", &spans) {
+            tracing::warn!("trace: could not write {}: {e}", path.display());
+        }
+    }
+
+    /// The device spans read back so far (empty without a timeline).
+    fn spans(&mut self) -> std::collections::HashMap<u64, (u64, u64)> {
+        self.timeline
+            .as_mut()
+            .map(|t| t.spans())
+            .unwrap_or_default()
+    }
+
+    /// At the communicator's end, while its context still lives: the trace (above), then the
+    /// timeline's events go.
+    pub fn close_all(&mut self) {
+        self.close();
+        self.timeline = None;
+    }
+
     /// Header line, then the entries oldest first; written beside and renamed, so a reader
-    /// never sees half a file.
-    fn write(&self, path: &Path, error: &Error) -> std::io::Result<()> {
+    /// never sees half a file. `written`: `error` (the first failure's dump) or `close`.
+    fn write(
+        &self,
+        path: &Path,
+        error: Option<&str>,
+        written: &str,
+        spans: &std::collections::HashMap<u64, (u64, u64)>,
+    ) -> std::io::Result<()> {
         let who = self.who.as_ref().expect("file() checked it");
         let header = serde_json::json!({
             "flight_record": FORMAT_VERSION,
@@ -373,11 +522,15 @@ impl Recorder {
             "capacity": self.ring.len(),
             "calls": self.calls,
             "dumped_ns": now_ns(),
-            "error": error.to_string(),
+            "written": written,
+            "error": error,
         });
         let mut text = header.to_string();
         text.push('\n');
-        for e in self.entries() {
+        for mut e in self.entries() {
+            if let Some(&(b, d)) = spans.get(&e.seq) {
+                (e.dev_start_ns, e.dev_end_ns) = (b, d);
+            }
             text.push_str(&e.to_json());
             text.push('\n');
         }
@@ -521,6 +674,62 @@ mod tests {
             1,
             "{again}"
         );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn the_trace_is_written_at_close_with_the_first_failure() {
+        let dir = std::env::temp_dir().join(format!("ipcreduce-trace-unit-{}", std::process::id()));
+        let get = |k: &str| match k {
+            "IPCREDUCE_TRACE" => Some(dir.display().to_string()),
+            "IPCREDUCE_FLIGHT_DIR" => Some(dir.join("flight").display().to_string()),
+            _ => None,
+        };
+        let mut r = Recorder::from_lookup(get).unwrap();
+        r.identify(who("tr"));
+        r.begin(&call(7));
+        r.end(true);
+        r.close();
+        let file = dir.join("ipcreduce-trace-tr-rank3.jsonl");
+        let read = || -> Vec<serde_json::Value> {
+            std::fs::read_to_string(&file)
+                .unwrap()
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect()
+        };
+        let lines = read();
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[0]["written"], "close");
+        assert!(lines[0]["error"].is_null());
+        assert_eq!(lines[1]["count"], 7);
+        // A failure later: its dump goes to the flight directory, and the trace at close has
+        // both calls and the error.
+        r.begin(&call(8));
+        let e = r.note(Error::invalid(3, "all_reduce", "null buffer pointer"));
+        assert_eq!(
+            e.flight_record(),
+            Some(dir.join("flight").join("ipcreduce-flight-tr-rank3.jsonl"))
+        );
+        r.close();
+        let lines = read();
+        assert_eq!(lines.len(), 3);
+        assert!(lines[0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("null buffer pointer"));
+        assert_eq!(lines[2]["state"], "running");
+        // Tracing with no ring is refused.
+        let off = |k: &str| match k {
+            "IPCREDUCE_TRACE" => Some("/tmp".to_string()),
+            "IPCREDUCE_FLIGHT" => Some("0".to_string()),
+            _ => None,
+        };
+        let e = Recorder::from_lookup(off)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains("IPCREDUCE_TRACE"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
     }
 

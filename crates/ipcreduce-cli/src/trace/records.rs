@@ -1,5 +1,5 @@
-//! Reading flight records: the files (or the directories holding them) and their lines, and
-//! what two ranks' records of one call must agree on.
+//! Reading flight records and traces: the files (or the directories holding them) and their
+//! lines, and what two ranks' records of one call must agree on.
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -14,7 +14,9 @@ pub(super) struct Header {
     pub world: usize,
     pub host: String,
     pub dumped_ns: u64,
-    pub error: String,
+    /// The first failure; None in a trace written at close after calls that all went well.
+    #[serde(default)]
+    pub error: Option<String>,
 }
 
 /// One recorded call.
@@ -27,8 +29,17 @@ pub(super) struct Rec {
     pub dtype: String,
     pub reduce: String,
     pub in_place: bool,
+    #[serde(default)]
+    pub stream: Option<String>,
     pub start_ns: Option<u64>,
+    #[serde(default)]
+    pub end_ns: Option<u64>,
     pub state: String,
+    /// When the call ran on its stream (cuda, `IPCREDUCE_TIMELINE=1`), host wall-clock ns.
+    #[serde(default)]
+    pub dev_start_ns: Option<u64>,
+    #[serde(default)]
+    pub dev_end_ns: Option<u64>,
 }
 
 /// What ranks must agree on: everything but the times and the stream.
@@ -126,7 +137,8 @@ pub(super) fn load(file: &Path) -> Result<Dump, String> {
     })
 }
 
-/// The files named, and in the directories named those called `ipcreduce-flight-*.jsonl`.
+/// The files named, and in the directories named those called `ipcreduce-flight-*.jsonl`
+/// (written at a failure) or `ipcreduce-trace-*.jsonl` (written at close, `IPCREDUCE_TRACE`).
 pub(super) fn files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>, String> {
     let mut out = Vec::new();
     for p in inputs {
@@ -136,7 +148,8 @@ pub(super) fn files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>, String> {
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|f| {
                     f.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
-                        n.starts_with("ipcreduce-flight-") && n.ends_with(".jsonl")
+                        (n.starts_with("ipcreduce-flight-") || n.starts_with("ipcreduce-trace-"))
+                            && n.ends_with(".jsonl")
                     })
                 })
                 .collect();
@@ -148,7 +161,7 @@ pub(super) fn files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>, String> {
     }
     if out.is_empty() {
         return Err(format!(
-            "no flight records (ipcreduce-flight-*.jsonl) in {}",
+            "no flight records or traces (ipcreduce-flight-*.jsonl, ipcreduce-trace-*.jsonl) in {}",
             inputs
                 .iter()
                 .map(|p| p.display().to_string())

@@ -1,0 +1,42 @@
+"""Checks a trace written by `ipcreduce trace export` of a cuda run with IPCREDUCE_TIMELINE=1
+(used by scripts/device/flight.sh): two ranks, each with host call slices and device slices,
+each device span starting no earlier than its host call (the call enqueues it) and the device
+spans in order; prints per slice name of rank 0 the median host and device time.
+Usage: python3 trace_check.py TRACE.json   (exit 0: PASS)"""
+
+import collections
+import json
+import statistics
+import sys
+
+t = json.load(open(sys.argv[1]))
+host = collections.defaultdict(list)
+dev = collections.defaultdict(list)
+for e in t["traceEvents"]:
+    if e.get("ph") == "X":
+        (host if e["cat"] == "call" else dev)[e["pid"]].append(e)
+ranks = sorted(host)
+ok = len(ranks) == 2 and all(dev.get(p) for p in ranks)
+print(f"ranks {ranks}: host slices {[len(host[p]) for p in ranks]}, "
+      f"device slices {[len(dev.get(p, [])) for p in ranks]}")
+for p in ranks:
+    start = {e["args"]["seq"]: e["ts"] for e in host[p]}
+    d = dev.get(p, [])
+    # 5 us of slack: the anchor that puts device times on the host clock is that close.
+    early = [e for e in d if e["ts"] + 5 < start.get(e["args"]["seq"], float("-inf"))]
+    ordered = all(a["ts"] <= b["ts"] + 1 for a, b in zip(d, d[1:]))
+    if early or not ordered:
+        ok = False
+        print(f"rank {p}: {len(early)} device spans before their host call; in order: {ordered}")
+names = collections.defaultdict(lambda: ([], []))
+for e in host.get(0, []):
+    names[e["name"]][0].append(e["dur"])
+for e in dev.get(0, []):
+    names[e["name"]][1].append(e["dur"])
+print(f"{'rank 0 call':<34} {'n':>5} {'host us':>9} {'device us':>10}")
+for n, (h, d) in sorted(names.items(), key=lambda kv: -len(kv[1][0]))[:24]:
+    def med(v):
+        return f"{statistics.median(v):.2f}" if v else "-"
+    print(f"{n:<34} {len(h):>5} {med(h):>9} {med(d):>10}")
+print("PASS" if ok else "FAIL")
+sys.exit(0 if ok else 1)
