@@ -1,8 +1,11 @@
 //! The collectives ipcreduce runs.
 //!
 //! A call is ours when its communicator is accelerated, the element type and operator are
-//! ipcreduce's, the stream is a real one (NCCL's null stream is the legacy default stream) and
-//! the arguments pass the checks NCCL would make; inside a group, only when it is the group's
+//! ipcreduce's and the arguments pass the checks NCCL would make; any stream will do, the
+//! legacy default stream (handle 0 or `cudaStreamLegacy`) and the per-thread one
+//! (`cudaStreamPerThread`) included: the kernel is launched on that same handle, so it keeps
+//! the stream's CUDA semantics (the legacy stream waits for, and is waited for by, every
+//! blocking stream of the context), as NCCL's own kernel would; inside a group, only when it is the group's
 //! one call (see [`crate::group`]). Each rule depends on the call alone, so every rank takes
 //! the same path for the same call. A refused argument is forwarded, so that the caller gets
 //! NCCL's own error for it.
@@ -66,9 +69,6 @@ fn check(
     };
     if call.count == 0 {
         return Err("count 0");
-    }
-    if call.stream.is_null() {
-        return Err("legacy default stream");
     }
     let (send_bytes, recv_bytes) = call
         .count
@@ -280,14 +280,25 @@ mod tests {
     }
 
     #[test]
+    fn default_streams_are_taken() {
+        // NCCL's null stream (the legacy default stream), cudaStreamLegacy and
+        // cudaStreamPerThread (cuda_runtime_api.h: 0x1, 0x2) are streams like any other.
+        for s in [0usize, 0x1, 0x2] {
+            let mut a = args(Coll::AllReduce, BASE, BASE + 4096, 256, dtype::FLOAT32);
+            a.stream = s as Stream;
+            assert!(check(&a, 0, 2).is_ok(), "stream {s:#x}");
+            let mut g = args(Coll::AllGather, BASE, BASE + 8192, 256, dtype::FLOAT32);
+            g.stream = s as Stream;
+            assert!(check(&g, 1, 2).is_ok(), "stream {s:#x}");
+        }
+    }
+
+    #[test]
     fn calls_nccl_answers_itself_are_forwarded() {
         let ok = args(Coll::AllReduce, BASE, BASE + 4096, 256, dtype::FLOAT32);
         let mut a = ok;
         a.count = 0;
         assert_eq!(check(&a, 0, 2).unwrap_err(), "count 0");
-        let mut a = ok;
-        a.stream = std::ptr::null_mut();
-        assert_eq!(check(&a, 0, 2).unwrap_err(), "legacy default stream");
         let mut a = ok;
         a.send = std::ptr::null();
         assert_eq!(check(&a, 0, 2).unwrap_err(), "buffer null or misaligned");
