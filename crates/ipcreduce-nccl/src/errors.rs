@@ -19,7 +19,7 @@ pub fn leak(msg: &str) -> *mut c_char {
 pub fn set_global(msg: &str) {
     let old = GLOBAL.swap(leak(msg), Ordering::AcqRel);
     if old.is_null() {
-        eprintln!("{msg}");
+        crate::log::write_stderr(&format!("{msg}\n"));
     }
 }
 
