@@ -1,7 +1,8 @@
 """An unchanged PyTorch program with backend="nccl", run with and without libipcreduce_nccl.so
 preloaded (scripts/device/nccl-dropin.sh): all_reduce (sum/max/min/avg), reduce_scatter_tensor
-and all_gather_into_tensor (out of place and in place) of several sizes and dtypes, eager and
-inside a CUDA graph, every result checked against a float64 reference; a few DDP steps whose
+(sum/max/min/avg) and all_gather_into_tensor (out of place and in place) of several sizes and
+dtypes, eager (on the default stream, and on cudaStreamLegacy and cudaStreamPerThread by
+handle) and inside a CUDA graph, a broadcast, every result checked against a float64 reference; a few DDP steps whose
 losses the script compares between the two runs; the time of a small all-reduce.
 It imports nothing of ipcreduce: what it runs on is the preload's business.
 Run: torchrun --standalone --nproc_per_node=2 nccl_dropin.py   (DROPIN_TAG names the report)"""
@@ -86,7 +87,7 @@ for dtype in DTYPES:
             dist.all_reduce(x, op=rop)
             expect(close(x, inputs, op, dtype), f"all_reduce {op} {dtype} n={n}")
         # reduce_scatter_tensor: rank r gets the reduction of slice r of every rank's input.
-        for op in ("sum", "max", "min"):
+        for op in ("sum", "max", "min", "avg"):
             salt += 1
             full = [data(r, n * world, dtype, salt) for r in range(world)]
             y = torch.full((n,), float("nan"), device=dev, dtype=dtype)
@@ -104,6 +105,34 @@ for dtype in DTYPES:
         y[rank * n:(rank + 1) * n].copy_(parts[rank])
         dist.all_gather_into_tensor(y, y[rank * n:(rank + 1) * n])
         expect(torch.equal(y, want), f"all_gather in place {dtype} n={n}")
+# The default streams by their special handles (cuda_runtime_api.h): cudaStreamLegacy (0x1)
+# and cudaStreamPerThread (0x2), current for the calls, which then run on them; and a broadcast
+# (forwarded) from rank 1.
+for handle, name in ((0x1, "cudaStreamLegacy"), (0x2, "cudaStreamPerThread")):
+    try:
+        es = torch.cuda.ExternalStream(handle, device=dev)
+    except Exception as e:  # noqa: BLE001 - a torch that refuses the handle: said, not failed
+        print(f"rank {rank}: {name}: torch.cuda.ExternalStream refused it ({e}): not checked")
+        continue
+    torch.cuda.synchronize()
+    with torch.cuda.stream(es):
+        for dtype in DTYPES:
+            salt += 1
+            x = data(rank, 4099, dtype, salt)
+            inputs = [data(r, 4099, dtype, salt) for r in range(world)]
+            dist.all_reduce(x, op=dist.ReduceOp.AVG)
+            full = [data(r, 1024 * world, dtype, salt + 1) for r in range(world)]
+            y = torch.empty(1024, device=dev, dtype=dtype)
+            dist.reduce_scatter_tensor(y, full[rank].clone())
+            torch.cuda.synchronize()
+            expect(close(x, inputs, "avg", dtype), f"all_reduce avg {dtype} on {name}")
+            expect(close(y, [f[rank * 1024:(rank + 1) * 1024] for f in full], "sum", dtype),
+                   f"reduce_scatter {dtype} on {name}")
+salt += 1
+b = data(rank, 3000, torch.float32, salt)
+want = data(1, 3000, torch.float32, salt)
+dist.broadcast(b, src=1)
+expect(torch.equal(b, want), "broadcast from rank 1")
 torch.cuda.synchronize()
 eager_checks = checks
 
@@ -117,9 +146,13 @@ ag_out = torch.empty(N * world, device=dev, dtype=torch.bfloat16)
 f32_in = torch.empty(N, device=dev, dtype=torch.float32)
 
 
+avg_in = torch.empty(N, device=dev, dtype=torch.float16)
+
+
 def body():
     dist.all_reduce(ar_in)
     dist.all_reduce(f32_in, op=dist.ReduceOp.MAX)
+    dist.all_reduce(avg_in, op=dist.ReduceOp.AVG)
     dist.reduce_scatter_tensor(rs_out, src)
     dist.all_gather_into_tensor(ag_out, ar_in)
 
@@ -139,6 +172,8 @@ for replay in range(20):
     full = [data(r, N * world, torch.bfloat16, salt) for r in range(world)]
     a = [data(r, N, torch.bfloat16, salt + 10_000) for r in range(world)]
     b = [data(r, N, torch.float32, salt + 20_000) for r in range(world)]
+    c = [data(r, N, torch.float16, salt + 30_000) for r in range(world)]
+    avg_in.copy_(c[rank])
     src.copy_(full[rank])
     ar_in.copy_(a[rank])
     f32_in.copy_(b[rank])
@@ -146,6 +181,7 @@ for replay in range(20):
     torch.cuda.synchronize()
     expect(close(ar_in, a, "sum", torch.bfloat16), f"graph replay {replay}: all_reduce sum bf16")
     expect(close(f32_in, b, "max", torch.float32), f"graph replay {replay}: all_reduce max f32")
+    expect(close(avg_in, c, "avg", torch.float16), f"graph replay {replay}: all_reduce avg f16")
     expect(close(rs_out, [f[rank * N:(rank + 1) * N] for f in full], "sum", torch.bfloat16),
            f"graph replay {replay}: reduce_scatter bf16")
     # Every rank's all-reduced tensor is the same, so the gather holds world copies of it.

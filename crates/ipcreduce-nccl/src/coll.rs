@@ -38,7 +38,8 @@ impl std::fmt::Display for Args {
         if !matches!(self.coll, Coll::AllGather) {
             write!(f, " op={}", self.op)?;
         }
-        Ok(())
+        // 0x0 and 0x1 are the legacy default stream, 0x2 the per-thread one.
+        write!(f, " stream={:#x}", self.stream as usize)
     }
 }
 
