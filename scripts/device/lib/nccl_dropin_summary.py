@@ -39,6 +39,12 @@ for prefix, name in (("dropin", "torch"), ("fsdptp", "fsdp-tp")):
             if r["failures"]:
                 problems.append(f"{name} {tag} rank {r['rank']}: {r['failures'][:4]}")
     if plain and pre:
+        more = sorted(set(sum((r.get("skipped", []) for r in pre), [])) -
+                      set(sum((r.get("skipped", []) for r in plain), [])))
+        if more:
+            problems.append(f"{name}: skipped only when preloaded: {more}")
+        elif pre[0].get("skipped"):
+            print(f"{name}: skipped in both runs (PyTorch refused the handle): {pre[0]['skipped']}")
         if prefix == "dropin":
             pairs = {"ddp": (plain[0]["ddp_losses"], pre[0]["ddp_losses"], 1e-4)}
         else:
