@@ -1,12 +1,12 @@
 //! The collectives ipcreduce runs.
 //!
 //! A call is ours when its communicator is accelerated, the element type and operator are
-//! ipcreduce's and the arguments pass the checks NCCL would make; any stream will do, the
-//! legacy default stream (handle 0 or `cudaStreamLegacy`) and the per-thread one
-//! (`cudaStreamPerThread`) included: the kernel is launched on that same handle, so it keeps
-//! the stream's CUDA semantics (the legacy stream waits for, and is waited for by, every
-//! blocking stream of the context), as NCCL's own kernel would; inside a group, only when it is the group's
-//! one call (see [`crate::group`]). Each rule depends on the call alone, so every rank takes
+//! ipcreduce's and the arguments pass the checks NCCL would make; inside a group, only when it
+//! is the group's one call (see [`crate::group`]). Any stream will do, the legacy default
+//! stream (handle 0 or `cudaStreamLegacy`) and the per-thread one (`cudaStreamPerThread`)
+//! included: the kernel is launched on that same handle, so it keeps the stream's CUDA
+//! semantics (the legacy stream waits for, and is waited for by, every blocking stream of the
+//! context), as NCCL's own kernel would. Each rule depends on the call alone, so every rank takes
 //! the same path for the same call. A refused argument is forwarded, so that the caller gets
 //! NCCL's own error for it.
 
