@@ -197,7 +197,7 @@ pub fn forward(call: &Args, why: &str) -> NcclResult {
 }
 
 /// `ncclAllReduce`'s and `ncclReduceScatter`'s C signature (nccl.h).
-type Reduce = unsafe extern "C" fn(
+pub type Reduce = unsafe extern "C" fn(
     *const c_void,
     *mut c_void,
     usize,
@@ -207,7 +207,7 @@ type Reduce = unsafe extern "C" fn(
     Stream,
 ) -> NcclResult;
 /// `ncclAllGather`'s.
-type Gather =
+pub type Gather =
     unsafe extern "C" fn(*const c_void, *mut c_void, usize, DataType, Comm, Stream) -> NcclResult;
 
 /// A call from the API: inside a group the group decides, else it runs now.
