@@ -13,8 +13,9 @@
 #              ncclSystemError within 10 s, ncclGetLastError names the rank, abort returns.
 #  nccl-tests  with its source in target/nccl-tests-src: built here (MPI=1, system NCCL, only
 #              all_reduce/reduce_scatter/all_gather), run with -c 1 and the library preloaded
-#              (every dtype and op, in place and out of place), then the small all-reduce
-#              timed with and without it, eager and in a graph.
+#              (every dtype and op, in place and out of place; the all-reduce also on
+#              stream 0, -y 1), then the small all-reduce timed with and without it, eager
+#              and in a graph.
 # Builds nothing of ours: expects target/release/libipcreduce_nccl.so (carry it).
 # Usage: scripts/device/nccl-dropin.sh OUT_DIR
 # Knobs: BUDGET=390 (seconds); PARTS="torch fsdp-tp watchdog nccl-tests".
@@ -113,6 +114,10 @@ elif [ -d "$SRC" ]; then
     step "nccl-tests-$t-check" 60 env IPCREDUCE_NCCL=log LD_PRELOAD="$LIB" $MPIRUN -x LD_PRELOAD -x IPCREDUCE_NCCL \
       "$WRAP" "$BUILD/build/${t}_perf" -b 8 -e 16M -f 8 -g 1 -c 1 -d all -o all -n 3 -w 1
   done
+  # The same on the legacy default stream (-y 1: nccl-tests passes stream 0).
+  [ -x "$BUILD/build/all_reduce_perf" ] && step nccl-tests-all_reduce-stream0-check 45 \
+    env IPCREDUCE_NCCL=log LD_PRELOAD="$LIB" $MPIRUN -x LD_PRELOAD -x IPCREDUCE_NCCL \
+    "$WRAP" "$BUILD/build/all_reduce_perf" -b 8 -e 1M -f 8 -g 1 -c 1 -d all -o all -n 3 -w 1 -y 1
   # The small all-reduce, bf16, eager and as graph replays (-G), without and with the library.
   if [ -x "$BUILD/build/all_reduce_perf" ]; then
     for mode in plain preload; do

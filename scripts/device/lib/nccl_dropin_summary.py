@@ -101,6 +101,14 @@ for log in ["torch-preload.log", "fsdptp-preload.log", "watchdog/rank0.log",
     for c in ("ncclAllReduce", "ncclReduceScatter", "ncclAllGather"):
         if log.startswith("torch") and not counts.get(f"{c} ipcreduce"):
             problems.append(f"{log}: {c} never ran on ipcreduce")
+    m = re.match(r"nccl-tests-(all_reduce|reduce_scatter|all_gather)-", log)
+    if m:
+        coll = {"all_reduce": "ncclAllReduce", "reduce_scatter": "ncclReduceScatter",
+                "all_gather": "ncclAllGather"}[m.group(1)]
+        if not counts.get(f"{coll} ipcreduce"):
+            problems.append(f"{log}: no {coll} ran on ipcreduce")
+    if "-stream0-" in log and not streams.get("stream 0x0 ipcreduce"):
+        problems.append(f"{log}: no call on stream 0 ran on ipcreduce: {streams}")
     if "legacy default stream" in reasons:
         problems.append(f"{log}: calls forwarded for their stream: {reasons}")
     for line in re.findall(r"^ipcreduce-nccl: .*counts: .*$", text, re.M)[:2]:
