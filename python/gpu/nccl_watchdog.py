@@ -109,6 +109,13 @@ while True:
     time.sleep(0.002)
 seen_after_kill = time.time() - killed_at
 msg = (nccl.ncclGetLastError(comm) or b"").decode(errors="replace")
+# NCCL's own side may notice the lost socket first, with its own words: ours (which names the
+# rank) must follow within 2 s.
+t2 = time.monotonic()
+while "rank 1" not in msg and time.monotonic() - t2 < 2:
+    time.sleep(0.01)
+    nccl.ncclCommGetAsyncError(comm, ctypes.byref(ctypes.c_int(0)))
+    msg = (nccl.ncclGetLastError(comm) or b"").decode(errors="replace")
 result.update(query=q, async_error=err.value, seconds_after_kill=round(seen_after_kill, 4), last_error=msg)
 # The kernel left on this rank's stream must end too (it polls the abort flag).
 t1 = time.monotonic()
