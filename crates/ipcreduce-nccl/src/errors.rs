@@ -19,7 +19,9 @@ pub fn leak(msg: &str) -> *mut c_char {
 pub fn set_global(msg: &str) {
     let old = GLOBAL.swap(leak(msg), Ordering::AcqRel);
     if old.is_null() {
-        crate::log::write_stderr(&format!("{msg}\n"));
+        // As a log line: whole, and prefixed with the rank where it is known.
+        let text = msg.strip_prefix("ipcreduce-nccl: ").unwrap_or(msg);
+        crate::log::write_stderr(&crate::log::line(None, format_args!("{text}")));
     }
 }
 
