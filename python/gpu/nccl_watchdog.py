@@ -66,9 +66,12 @@ def put_file(path: str, data: bytes) -> None:
 uid = UniqueId()
 if rank == 0:
     assert nccl.ncclGetUniqueId(ctypes.byref(uid)) == 0
-    put_file(f"{work}/uid", bytes(uid.internal))
+    # All 128 bytes (uid.internal, a c_char array, would stop at the first NUL).
+    put_file(f"{work}/uid", ctypes.string_at(ctypes.byref(uid), 128))
 else:
     raw = wait_file(f"{work}/uid", 60)
+    if len(raw) != 128:
+        raise SystemExit(f"rank 1: FAIL: the unique id file holds {len(raw)} bytes, not 128")
     ctypes.memmove(ctypes.byref(uid), raw, 128)
 comm = ctypes.c_void_p()
 r = nccl.ncclCommInitRank(ctypes.byref(comm), 2, uid, rank)

@@ -12,7 +12,7 @@
 #              all-reduce; the survivor's ncclCommGetAsyncError reports ncclRemoteError /
 #              ncclSystemError within 10 s, ncclGetLastError names the rank, abort returns;
 #              python/gpu/nccl_kill_step.py: DDP with a rank SIGKILLed mid-step, the survivor
-#              ends with PyTorch's error naming it within 60 s.
+#              gets PyTorch's error naming it within 20 s.
 #  nccl-tests  with its source in target/nccl-tests-src: built here (MPI=1, system NCCL, only
 #              all_reduce/reduce_scatter/all_gather), run with -c 1 and the library preloaded
 #              (every dtype and op, in place and out of place; the all-reduce also on
@@ -20,7 +20,7 @@
 #              and in a graph.
 # Builds nothing of ours: expects target/release/libipcreduce_nccl.so (carry it).
 # Usage: scripts/device/nccl-dropin.sh OUT_DIR
-# Knobs: BUDGET=390 (seconds); PARTS="torch fsdp-tp watchdog nccl-tests".
+# Knobs: BUDGET=290 (seconds); PARTS="torch fsdp-tp watchdog nccl-tests".
 # Prints a summary: checks passed/failed, calls per path, the small all-reduce's times.
 set -u
 # shellcheck source=lib/steps.sh source-path=SCRIPTDIR
@@ -33,7 +33,7 @@ LIB=$REPO/target/release/libipcreduce_nccl.so
 [ -f "$LIB" ] || { echo "need $LIB (carry target/release/libipcreduce_nccl.so)" >&2; exit 2; }
 SUMMARY=$OUT/summary.txt
 : >"$SUMMARY"
-BUDGET=${BUDGET:-390}
+BUDGET=${BUDGET:-290}
 status=0
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 # Never NVLink multicast.
@@ -89,34 +89,29 @@ watchdog() {
   return "$rc"
 }
 # DDP with rank 1 SIGKILLed mid-step (no torchrun, whose agent would end rank 0 itself):
-# rank 0 must end with an error naming rank 1, through PyTorch's own paths, within 60 s.
+# rank 0 must get PyTorch's error naming rank 1 within 20 s of the kill (the script judges it
+# and leaves at once, before PyTorch's minute-long teardown).
 kill_step() {
   local dir=$OUT/kill-step rc pid1 t0
   rm -rf "$dir" && mkdir -p "$dir"
   export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 IPCREDUCE_NCCL=log LD_PRELOAD="$LIB"
+  export KILL_FILE=$dir/killed
   RANK=1 NCCL_HOSTID=killstep-rank1 python3 "$REPO/python/gpu/nccl_kill_step.py" >"$dir/rank1.log" 2>&1 &
   pid1=$!
   t0=$SECONDS
-  RANK=0 NCCL_HOSTID=killstep-rank0 timeout 90 python3 "$REPO/python/gpu/nccl_kill_step.py" >"$dir/rank0.log" 2>&1
+  RANK=0 NCCL_HOSTID=killstep-rank0 timeout 45 python3 "$REPO/python/gpu/nccl_kill_step.py" >"$dir/rank0.log" 2>&1
   rc=$?
   wait "$pid1"
   echo "rank 1 exit $? (137: its SIGKILL); rank 0 exit $rc after $((SECONDS - t0)) s"
   echo "rank 0 on ipcreduce: $(grep -cE "ncclAllReduce .*-> ipcreduce$" "$dir/rank0.log") all-reduces"
-  grep -m 3 -E "rank 1 died|ncclRemoteError|DistBackendError|NCCL error" "$dir/rank0.log" | cut -c1-400
-  if grep -q "FAIL kill-step" "$dir/rank0.log"; then
-    echo "FAIL: rank 0 finished its steps"; return 1
-  elif [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ] || [ $((SECONDS - t0)) -gt 60 ]; then
-    echo "FAIL: rank 0 exit $rc after $((SECONDS - t0)) s (want an error within 60 s)"; return 1
-  elif ! grep -qE "rank 1" <(grep -E "NCCL|ipcreduce|Error" "$dir/rank0.log"); then
-    echo "FAIL: rank 0's error does not name rank 1"; return 1
-  fi
-  echo "PASS kill-step: rank 0 ended with an error naming rank 1 (exit $rc, $((SECONDS - t0)) s)"
+  grep -E "kill-step|s after rank 1 was killed" "$dir/rank0.log" | cut -c1-700
+  grep -q "PASS kill-step" "$dir/rank0.log" && [ "$rc" -eq 0 ]
 }
 if [[ $PARTS == *" watchdog "* ]]; then
   export -f watchdog kill_step
   export OUT REPO LIB
-  step watchdog 60 bash -c watchdog
-  step kill-step 100 bash -c kill_step
+  step watchdog 40 bash -c watchdog
+  step kill-step 50 bash -c kill_step
 fi
 
 SRC=$REPO/target/nccl-tests-src

@@ -339,7 +339,8 @@ entry! {
         if let Some(text) = lookup(comm).and_then(|a| a.error.get()) {
             return text;
         }
-        if let (true, Some(text)) = (comm.is_null(), errors::global()) {
+        // No communicator: the latest error of ours, as NCCL answers with its latest.
+        if let (true, Some(text)) = (comm.is_null(), errors::last()) {
             return text;
         }
         let f = real_fn!(ncclGetLastError(Comm) -> *const c_char, errors::global().unwrap_or(c"".as_ptr()));
