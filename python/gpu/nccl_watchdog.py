@@ -63,6 +63,14 @@ def put_file(path: str, data: bytes) -> None:
     os.rename(path + ".tmp", path)
 
 
+# The CUDA context (PyTorch's, the device's primary one) and the buffers first, as a framework
+# would have them before it makes a communicator.
+N = 1 << 16
+x = torch.ones(N, device="cuda", dtype=torch.float32)
+stream = torch.cuda.Stream()
+sp = ctypes.c_void_p(stream.cuda_stream)
+torch.cuda.synchronize()
+
 uid = UniqueId()
 if rank == 0:
     assert nccl.ncclGetUniqueId(ctypes.byref(uid)) == 0
@@ -78,10 +86,6 @@ r = nccl.ncclCommInitRank(ctypes.byref(comm), 2, uid, rank)
 if r != 0:
     raise SystemExit(f"rank {rank}: FAIL: ncclCommInitRank returned {r}")
 
-N = 1 << 16
-x = torch.ones(N, device="cuda", dtype=torch.float32)
-stream = torch.cuda.Stream()
-sp = ctypes.c_void_p(stream.cuda_stream)
 # One call that completes: the communicator works (and, in log mode, says which path).
 r = nccl.ncclAllReduce(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(x.data_ptr()), N, FLOAT32, SUM, comm, sp)
 stream.synchronize()
