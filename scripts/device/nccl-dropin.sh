@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
 # libipcreduce_nccl.so, the NCCL stand-in, on one GPU under MPS (world 2, each rank its own
-# NCCL_HOSTID): (a) python/gpu/nccl_dropin.py, an unchanged PyTorch program with
-# backend="nccl", run plain and with the library preloaded (IPCREDUCE_NCCL=log): every check
-# passes in both, the DDP losses agree, ipcreduce ran all-reduce, reduce-scatter and
-# all-gather, and the 8 KB all-reduce times side by side; (b) with the nccl-tests source in
-# target/nccl-tests-src, nccl-tests built here (MPI=1, system NCCL) and run with -c 1, the
-# library preloaded, every dtype and op, in place and out of place.
+# NCCL_HOSTID), every program unchanged with backend="nccl" / NCCL's C API, run plain and
+# with the library preloaded (IPCREDUCE_NCCL=log):
+#  torch       python/gpu/nccl_dropin.py: all-reduce (sum/max/min/avg), reduce-scatter,
+#              all-gather of every size and dtype checked against float64, on the default
+#              stream and on cudaStreamLegacy / cudaStreamPerThread, in a CUDA graph; DDP
+#              losses compared; the 8 KB all-reduce timed.
+#  fsdp-tp     python/gpu/nccl_fsdp_tp.py: FSDP2 (fully_shard) and a DTensor tensor-parallel
+#              MLP, losses compared between the runs and across ranks.
+#  watchdog    python/gpu/nccl_watchdog.py: a rank SIGKILLed inside an accelerated
+#              all-reduce; the survivor's ncclCommGetAsyncError reports ncclRemoteError /
+#              ncclSystemError within 10 s, ncclGetLastError names the rank, abort returns;
+#              python/gpu/nccl_kill_step.py: DDP with a rank SIGKILLed mid-step, the survivor
+#              gets PyTorch's error naming it within 20 s.
+#  nccl-tests  with its source in target/nccl-tests-src: built here (MPI=1, system NCCL, only
+#              all_reduce/reduce_scatter/all_gather), run with -c 1 and the library preloaded
+#              (every dtype and op, in place and out of place; the all-reduce also on
+#              stream 0, -y 1), then the small all-reduce timed with and without it, eager
+#              and in a graph.
 # Builds nothing of ours: expects target/release/libipcreduce_nccl.so (carry it).
 # Usage: scripts/device/nccl-dropin.sh OUT_DIR
-# Knobs: BUDGET=540 (seconds); PARTS="torch nccl-tests" (either alone fits one call better on a
-# bare machine, where the first ipcreduce communicator compiles every kernel).
+# Knobs: BUDGET=290 (seconds); PARTS="torch fsdp-tp watchdog nccl-tests".
+# Prints a summary: checks passed/failed, calls per path, the small all-reduce's times.
 set -u
 # shellcheck source=lib/steps.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib/steps.sh" || exit 2
@@ -21,7 +33,7 @@ LIB=$REPO/target/release/libipcreduce_nccl.so
 [ -f "$LIB" ] || { echo "need $LIB (carry target/release/libipcreduce_nccl.so)" >&2; exit 2; }
 SUMMARY=$OUT/summary.txt
 : >"$SUMMARY"
-BUDGET=${BUDGET:-540}
+BUDGET=${BUDGET:-290}
 status=0
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 # Never NVLink multicast.
@@ -40,104 +52,115 @@ export DROPIN_OUT=$OUT
 cat "$OUT/env.txt"
 mps_on || exit 1
 
-PARTS=" ${PARTS:-torch nccl-tests} "
+PARTS=" ${PARTS:-torch fsdp-tp watchdog nccl-tests} "
 TORCHRUN="torchrun --standalone --nproc_per_node=2"
-PY=$REPO/python/gpu/nccl_dropin.py
-# (a) PyTorch, plain NCCL, then the same program preloaded.
+PRELOAD=(env IPCREDUCE_NCCL=log LD_PRELOAD="$LIB")
+
+# Each program plain, then preloaded (the first preloaded run compiles the kernels).
 if [[ $PARTS == *" torch "* ]]; then
-step torch-plain 200 env DROPIN_TAG=plain $TORCHRUN "$PY"
-step torch-preload 260 env DROPIN_TAG=preload IPCREDUCE_NCCL=log LD_PRELOAD="$LIB" $TORCHRUN "$PY"
-cmp_rc=0
-python3 - "$OUT" <<'PY' || cmp_rc=1
-import glob, json, os, re, sys
-out = sys.argv[1]
-def reports(tag):
-    return [json.load(open(p)) for p in sorted(glob.glob(f"{out}/dropin-{tag}-rank*.json"))]
-plain, pre = reports("plain"), reports("preload")
-bad = []
-if len(plain) != 2 or len(pre) != 2:
-    bad.append(f"reports: {len(plain)} plain, {len(pre)} preloaded (want 2 each)")
-for r in plain + pre:
-    if r["failures"]:
-        bad.append(f"{r['tag']} rank {r['rank']}: {len(r['failures'])} failed: {r['failures'][:5]}")
-if plain and pre:
-    a, b = plain[0]["ddp_losses"], pre[0]["ddp_losses"]
-    worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
-    print(f"DDP losses plain {a}\n           preload {b}\n           worst relative difference {worst:.2e}")
-    if worst > 1e-4:
-        bad.append(f"DDP losses differ by {worst:.2e} (more than 1e-4)")
-log = open(f"{out}/torch-preload.log", errors="replace").read()
-paths = {}
-for coll, path in re.findall(r"(ncclAllReduce|ncclReduceScatter|ncclAllGather) .*-> (ipcreduce|nccl)", log):
-    paths[(coll, path)] = paths.get((coll, path), 0) + 1
-for coll in ("ncclAllReduce", "ncclReduceScatter", "ncclAllGather"):
-    print(f"{coll}: ipcreduce {paths.get((coll, 'ipcreduce'), 0)} calls, nccl {paths.get((coll, 'nccl'), 0)} calls")
-    if not paths.get((coll, "ipcreduce")):
-        bad.append(f"{coll} never ran on ipcreduce")
-reasons = {}
-for why in re.findall(r"(?:ncclAllReduce|ncclReduceScatter|ncclAllGather) [^\n]*\(([^()]*)\) -> nccl$", log, re.M):
-    reasons[why] = reasons.get(why, 0) + 1
-print("forwarded collectives by reason:", reasons)
-for line in re.findall(r"^ipcreduce-nccl: .*(?:ready|not accelerated|failed).*$", log, re.M)[:6]:
-    print(line)
-print("8 KB bf16 all-reduce (us, rank 0): eager plain %.1f preload %.1f; graph plain %.1f preload %.1f" % (
-    plain[0]["allreduce_8k_bf16_eager_us"] if plain else float("nan"),
-    pre[0]["allreduce_8k_bf16_eager_us"] if pre else float("nan"),
-    plain[0]["allreduce_8k_bf16_graph_us"] if plain else float("nan"),
-    pre[0]["allreduce_8k_bf16_graph_us"] if pre else float("nan")))
-json.dump({"plain": plain, "preload": pre, "paths": {f"{c} {p}": n for (c, p), n in paths.items()},
-           "forward_reasons": reasons, "problems": bad}, open(f"{out}/torch-summary.json", "w"), indent=1)
-print("torch problems:", bad or "none")
-sys.exit(1 if bad else 0)
-PY
-if [ $cmp_rc -eq 0 ]; then echo "PASS torch-compare" >>"$SUMMARY"; else echo "FAIL torch-compare" >>"$SUMMARY"; fi
+  step torch-plain 90 env DROPIN_TAG=plain $TORCHRUN "$REPO/python/gpu/nccl_dropin.py"
+  step torch-preload 150 "${PRELOAD[@]}" DROPIN_TAG=preload $TORCHRUN "$REPO/python/gpu/nccl_dropin.py"
+fi
+if [[ $PARTS == *" fsdp-tp "* ]]; then
+  step fsdptp-plain 60 env DROPIN_TAG=plain $TORCHRUN "$REPO/python/gpu/nccl_fsdp_tp.py"
+  step fsdptp-preload 90 "${PRELOAD[@]}" DROPIN_TAG=preload $TORCHRUN "$REPO/python/gpu/nccl_fsdp_tp.py"
 fi
 
-# (b) nccl-tests, when its source came along.
+# The killed rank: two processes started here (rank 1 kills itself), rank 0's exit decides.
+# A function run by `step` through `bash -c` (timeout runs programs only).
+watchdog() {
+  local dir=$OUT/watchdog rc pid1
+  rm -rf "$dir" && mkdir -p "$dir"
+  env IPCREDUCE_NCCL=log LD_PRELOAD="$LIB" RANK=1 WATCHDOG_DIR="$dir" NCCL_HOSTID=watchdog-rank1 \
+    python3 "$REPO/python/gpu/nccl_watchdog.py" >"$dir/rank1.log" 2>&1 &
+  pid1=$!
+  env IPCREDUCE_NCCL=log LD_PRELOAD="$LIB" RANK=0 WATCHDOG_DIR="$dir" NCCL_HOSTID=watchdog-rank0 \
+    python3 "$REPO/python/gpu/nccl_watchdog.py" >"$dir/rank0.log" 2>&1
+  rc=$?
+  # Rank 1 ends by its own SIGKILL (or by the faulthandler bound).
+  wait "$pid1"
+  echo "rank 1 exit $? (137: its SIGKILL)"
+  grep -E "ncclAllReduce .*-> (ipcreduce|nccl)$" "$dir/rank0.log" | tail -n 2
+  if ! grep -qE "ncclAllReduce .*-> ipcreduce$" "$dir/rank0.log"; then
+    echo "FAIL: rank 0's all-reduces did not run on ipcreduce"
+    rc=1
+  fi
+  grep -E "PASS watchdog|FAIL" "$dir/rank0.log" | tail -n 1
+  return "$rc"
+}
+# DDP with rank 1 SIGKILLed mid-step (no torchrun, whose agent would end rank 0 itself):
+# rank 0 must get PyTorch's error naming rank 1 within 20 s of the kill (the script judges it
+# and leaves at once, before PyTorch's minute-long teardown).
+kill_step() {
+  local dir=$OUT/kill-step rc pid1 t0
+  rm -rf "$dir" && mkdir -p "$dir"
+  export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 IPCREDUCE_NCCL=log LD_PRELOAD="$LIB"
+  export KILL_FILE=$dir/killed
+  RANK=1 NCCL_HOSTID=killstep-rank1 python3 "$REPO/python/gpu/nccl_kill_step.py" >"$dir/rank1.log" 2>&1 &
+  pid1=$!
+  t0=$SECONDS
+  RANK=0 NCCL_HOSTID=killstep-rank0 timeout 45 python3 "$REPO/python/gpu/nccl_kill_step.py" >"$dir/rank0.log" 2>&1
+  rc=$?
+  wait "$pid1"
+  echo "rank 1 exit $? (137: its SIGKILL); rank 0 exit $rc after $((SECONDS - t0)) s"
+  echo "rank 0 on ipcreduce: $(grep -cE "ncclAllReduce .*-> ipcreduce$" "$dir/rank0.log") all-reduces"
+  grep -E "kill-step|s after rank 1 was killed" "$dir/rank0.log" | cut -c1-700
+  grep -q "PASS kill-step" "$dir/rank0.log" && [ "$rc" -eq 0 ]
+}
+if [[ $PARTS == *" watchdog "* ]]; then
+  export -f watchdog kill_step
+  export OUT REPO LIB
+  step watchdog 40 bash -c watchdog
+  step kill-step 50 bash -c kill_step
+fi
+
 SRC=$REPO/target/nccl-tests-src
+BUILD=/tmp/nccl-tests
 if [[ $PARTS != *" nccl-tests "* ]]; then
   :
 elif [ -d "$SRC" ]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PATH=/usr/local/cuda/bin:$PATH
-  BUILD=/tmp/nccl-tests
   rm -rf "$BUILD" && cp -r "$SRC" "$BUILD"
-  step nccl-tests-build 240 make -C "$BUILD" -j16 MPI=1 MPI_HOME=/usr/lib/x86_64-linux-gnu/openmpi \
+  step nccl-tests-build 150 make -C "$BUILD" -j16 MPI=1 MPI_HOME=/usr/lib/x86_64-linux-gnu/openmpi \
+    BIN_FILES_LIST="all_reduce reduce_scatter all_gather" \
     NVCC_GENCODE="-gencode=arch=compute_90,code=sm_90"
-  # Each rank its own NCCL_HOSTID (two ranks on one GPU).
+  # Each rank its own NCCL_HOSTID (two ranks on one GPU), both on GPU 0.
   WRAP=$OUT/rank-env.sh
   printf '#!/bin/sh\nexport NCCL_HOSTID=nccltests-rank$OMPI_COMM_WORLD_RANK\nexec "$@"\n' >"$WRAP"
   chmod +x "$WRAP"
-  # Both ranks on GPU 0 (nccl-tests would give the second process GPU 1).
   export NCCL_TESTS_DEVICE=0
   MPIRUN="mpirun -np 2 --bind-to none -x NCCL_TESTS_DEVICE -x LD_LIBRARY_PATH -x NCCL_SOCKET_IFNAME -x NCCL_IB_DISABLE -x NCCL_NVLS_ENABLE -x IPCREDUCE_TIMEOUT_MS -x CUDA_MPS_PIPE_DIRECTORY"
   for t in all_reduce reduce_scatter all_gather; do
     [ -x "$BUILD/build/${t}_perf" ] || continue
-    # Correctness: every dtype and op, 8 B - 64 MiB, with the library (log: paths taken).
-    step "nccl-tests-$t-check" 150 env IPCREDUCE_NCCL=log LD_PRELOAD="$LIB" $MPIRUN -x LD_PRELOAD -x IPCREDUCE_NCCL \
-      "$WRAP" "$BUILD/build/${t}_perf" -b 8 -e 64M -f 8 -g 1 -c 1 -d all -o all -n 5 -w 2
-    # Small-message time, graph replay, with and without.
+    # Correctness: every dtype and op, 8 B - 16 MiB, in place and out of place (log: paths).
+    step "nccl-tests-$t-check" 60 env IPCREDUCE_NCCL=log LD_PRELOAD="$LIB" $MPIRUN -x LD_PRELOAD -x IPCREDUCE_NCCL \
+      "$WRAP" "$BUILD/build/${t}_perf" -b 8 -e 16M -f 8 -g 1 -c 1 -d all -o all -n 3 -w 1
+  done
+  # The same on the legacy default stream (-y 1: nccl-tests passes stream 0).
+  [ -x "$BUILD/build/all_reduce_perf" ] && step nccl-tests-all_reduce-stream0-check 45 \
+    env IPCREDUCE_NCCL=log LD_PRELOAD="$LIB" $MPIRUN -x LD_PRELOAD -x IPCREDUCE_NCCL \
+    "$WRAP" "$BUILD/build/all_reduce_perf" -b 8 -e 1M -f 8 -g 1 -c 1 -d all -o all -n 3 -w 1 -y 1
+  # The small all-reduce, bf16, eager and as graph replays (-G), without and with the library.
+  if [ -x "$BUILD/build/all_reduce_perf" ]; then
     for mode in plain preload; do
-      pre=""; [ $mode = preload ] && pre="LD_PRELOAD=$LIB"
-      step "nccl-tests-$t-time-$mode" 90 env $pre $MPIRUN ${pre:+-x LD_PRELOAD} \
-        "$WRAP" "$BUILD/build/${t}_perf" -b 8 -e 64K -f 4 -g 1 -c 1 -d bfloat16 -G 20 -n 50 -w 5
+      for g in 0 20; do
+        pre=()
+        [ $mode = preload ] && pre=(env LD_PRELOAD="$LIB")
+        step "nccl-tests-time-$mode-G$g" 40 "${pre[@]}" $MPIRUN ${pre:+-x LD_PRELOAD} \
+          "$WRAP" "$BUILD/build/all_reduce_perf" -b 8 -e 64K -f 4 -g 1 -c 1 -d bfloat16 -G "$g" -n 100 -w 10
+      done
     done
-  done
-  for f in "$OUT"/nccl-tests-*-check.log; do
-    [ -f "$f" ] || continue
-    echo "== $(basename "$f"): $(grep -cE '(ncclAllReduce|ncclReduceScatter|ncclAllGather) .*-> ipcreduce$' "$f") collectives on ipcreduce, $(grep -cE '(ncclAllReduce|ncclReduceScatter|ncclAllGather) .*-> nccl$' "$f") forwarded"
-    grep -E "Out of bounds|Avg bus|counts:|not accelerated|communicator ready|#wrong" "$f" | head -n 12
-  done
-  for f in "$OUT"/nccl-tests-*-time-*.log; do
-    [ -f "$f" ] || continue
-    echo "== $(basename "$f")"
-    grep -E "^ +[0-9]+ " "$f" | head -n 8
-  done
+  fi
 else
   echo "SKIP nccl-tests: no target/nccl-tests-src" | tee -a "$SUMMARY"
 fi
 
+# The summary: every check, every path, the timings.
+python3 "$REPO/scripts/device/lib/nccl_dropin_summary.py" "$OUT" | tee "$OUT/summary-report.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "FAIL compare" >>"$SUMMARY"; }
+
 echo "== summary"
 cat "$SUMMARY"
 grep -q '^FAIL' "$SUMMARY" && status=1
-echo "== nccl-dropin.sh exit $status"
+echo "== nccl-dropin.sh exit $status ($SECONDS s)"
 exit $status

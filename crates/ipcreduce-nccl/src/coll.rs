@@ -1,9 +1,12 @@
 //! The collectives ipcreduce runs.
 //!
 //! A call is ours when its communicator is accelerated, the element type and operator are
-//! ipcreduce's, the stream is a real one (NCCL's null stream is the legacy default stream) and
-//! the arguments pass the checks NCCL would make; inside a group, only when it is the group's
-//! one call (see [`crate::group`]). Each rule depends on the call alone, so every rank takes
+//! ipcreduce's and the arguments pass the checks NCCL would make; inside a group, only when it
+//! is the group's one call (see [`crate::group`]). Any stream will do, the legacy default
+//! stream (handle 0 or `cudaStreamLegacy`) and the per-thread one (`cudaStreamPerThread`)
+//! included: the kernel is launched on that same handle, so it keeps the stream's CUDA
+//! semantics (the legacy stream waits for, and is waited for by, every blocking stream of the
+//! context), as NCCL's own kernel would. Each rule depends on the call alone, so every rank takes
 //! the same path for the same call. A refused argument is forwarded, so that the caller gets
 //! NCCL's own error for it.
 
@@ -35,40 +38,41 @@ impl std::fmt::Display for Args {
         if !matches!(self.coll, Coll::AllGather) {
             write!(f, " op={}", self.op)?;
         }
-        Ok(())
+        // 0x0 and 0x1 are the legacy default stream, 0x2 the per-thread one.
+        write!(f, " stream={:#x}", self.stream as usize)
     }
 }
 
-/// The accelerated communicator and ipcreduce's types for `call`, or why it is forwarded.
-pub fn ours(
-    call: &Args,
-) -> Result<(Arc<Accel>, ipcreduce::DType, ipcreduce::ReduceOp), &'static str> {
+/// What ipcreduce runs for one call: its types, and whether the sum is then divided by the
+/// world size (`ncclAvg`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Plan {
+    pub dtype: ipcreduce::DType,
+    pub op: ipcreduce::ReduceOp,
+    pub avg: bool,
+}
+
+/// The accelerated communicator and ipcreduce's plan for `call`, or why it is forwarded.
+pub fn ours(call: &Args) -> Result<(Arc<Accel>, Plan), &'static str> {
     if !matches!(log::mode(), Ok(log::Mode::On | log::Mode::Log)) {
         return Err("IPCREDUCE_NCCL=off");
     }
     let a = lookup(call.comm).ok_or("communicator not accelerated")?;
-    let (dt, op) = check(call, a.rank, a.world)?;
-    Ok((a, dt, op))
+    let plan = check(call, a.rank, a.world)?;
+    Ok((a, plan))
 }
 
-/// The checks of one call by rank `rank` of `world` (all but the communicator's): its types
-/// as ipcreduce's, or why it stays NCCL's.
-fn check(
-    call: &Args,
-    rank: usize,
-    world: usize,
-) -> Result<(ipcreduce::DType, ipcreduce::ReduceOp), &'static str> {
+/// The checks of one call by rank `rank` of `world` (all but the communicator's): its plan
+/// on ipcreduce, or why it stays NCCL's.
+fn check(call: &Args, rank: usize, world: usize) -> Result<Plan, &'static str> {
     let dt = to_dtype(call.dtype).ok_or("element type")?;
-    let op = if matches!(call.coll, Coll::AllGather) {
-        ipcreduce::ReduceOp::Sum
-    } else {
-        to_op(call.op).ok_or("operator")?
+    let (op, avg) = match call.coll {
+        Coll::AllGather => (ipcreduce::ReduceOp::Sum, false),
+        _ if call.op == op::AVG => (ipcreduce::ReduceOp::Sum, true),
+        _ => (to_op(call.op).ok_or("operator")?, false),
     };
     if call.count == 0 {
         return Err("count 0");
-    }
-    if call.stream.is_null() {
-        return Err("legacy default stream");
     }
     let (send_bytes, recv_bytes) = call
         .count
@@ -97,13 +101,14 @@ fn check(
     if s < r + recv_bytes && r < s + send_bytes && !in_place {
         return Err("buffers overlap");
     }
-    Ok((dt, op))
+    Ok(Plan { dtype: dt, op, avg })
 }
 
 /// Runs `call` on ipcreduce if it may, else hands it to NCCL.
 pub fn run(call: &Args) -> NcclResult {
     match ours(call) {
-        Ok((a, dt, op)) => {
+        Ok((a, plan)) => {
+            let (dt, op) = (plan.dtype, plan.op);
             // A panic must not cross into C (it would abort the caller's process): it becomes
             // an internal error, on a communicator then aborted.
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -132,6 +137,15 @@ pub fn run(call: &Args) -> NcclResult {
                             c.all_gather_raw(call.send, call.recv, call.count, dt, call.stream)
                         }
                     }
+                };
+                // ncclAvg: the sum's result divided in place, behind it on the same stream.
+                let r = match r {
+                    Ok(()) if plan.avg => {
+                        // SAFETY: recv holds count elements of dt (checked); the sum's call
+                        // left the communicator's context current.
+                        unsafe { a.divide(call.recv, call.count, dt, call.stream) }
+                    }
+                    r => r,
                 };
                 // In log mode the all-reduce's line names the path it took.
                 let path = match (log::logging(), call.coll) {
@@ -163,61 +177,38 @@ pub fn forward(call: &Args, why: &str) -> NcclResult {
     let rank = lookup(call.comm).map(|a| a.rank);
     log::collective(call.coll, rank, false, format_args!("{call} ({why})"));
     let c = call;
-    type Reduce = unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        DataType,
-        RedOp,
-        Comm,
-        Stream,
-    ) -> NcclResult;
-    let reduce = |f: Reduce| {
-        // SAFETY: the caller's arguments, unchanged.
-        unsafe { f(c.send, c.recv, c.count, c.dtype, c.op, c.comm, c.stream) }
-    };
     match call.coll {
-        Coll::AllReduce => reduce(real_fn!(
-            ncclAllReduce(
-                *const c_void,
-                *mut c_void,
-                usize,
-                DataType,
-                RedOp,
-                Comm,
-                Stream,
-            ) -> NcclResult,
-            SYSTEM_ERROR
-        )),
-        Coll::ReduceScatter => reduce(real_fn!(
-            ncclReduceScatter(
-                *const c_void,
-                *mut c_void,
-                usize,
-                DataType,
-                RedOp,
-                Comm,
-                Stream,
-            ) -> NcclResult,
-            SYSTEM_ERROR
-        )),
+        Coll::AllReduce => {
+            let f = real_fn!(ncclAllReduce as Reduce, SYSTEM_ERROR);
+            // SAFETY: the caller's arguments, unchanged.
+            unsafe { f(c.send, c.recv, c.count, c.dtype, c.op, c.comm, c.stream) }
+        }
+        Coll::ReduceScatter => {
+            let f = real_fn!(ncclReduceScatter as Reduce, SYSTEM_ERROR);
+            // SAFETY: the caller's arguments, unchanged.
+            unsafe { f(c.send, c.recv, c.count, c.dtype, c.op, c.comm, c.stream) }
+        }
         Coll::AllGather => {
-            let f = real_fn!(
-                ncclAllGather(
-                    *const c_void,
-                    *mut c_void,
-                    usize,
-                    DataType,
-                    Comm,
-                    Stream,
-                ) -> NcclResult,
-                SYSTEM_ERROR
-            );
+            let f = real_fn!(ncclAllGather as Gather, SYSTEM_ERROR);
             // SAFETY: the caller's arguments, unchanged.
             unsafe { f(c.send, c.recv, c.count, c.dtype, c.comm, c.stream) }
         }
     }
 }
+
+/// `ncclAllReduce`'s and `ncclReduceScatter`'s C signature (nccl.h).
+pub type Reduce = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    DataType,
+    RedOp,
+    Comm,
+    Stream,
+) -> NcclResult;
+/// `ncclAllGather`'s.
+pub type Gather =
+    unsafe extern "C" fn(*const c_void, *mut c_void, usize, DataType, Comm, Stream) -> NcclResult;
 
 /// A call from the API: inside a group the group decides, else it runs now.
 fn call(args: Args) -> NcclResult {
@@ -269,14 +260,42 @@ mod tests {
             assert_eq!(check(&a, 0, 2).unwrap_err(), "element type");
         }
         a.dtype = dtype::BFLOAT16;
-        for o in [1, 4, 5] {
-            a.op = o; // prod, avg, a premul-sum handle
+        for o in [1, 5] {
+            a.op = o; // prod, a premul-sum handle
             assert_eq!(check(&a, 0, 2).unwrap_err(), "operator");
         }
+        // Avg: the sum, divided afterwards; reduce-scatter too.
+        a.op = op::AVG;
+        let avg = Plan {
+            dtype: ipcreduce::DType::Bf16,
+            op: ipcreduce::ReduceOp::Sum,
+            avg: true,
+        };
+        assert_eq!(check(&a, 0, 2), Ok(avg));
+        let mut rs = args(Coll::ReduceScatter, BASE, BASE + 4096, 256, dtype::FLOAT16);
+        rs.op = op::AVG;
+        assert!(check(&rs, 1, 2).unwrap().avg);
+        a.op = op::MAX;
+        assert!(!check(&a, 0, 2).unwrap().avg);
         // All-gather has no operator: whatever the field holds.
         let mut g = args(Coll::AllGather, BASE, BASE + 4096, 256, dtype::FLOAT16);
-        g.op = 1;
-        assert_eq!(check(&g, 1, 2).unwrap().1, ipcreduce::ReduceOp::Sum);
+        g.op = op::AVG;
+        let p = check(&g, 1, 2).unwrap();
+        assert_eq!((p.op, p.avg), (ipcreduce::ReduceOp::Sum, false));
+    }
+
+    #[test]
+    fn default_streams_are_taken() {
+        // NCCL's null stream (the legacy default stream), cudaStreamLegacy and
+        // cudaStreamPerThread (cuda_runtime_api.h: 0x1, 0x2) are streams like any other.
+        for s in [0usize, 0x1, 0x2] {
+            let mut a = args(Coll::AllReduce, BASE, BASE + 4096, 256, dtype::FLOAT32);
+            a.stream = s as Stream;
+            assert!(check(&a, 0, 2).is_ok(), "stream {s:#x}");
+            let mut g = args(Coll::AllGather, BASE, BASE + 8192, 256, dtype::FLOAT32);
+            g.stream = s as Stream;
+            assert!(check(&g, 1, 2).is_ok(), "stream {s:#x}");
+        }
     }
 
     #[test]
@@ -285,9 +304,6 @@ mod tests {
         let mut a = ok;
         a.count = 0;
         assert_eq!(check(&a, 0, 2).unwrap_err(), "count 0");
-        let mut a = ok;
-        a.stream = std::ptr::null_mut();
-        assert_eq!(check(&a, 0, 2).unwrap_err(), "legacy default stream");
         let mut a = ok;
         a.send = std::ptr::null();
         assert_eq!(check(&a, 0, 2).unwrap_err(), "buffer null or misaligned");

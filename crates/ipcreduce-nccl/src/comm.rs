@@ -9,12 +9,13 @@
 //! only if it did on every rank is the communicator accelerated, so all ranks always take the
 //! same path for the same call.
 
+use crate::avg::Scaler;
 use crate::errors::{self, Slot};
 use crate::log;
 use crate::types::*;
 use ipcreduce::{AbortHandle, Communicator, Error};
 use std::ffi::{c_char, c_int};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 pub mod rendezvous;
 
@@ -27,6 +28,8 @@ pub struct Accel {
     pub abort: AbortHandle,
     /// The last error of ours on it, for `ncclGetLastError`.
     pub error: Slot,
+    /// The kernels of `ncclAvg`'s division, loaded at its first call.
+    pub scaler: OnceLock<Result<Scaler, String>>,
 }
 
 impl Accel {
@@ -34,6 +37,30 @@ impl Accel {
     pub fn fail(&self, e: &Error) -> NcclResult {
         self.error.set(&format!("ipcreduce-nccl: {e}"));
         code_of(e)
+    }
+
+    /// Divides the `count` elements of `dt` at `p` by the world size, on `stream`.
+    ///
+    /// # Safety
+    /// `p` is device memory of the communicator's context, current on this thread.
+    pub unsafe fn divide(
+        &self,
+        p: *mut std::ffi::c_void,
+        count: usize,
+        dt: ipcreduce::DType,
+        stream: Stream,
+    ) -> ipcreduce::Result<()> {
+        let scaler = self.scaler.get_or_init(|| Scaler::load(self.rank));
+        let done = match scaler {
+            // SAFETY: the caller's contract.
+            Ok(s) => unsafe { s.launch(p, count, dt, self.world, stream, self.rank) },
+            Err(e) => Err(e.clone()),
+        };
+        done.map_err(|detail| Error::Cuda {
+            rank: self.rank,
+            op: "ncclAvg".into(),
+            detail,
+        })
     }
 }
 
@@ -154,10 +181,13 @@ fn accelerate_new(comm: Comm, blocking: bool, what: &str) -> NcclResult {
     });
     match made {
         Ok(Some(a)) => {
-            log::note(format_args!(
-                "{what}: rank {} of {}: ipcreduce communicator ready",
-                a.rank, a.world
-            ));
+            log::note_rank(
+                a.rank,
+                format_args!(
+                    "{what}: rank {} of {}: ipcreduce communicator ready",
+                    a.rank, a.world
+                ),
+            );
             insert(comm, a);
             SUCCESS
         }
@@ -309,7 +339,8 @@ entry! {
         if let Some(text) = lookup(comm).and_then(|a| a.error.get()) {
             return text;
         }
-        if let (true, Some(text)) = (comm.is_null(), errors::global()) {
+        // No communicator: the latest error of ours, as NCCL answers with its latest.
+        if let (true, Some(text)) = (comm.is_null(), errors::last()) {
             return text;
         }
         let f = real_fn!(ncclGetLastError(Comm) -> *const c_char, errors::global().unwrap_or(c"".as_ptr()));

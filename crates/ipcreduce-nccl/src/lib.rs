@@ -15,6 +15,7 @@
 //! | [`forward`] | the entry points handed on unchanged |
 //! | [`comm`] | communicator life: init, split, destroy, abort, errors |
 //! | [`coll`] | the accelerated collectives |
+//! | [`avg`] | `ncclAvg`'s division by the world size |
 //! | [`group`] | `ncclGroupStart`/`ncclGroupEnd` |
 //! | [`log`] | `IPCREDUCE_NCCL`, call lines and counts |
 //! | [`errors`] | texts for `ncclGetLastError` |
@@ -25,6 +26,7 @@
 
 #[macro_use]
 mod macros;
+pub mod avg;
 pub mod coll;
 pub mod comm;
 pub mod errors;

@@ -1,7 +1,11 @@
 //! `IPCREDUCE_NCCL`: off (forward everything), on (the default), log (one line per call on
 //! stderr with the path taken, and the count of calls per path when the process exits).
+//!
+//! Every line starts `ipcreduce-nccl: rank R pid P` and goes out in one `write(2)`: the ranks
+//! of a job usually share one stderr (a pipe to the launcher), and lines written in pieces
+//! would interleave there.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -65,16 +69,60 @@ static COUNTS: [[AtomicU64; 2]; 3] = [
 /// Every other entry point (always NCCL's).
 static OTHER: AtomicU64 = AtomicU64::new(0);
 
+/// This process's rank in the last communicator it joined (-1: none yet): the prefix of lines
+/// that have no communicator of their own.
+static PROCESS_RANK: AtomicI64 = AtomicI64::new(-1);
+
+/// Records the rank this process joined a communicator as.
+pub fn set_process_rank(rank: i64) {
+    PROCESS_RANK.store(rank, Ordering::Relaxed);
+}
+
+/// `ipcreduce-nccl: rank R pid P ` then `what` and a newline: one whole line.
+pub fn line(rank: Option<usize>, what: std::fmt::Arguments<'_>) -> String {
+    let rank = match rank {
+        Some(r) => r.to_string(),
+        None => match PROCESS_RANK.load(Ordering::Relaxed) {
+            r if r >= 0 => r.to_string(),
+            _ => "?".to_string(),
+        },
+    };
+    format!(
+        "ipcreduce-nccl: rank {rank} pid {} {what}\n",
+        std::process::id()
+    )
+}
+
+/// Writes `text` to stderr in as few `write(2)` calls as it takes (one, for a line shorter
+/// than a pipe's atomic size, the case of every line here); errors are ignored, as
+/// `eprintln!`'s would panic.
+pub fn write_stderr(text: &str) {
+    let mut rest = text.as_bytes();
+    while !rest.is_empty() {
+        // SAFETY: a live buffer of that length; fd 2.
+        let n = unsafe { libc::write(2, rest.as_ptr().cast(), rest.len()) };
+        if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+            continue;
+        }
+        if n <= 0 {
+            return;
+        }
+        rest = &rest[n as usize..];
+    }
+}
+
+fn emit(rank: Option<usize>, what: std::fmt::Arguments<'_>) {
+    write_stderr(&line(rank, what));
+}
+
 /// A collective that ran on ipcreduce (`ours`) or was forwarded (`why` not).
 pub fn collective(c: Coll, rank: Option<usize>, ours: bool, what: std::fmt::Arguments<'_>) {
     COUNTS[c as usize][usize::from(!ours)].fetch_add(1, Ordering::Relaxed);
     if logging() {
-        let rank = rank.map_or_else(|| "?".to_string(), |r| r.to_string());
         let path = if ours { "ipcreduce" } else { "nccl" };
-        eprintln!(
-            "ipcreduce-nccl: pid {} rank {rank} {} {what} -> {path}",
-            std::process::id(),
-            COLL_NAMES[c as usize]
+        emit(
+            rank,
+            format_args!("{} {what} -> {path}", COLL_NAMES[c as usize]),
         );
     }
 }
@@ -83,14 +131,21 @@ pub fn collective(c: Coll, rank: Option<usize>, ours: bool, what: std::fmt::Argu
 pub fn forwarded(name: &str) {
     OTHER.fetch_add(1, Ordering::Relaxed);
     if logging() {
-        eprintln!("ipcreduce-nccl: pid {} {name} -> nccl", std::process::id());
+        emit(None, format_args!("{name} -> nccl"));
     }
 }
 
 /// A line about a communicator (accelerated or not, and why).
 pub fn note(what: std::fmt::Arguments<'_>) {
     if logging() {
-        eprintln!("ipcreduce-nccl: pid {} {what}", std::process::id());
+        emit(None, what);
+    }
+}
+
+/// A line about rank `rank`'s communicator.
+pub fn note_rank(rank: usize, what: std::fmt::Arguments<'_>) {
+    if logging() {
+        emit(Some(rank), what);
     }
 }
 
@@ -111,20 +166,35 @@ pub fn counts_line() -> String {
         "other calls nccl={}",
         OTHER.load(Ordering::Relaxed)
     ));
-    format!(
-        "ipcreduce-nccl: pid {} counts: {}",
-        std::process::id(),
-        parts.join(", ")
-    )
+    line(None, format_args!("counts: {}", parts.join(", ")))
 }
 
 extern "C" fn print_counts() {
-    eprintln!("{}", counts_line());
+    write_stderr(&counts_line());
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_line_is_whole_and_names_the_rank() {
+        let l = line(
+            Some(3),
+            format_args!("ncclAllReduce {} -> ipcreduce", "count=8"),
+        );
+        let want = format!(
+            "ipcreduce-nccl: rank 3 pid {} ncclAllReduce count=8 -> ipcreduce\n",
+            std::process::id()
+        );
+        assert_eq!(l, want);
+        assert_eq!(l.matches('\n').count(), 1, "one line");
+        // Without a communicator: the rank this process joined as, once known.
+        // (The only test that sets it.)
+        assert!(line(None, format_args!("x")).starts_with("ipcreduce-nccl: rank ? pid "));
+        set_process_rank(5);
+        assert!(line(None, format_args!("x")).starts_with("ipcreduce-nccl: rank 5 pid "));
+    }
 
     #[test]
     fn mode_words() {

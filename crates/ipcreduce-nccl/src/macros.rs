@@ -4,7 +4,11 @@
 /// there is no real NCCL (or it lacks the symbol) the enclosing function records why (for
 /// `ncclGetLastError`) and returns `$missing`.
 macro_rules! real_fn {
-    ($name:ident ( $($t:ty),* $(,)? ) -> $ret:ty, $missing:expr $(,)?) => {{
+    ($name:ident ( $($t:ty),* $(,)? ) -> $ret:ty, $missing:expr $(,)?) => {
+        real_fn!($name as unsafe extern "C" fn($($t),*) -> $ret, $missing)
+    };
+    // With the function pointer type named (entry points that share one signature).
+    ($name:ident as $fty:ty, $missing:expr $(,)?) => {{
         use std::sync::atomic::{AtomicPtr, Ordering};
         static PTR: AtomicPtr<std::ffi::c_void> = AtomicPtr::new(std::ptr::null_mut());
         let mut p = PTR.load(Ordering::Acquire);
@@ -23,7 +27,7 @@ macro_rules! real_fn {
             }
         }
         // SAFETY: the real NCCL's symbol of this name has this C signature (nccl.h).
-        unsafe { std::mem::transmute::<*mut std::ffi::c_void, unsafe extern "C" fn($($t),*) -> $ret>(p) }
+        unsafe { std::mem::transmute::<*mut std::ffi::c_void, $fty>(p) }
     }};
 }
 

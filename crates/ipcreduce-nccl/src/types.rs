@@ -76,6 +76,7 @@ pub mod op {
     pub const SUM: RedOp = 0;
     pub const MAX: RedOp = 2;
     pub const MIN: RedOp = 3;
+    pub const AVG: RedOp = 4;
 }
 
 /// The element types ipcreduce reduces; others are NCCL's alone.
@@ -88,7 +89,8 @@ pub fn to_dtype(d: DataType) -> Option<ipcreduce::DType> {
     }
 }
 
-/// The operators ipcreduce has; prod, avg and premul-sum stay NCCL's.
+/// The operators ipcreduce has (avg is a sum, then a division: see `coll`); prod and
+/// premul-sum stay NCCL's.
 pub fn to_op(o: RedOp) -> Option<ipcreduce::ReduceOp> {
     match o {
         op::SUM => Some(ipcreduce::ReduceOp::Sum),

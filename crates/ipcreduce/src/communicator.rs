@@ -257,8 +257,9 @@ impl Communicator {
         &self.tune
     }
 
-    /// All-reduce on raw pointers: device pointers and a `CUstream` (null = the
-    /// communicator's stream) for cuda, host pointers for host. This is what language
+    /// All-reduce on raw pointers: device pointers and a `CUstream` (null = the legacy
+    /// default stream, as in CUDA; [`Self::cuda_stream`] is the communicator's own) for cuda,
+    /// host pointers for host. This is what language
     /// bindings call. `send == recv` is the in-place form.
     ///
     /// # Safety

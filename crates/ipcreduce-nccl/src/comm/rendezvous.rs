@@ -112,6 +112,7 @@ fn rank_world(comm: Comm) -> Result<(usize, usize), (NcclResult, String)> {
 /// An error is one NCCL's own all-gather returned: the communicator is unusable then.
 pub fn accelerate(comm: Comm) -> Result<Option<Accel>, (NcclResult, String)> {
     let (rank, world) = rank_world(comm)?;
+    log::set_process_rank(rank as i64);
     if world < 2 {
         return Ok(None);
     }
@@ -130,9 +131,10 @@ pub fn accelerate(comm: Comm) -> Result<Option<Accel>, (NcclResult, String)> {
     let all = all_gather(comm, rank, &mine.encode())?;
     let why_not = why_not(&all, rank, &local);
     if let Some(why) = why_not {
-        log::note(format_args!(
-            "rank {rank} of {world}: not accelerated ({why}): every call forwarded"
-        ));
+        log::note_rank(
+            rank,
+            format_args!("rank {rank} of {world}: not accelerated ({why}): every call forwarded"),
+        );
         return Ok(None);
     }
     let nonce = Record::decode(&all[0]).expect("checked by why_not").nonce;
@@ -140,10 +142,10 @@ pub fn accelerate(comm: Comm) -> Result<Option<Accel>, (NcclResult, String)> {
     if let Err(e) = &made {
         // Unexpected where every rank could run it (a bad IPCREDUCE_* variable, a broken
         // peer check): said even without IPCREDUCE_NCCL=log, as NCCL's calls go on.
-        eprintln!(
-            "ipcreduce-nccl: rank {rank}: the ipcreduce communicator failed, NCCL runs every \
-             call: {e}"
-        );
+        log::write_stderr(&log::line(
+            Some(rank),
+            format_args!("the ipcreduce communicator failed, NCCL runs every call: {e}"),
+        ));
     }
     // Second round: everyone keeps theirs only if every rank has one.
     let mut flag = [0u8; RECORD];
@@ -151,10 +153,13 @@ pub fn accelerate(comm: Comm) -> Result<Option<Accel>, (NcclResult, String)> {
     flag[8] = u8::from(made.is_ok());
     let all = all_gather(comm, rank, &flag)?;
     if let Some(r) = all.iter().position(|b| b[8] != 1) {
-        log::note(format_args!(
-            "rank {rank} of {world}: not accelerated (rank {r}'s ipcreduce communicator \
-             failed): every call forwarded"
-        ));
+        log::note_rank(
+            rank,
+            format_args!(
+                "rank {rank} of {world}: not accelerated (rank {r}'s ipcreduce communicator \
+                 failed): every call forwarded"
+            ),
+        );
         return Ok(None);
     }
     let comm = made.expect("every rank, this one included, made it");
@@ -164,6 +169,7 @@ pub fn accelerate(comm: Comm) -> Result<Option<Accel>, (NcclResult, String)> {
         abort: comm.abort_handle(),
         comm: Mutex::new(comm),
         error: Slot::default(),
+        scaler: std::sync::OnceLock::new(),
     }))
 }
 
@@ -248,7 +254,7 @@ fn all_gather(
 ) -> Result<Vec<Vec<u8>>, (NcclResult, String)> {
     let world = rank_world(comm)?.1;
     let gather = real_fn!(
-        ncclAllGather(*const c_void, *mut c_void, usize, DataType, Comm, Stream) -> NcclResult,
+        ncclAllGather as crate::coll::Gather,
         Err((SYSTEM_ERROR, "no real NCCL".into()))
     );
     let mut out = vec![0u8; RECORD * world];

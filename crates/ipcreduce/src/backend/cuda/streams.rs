@@ -27,6 +27,9 @@ pub(super) type Key = usize;
 
 /// `CU_STREAM_LEGACY`: another name of the legacy default stream.
 const LEGACY_ALIAS: Key = 0x1;
+/// `CU_STREAM_PER_THREAD`: one handle for a different stream in every thread, so two calls
+/// under it may be on two streams.
+const PER_THREAD: Key = 0x2;
 
 /// What the tracker asks of CUDA.
 pub(super) trait Events {
@@ -86,7 +89,9 @@ impl Tracker {
             return Ok(());
         }
         match self.last {
-            Some(p) if p != s => {
+            // The per-thread handle may name another thread's stream than the last call's:
+            // waiting for its event (recorded after that call) costs one wait and keeps order.
+            Some(p) if p != s || s == PER_THREAD => {
                 if self.lasting(p) {
                     // Caller streams got their event right after the call.
                     ev.record(p)?;
@@ -322,6 +327,26 @@ mod tests {
                 "wait 16 on 0",
                 "launch 16",
                 "record 16",
+            ]
+        );
+    }
+
+    #[test]
+    fn the_per_thread_stream_always_waits_for_the_previous_call() {
+        // Handle 0x2 is each thread's own stream: consecutive calls under it may come from two
+        // threads, so each waits for the event recorded after the one before.
+        let (mut t, mut ev) = (Tracker::new(OWN), Log::default());
+        call(&mut t, &mut ev, 0x2);
+        call(&mut t, &mut ev, 0x2);
+        assert!(!t.quiet(0x2));
+        assert_eq!(
+            ev.ops,
+            [
+                "launch 2",
+                "record 2",
+                "wait 2 on 2",
+                "launch 2",
+                "record 2"
             ]
         );
     }
