@@ -69,7 +69,7 @@ fn bad_values_are_refused_once() {
     assert_refused(&["--world", "0", "--arch", "sm_90"], "--world 0");
     assert_refused(
         &["--only", "nope", "--arch", "sm_90"],
-        "--only nope: not a kernel group (ll, ll12, staged, zerocopy, zerocopy16, ce, scatter_gather)",
+        "--only nope: not a kernel group (ll, ll12, staged, zerocopy, zerocopy16, ce, scatter_gather, fused)",
     );
     assert_refused(&["-j", "0", "--arch", "sm_90"], "--jobs 0");
 }
