@@ -92,7 +92,7 @@ pub(super) fn launch(
         .div_ceil(ROWS_PER_PASS)
         .min(l.limits.cap)
         .clamp(1, MAX_BLOCKS) as u32;
-    let f = l.gpu.function(path, dtype, ReduceOp::Sum, l.rank)?;
+    let f = l.function(path, dtype, ReduceOp::Sum)?;
     l.took(path, grid);
     let ident = CallIdentity {
         op: SgOp::AddRmsNorm,
@@ -110,14 +110,7 @@ pub(super) fn launch(
             residual_in_place: s.residual_in_place,
         }),
     };
-    let call = CallArgs {
-        send: args.input as u64,
-        recv: args.out as u64,
-        count: s.count(),
-        dtype,
-        op: ReduceOp::Sum,
-        stream,
-    };
+    let call = call_args(args, s, stream);
     let mut k = kernel_args(l.kernel_args(&call, &ident, None), args, rpc);
     let kernel = Kernel {
         f,
@@ -133,6 +126,18 @@ pub(super) fn launch(
             s.hidden
         )
     })
+}
+
+/// The launcher's view of a fused call: the rows in, the normalised rows out, summed.
+fn call_args(args: &AddRmsNorm, s: &fused::Shape, stream: sys::CUstream) -> CallArgs {
+    CallArgs {
+        send: args.input as u64,
+        recv: args.out as u64,
+        count: s.count(),
+        dtype: args.dtype,
+        op: ReduceOp::Sum,
+        stream,
+    }
 }
 
 /// Enqueues the reference add + RMSNorm on `stream`: `args.input` holds the all-reduced rows.
@@ -157,14 +162,7 @@ pub(super) fn reference(l: &Launcher, args: &AddRmsNorm, stream: sys::CUstream) 
         recv: None,
         fused: None,
     };
-    let call = CallArgs {
-        send: args.input as u64,
-        recv: args.out as u64,
-        count: s.count(),
-        dtype,
-        op: ReduceOp::Sum,
-        stream,
-    };
+    let call = call_args(args, &s, stream);
     let mut k = kernel_args(l.kernel_args(&call, &ident, None), args, s.tokens);
     let grid = s.tokens.div_ceil(ROWS_PER_PASS).min(1 << 16) as u32;
     let kernel = Kernel {
