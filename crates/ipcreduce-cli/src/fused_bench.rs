@@ -331,25 +331,7 @@ impl<'a> Timer<'a> {
         stream
             .synchronize()
             .map_err(cu(rank, "cuStreamSynchronize"))?;
-        stream
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(cu(rank, "cuStreamBeginCapture"))?;
-        let mut captured = Ok(());
-        for _ in 0..k {
-            captured = one(comm);
-            if captured.is_err() {
-                break;
-            }
-        }
-        let g = stream
-            .end_capture(sys::CUgraphInstantiate_flags(0))
-            .map_err(cu(rank, "cuStreamEndCapture"))?;
-        captured?;
-        let graph = g.ok_or_else(|| Error::Cuda {
-            rank,
-            op: "graph capture".into(),
-            detail: "captured an empty graph".into(),
-        })?;
+        let graph = crate::gpu::capture(stream, comm, k, one)?;
         // Warm-up replay.
         graph.launch().map_err(cu(rank, "cuGraphLaunch"))?;
         stream

@@ -87,6 +87,37 @@ pub fn comm_context(comm: &Communicator) -> Result<Arc<cs::CudaContext>> {
     cs::CudaContext::new(ordinal).map_err(cu(rank, "context creation"))
 }
 
+/// `k` calls of `one`, captured from `stream` (thread-local mode) into an instantiated graph:
+/// how the timed loops replay what users capture.
+pub fn capture(
+    stream: &Arc<cs::CudaStream>,
+    comm: &mut Communicator,
+    k: usize,
+    one: &mut dyn FnMut(&mut Communicator) -> Result<()>,
+) -> Result<cs::CudaGraph> {
+    let rank = comm.rank();
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(cu(rank, "cuStreamBeginCapture"))?;
+    let mut captured = Ok(());
+    for _ in 0..k {
+        captured = one(comm);
+        if captured.is_err() {
+            break;
+        }
+    }
+    // The capture is ended whatever a call returned, so the stream is usable again.
+    let g = stream
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .map_err(cu(rank, "cuStreamEndCapture"))?;
+    captured?;
+    g.ok_or_else(|| Error::Cuda {
+        rank,
+        op: "graph capture".into(),
+        detail: "captured an empty graph".into(),
+    })
+}
+
 /// Device memory for the buffers an all-reduce reads and writes: plain, or registered with
 /// every peer by `Communicator::alloc` (zero-copy calls).
 pub enum Memory {

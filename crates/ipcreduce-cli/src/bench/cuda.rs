@@ -254,26 +254,7 @@ impl CudaRunner {
             Some(k) => {
                 let k = k.max(1);
                 self.sync()?;
-                self.stream
-                    .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                    .map_err(cu(rank, "cuStreamBeginCapture"))?;
-                let mut captured = Ok(());
-                for _ in 0..k {
-                    captured = one(comm);
-                    if captured.is_err() {
-                        break;
-                    }
-                }
-                let g = self
-                    .stream
-                    .end_capture(sys::CUgraphInstantiate_flags(0))
-                    .map_err(cu(rank, "cuStreamEndCapture"))?;
-                captured?;
-                let g = g.ok_or_else(|| Error::Cuda {
-                    rank,
-                    op: "graph capture".into(),
-                    detail: "captured an empty graph".into(),
-                })?;
+                let g = crate::gpu::capture(&self.stream, comm, k, &mut one)?;
                 let (warm, reps) = (m.warmup.div_ceil(k).max(1), iters.div_ceil(k));
                 for _ in 0..warm {
                     g.launch().map_err(cu(rank, "cuGraphLaunch"))?;
