@@ -41,11 +41,13 @@ impl Communicator {
 
     /// Joins the job described by `info`.
     pub fn with_rank_info(info: RankInfo, config: &Config) -> Result<Communicator> {
+        let mut phases = crate::phases::Phases::start("init");
         let config = config.resolve()?;
         let mut flight = crate::flight::Recorder::from_env()?;
         let algo_env = config.algo;
         let reg_oneshot_max = config.reg_oneshot_max_bytes;
         let mut boot = Bootstrap::connect(info, config.timeout())?;
+        phases.mark("bootstrap");
         flight.identify(crate::flight::Identity {
             job: boot.info().job_id.clone(),
             rank: boot.rank(),
@@ -62,6 +64,7 @@ impl Communicator {
             ),
             BackendKind::Cuda => Box::new(backend::cuda::CudaComm::new(&mut boot, &config)?),
         };
+        phases.mark("backend");
         if kind == BackendKind::Cuda {
             // Its context is current on this thread now.
             flight.attach_device();
@@ -69,6 +72,8 @@ impl Communicator {
         // The tuning hook: every rank uses rank 0's measured table.
         let tune = crate::tune::agree(&mut boot, kind, backend.device())?;
         backend.use_tuning(&tune);
+        phases.mark("tuning table");
+        phases.log(boot.rank());
         Ok(Communicator {
             backend,
             boot,

@@ -28,6 +28,7 @@ const DEFAULT_CTA_CAP: usize = 64;
 impl CudaComm {
     pub fn new(boot: &mut Bootstrap, config: &Config) -> Result<CudaComm> {
         usable()?;
+        let mut phases = crate::phases::Phases::start("cuda init");
         let rank = boot.rank();
         let world = boot.world();
         if world > MAX_RANKS {
@@ -45,12 +46,14 @@ impl CudaComm {
             count as usize,
         )?;
         let gpu = Loaded::get(ordinal, kernels::world_class(world), rank)?;
+        phases.mark("context");
         let pdl = Pdl::resolve(config.pdl, gpu.pdl_capable);
         let ctx = gpu.ctx.clone();
         ctx.bind_to_thread()
             .map_err(|e| cuda("binding the context", e))?;
         let stream = ctx.new_stream().map_err(|e| cuda("stream creation", e))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        phases.mark("stream");
 
         let device = ctx.cu_device();
         let uuids = boot.all_gather(&device_uuid(device, rank)?)?;
@@ -72,6 +75,7 @@ impl CudaComm {
         }
         // What every rank's grid can count on being resident (the smallest room of any rank).
         let room = residency::agree(boot, residency::measure(&gpu, device, sharing, rank)?)?;
+        phases.mark("device exchange");
         let residency::Caps { cap, deep_cap } =
             residency::caps(&room, fixed, DEFAULT_CTA_CAP, MAX_BLOCKS)
                 .map_err(|why| Error::invalid(rank, "init", why))?;
@@ -149,6 +153,7 @@ impl CudaComm {
         // Also checks every pair (P2P query, mapping, cross-process read) for the transport.
         let bytes = data_offset(world) as usize + 2 * slot_bytes;
         let ws = SharedWorkspaces::open(boot, device, bytes, &uuids, config)?;
+        phases.mark("workspaces");
         if ws.size < bytes {
             return Err(Error::Cuda {
                 rank,
@@ -181,6 +186,7 @@ impl CudaComm {
             })?
         };
         driver::ctx_synchronize(rank, || "cuCtxSynchronize".into())?;
+        phases.mark("fabric and state");
         let abort = boot.abort_state();
         let weak: Weak<MappedHostWords> = Arc::downgrade(&words);
         abort.on_abort(Box::new(move || {
@@ -241,8 +247,10 @@ impl CudaComm {
             bufs: Vec::new(),
             devices,
         };
+        phases.mark("names");
         // Every rank's signal area is cleared before any kernel writes into it.
         boot.barrier()?;
+        phases.mark("barrier");
 
         let shared_gpu = (0..world).any(|i| (0..i).any(|j| uuids[i] == uuids[j]));
         if config.with_nccl {
@@ -252,7 +260,9 @@ impl CudaComm {
             } else {
                 nccl::Nccl::init(boot, shared_gpu).map_err(|e| e.to_string())
             };
+            phases.mark("nccl");
         }
+        phases.log(rank);
         tracing::debug!(
             rank,
             "programmatic dependent launch: {:?}, LL kernels let the next launch early: {}",
