@@ -38,7 +38,8 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 # Never NVLink multicast.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export IPCREDUCE_TUNE_FILE="$OUT/no-tune.txt"
-export IPCREDUCE_LOG=ipcreduce=info
+# ipcreduce::phases: one line per rank with the time of each start-up phase.
+export IPCREDUCE_LOG=ipcreduce=info,ipcreduce::phases=debug
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 SUMMARY="$OUT/summary.txt"
 TIMES="$OUT/times.txt"
@@ -203,7 +204,34 @@ print()
 for text, ok, got in goals:
     print(f"- {'met' if ok else 'MISSED'}: {text}: {got}")
 EOF
+# Where the warm start-up goes: each phase's median over runs of its slowest rank (the line of
+# every rank's `init` and `cuda init`, from the warm step logs).
+python3 - "$OUT" "$WORLDS" >"$OUT/phases.md" <<'EOF' || status=1
+import glob, os, re, statistics, sys
+out, worlds = sys.argv[1], [int(w) for w in sys.argv[2].split()]
+line = re.compile(r"(cuda init|init) ([0-9.]+) s: (.*?) rank=(\d+)")
+print("# Warm start-up phases (seconds; slowest rank of each run, median over runs)")
+for w in worlds:
+    runs = []
+    for log in sorted(glob.glob(os.path.join(out, f"warm-w{w}-*.log"))):
+        worst = {}
+        for m in line.finditer(open(log, errors="replace").read()):
+            what, total = m.group(1), float(m.group(2))
+            parts = [p.rsplit(" ", 1) for p in m.group(3).split(", ") if " " in p]
+            for name, t in [("total", total)] + [(n, float(v)) for n, v in parts]:
+                key = f"{what}: {name}"
+                worst[key] = max(worst.get(key, 0.0), t)
+        if worst:
+            runs.append(worst)
+    if not runs:
+        print(f"- world {w}: no phase lines")
+        continue
+    keys = list(runs[0])
+    print(f"- world {w} ({len(runs)} runs): " + ", ".join(
+        f"{k} {statistics.median(r.get(k, 0.0) for r in runs):.3f}" for k in keys))
+EOF
 cat "$OUT/startup.md"
+cat "$OUT/phases.md"
 cat "$OUT/cache-files.txt" 2>/dev/null
 echo "== summary"
 cat "$SUMMARY"
