@@ -34,19 +34,16 @@ impl Gpu {
     pub(super) fn new(comm: &mut Communicator, grad_bytes: usize, registered: bool) -> Result<Gpu> {
         let rank = comm.rank();
         let ctx = comm_context(comm)?;
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(cu(rank, "compute capability query"))?;
-        let ptx = kernels::compile_compute(&format!("sm_{major}{minor}")).map_err(|e| match e {
-            Error::Cuda { op, detail, .. } => Error::Cuda { rank, op, detail },
-            other => other,
-        })?;
-        let module = ctx
-            .load_module(ptx)
-            .map_err(cu(rank, "loading the compute module"))?;
-        let kernel = module
-            .load_function(COMPUTE_KERNEL)
-            .map_err(cu(rank, "loading the compute kernel"))?;
+        // Through the kernel cache, to a CUBIN for this GPU: no driver JIT, no compile at all
+        // once cached (as the library's kernels).
+        let kernel = crate::gpu::load_kernels(
+            &ctx,
+            rank,
+            "compute.cu",
+            kernels::COMPUTE_SOURCE,
+            &[COMPUTE_KERNEL],
+        )?
+        .remove(0);
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(cu(rank, "SM count query"))?;
