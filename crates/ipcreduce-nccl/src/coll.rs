@@ -106,13 +106,16 @@ fn check(call: &Args, rank: usize, world: usize) -> Result<Plan, &'static str> {
 
 /// Runs `call` on ipcreduce if it may, else hands it to NCCL.
 pub fn run(call: &Args) -> NcclResult {
+    let mut clock = crate::profile::Clock::start();
     match ours(call) {
         Ok((a, plan)) => {
             let (dt, op) = (plan.dtype, plan.op);
             // A panic must not cross into C (it would abort the caller's process): it becomes
             // an internal error, on a communicator then aborted.
+            clock.lap(0);
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 let mut c = a.comm.lock().unwrap_or_else(|p| p.into_inner());
+                clock.lap(1);
                 // SAFETY: the checks of `ours`; the caller vouches for the memory, as with NCCL.
                 let r = unsafe {
                     match call.coll {
@@ -147,6 +150,7 @@ pub fn run(call: &Args) -> NcclResult {
                     }
                     r => r,
                 };
+                clock.lap(2);
                 // In log mode the all-reduce's line names the path it took.
                 let path = match (log::logging(), call.coll) {
                     (true, Coll::AllReduce) => c
@@ -156,6 +160,7 @@ pub fn run(call: &Args) -> NcclResult {
                     _ => String::new(),
                 };
                 log::collective(call.coll, Some(a.rank), true, format_args!("{call}{path}"));
+                clock.lap(3);
                 r
             }));
             match r {

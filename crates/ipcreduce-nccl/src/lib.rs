@@ -18,6 +18,7 @@
 //! | [`avg`] | `ncclAvg`'s division by the world size |
 //! | [`group`] | `ncclGroupStart`/`ncclGroupEnd` |
 //! | [`log`] | `IPCREDUCE_NCCL`, call lines and counts |
+//! | [`profile`] | `IPCREDUCE_NCCL_PROFILE=1`: host time per phase |
 //! | [`errors`] | texts for `ncclGetLastError` |
 
 // The entry points' safety contract is nccl.h's, the same for all of them; they are called
@@ -33,5 +34,6 @@ pub mod errors;
 pub mod forward;
 pub mod group;
 pub mod log;
+pub mod profile;
 pub mod real;
 pub mod types;
