@@ -8,8 +8,12 @@
 //! of `pattern` (every element differs from the previous iteration's, so a result made from a
 //! stale input is wrong) and each output poisoned; then a barrier, the calls back to back,
 //! timed as one span, and every output checked against its iteration's exact result. When
-//! the buffers of a whole round do not fit [`ROUND_BYTES`], the round runs in segments of as
-//! many calls as fit (a barrier before each, the segments' spans added).
+//! the buffers of a whole round do not fit the cache budget ([`CACHE_BYTES`] shared by the
+//! ranks), the round runs in segments of as many calls as fit (a barrier before each, the
+//! segments' spans added): a program's back-to-back calls reuse one buffer pair that stays in
+//! cache, and a segment streaming through hundreds of MiB of fresh buffers timed memory
+//! bandwidth instead (up to 3.6x the library loop, examples/host_loop.rs, at mid sizes).
+//! Preparing a segment's inputs just before its barrier leaves them in cache, as the loop's.
 //!
 //! A round has at least `iters` calls and enough for [`ROUND_SPAN`] at the warm-up's pace
 //! (agreed by every rank: the slowest estimate), at most [`MAX_CALLS`]: small messages need
@@ -30,8 +34,18 @@ pub const ROUNDS: usize = 5;
 const ROUND_SPAN: Duration = Duration::from_millis(4);
 /// Most calls in one round (small messages).
 const MAX_CALLS: usize = 20_000;
-/// Bytes of input plus output buffers one segment may hold, per rank.
-const ROUND_BYTES: usize = 256 << 20;
+/// Bytes of input plus output buffers the segments of all ranks may hold together: about half
+/// the last-level cache (32 MiB on the 2-core machine), leaving the rest to the shared arena.
+const CACHE_BYTES: usize = 16 << 20;
+/// Least bytes per rank's segment (many ranks), so small messages still make long segments.
+const MIN_SEGMENT_BYTES: usize = 1 << 20;
+
+/// Calls per segment for `slot_bytes`-byte slots at `world` ranks: input and output buffers
+/// of all of them within the rank's share of [`CACHE_BYTES`], at least one call.
+pub fn segment_calls(slot_bytes: usize, world: usize) -> usize {
+    let share = (CACHE_BYTES / world.max(1)).max(MIN_SEGMENT_BYTES);
+    (share / (2 * slot_bytes.max(1))).max(1)
+}
 
 pub struct HostRunner {
     /// Inputs, then outputs, of one segment: `2 * calls` slots of `slot` bytes in u64 words
@@ -96,7 +110,7 @@ impl HostRunner {
         })
     }
 
-    /// `n` calls in segments that fit [`ROUND_BYTES`]: for each, inputs filled and outputs
+    /// `n` calls in segments that fit the cache budget ([`segment_calls`]): for each, inputs filled and outputs
     /// poisoned, a barrier, the calls timed back to back, every output checked. Returns the
     /// summed span of the calls and the time spent preparing and checking.
     fn round(
@@ -111,7 +125,7 @@ impl HostRunner {
         let bytes = m.count * m.dtype.size();
         // Slots start on 8 bytes; at least one word so that empty messages have addresses.
         let slot_words = bytes.div_ceil(8).max(1);
-        let fit = (ROUND_BYTES / (2 * slot_words * 8)).max(1);
+        let fit = segment_calls(slot_words * 8, m.world);
         let rank = comm.rank();
         let mut span = Duration::ZERO;
         let mut prep = Duration::ZERO;
@@ -183,4 +197,22 @@ fn gather_max(comm: &mut Communicator, v: u64) -> Result<u64> {
         .map(u64::from_le_bytes)
         .max()
         .unwrap_or(v))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::segment_calls;
+
+    #[test]
+    fn segments_stay_within_the_cache_budget() {
+        // 2 KiB at 2 ranks: 8 MiB per rank, 4 KiB per call (input + output).
+        assert_eq!(segment_calls(2048, 2), 2048);
+        // 4 ranks: 4 MiB each.
+        assert_eq!(segment_calls(2048, 4), 1024);
+        // Many ranks: still 1 MiB per rank.
+        assert_eq!(segment_calls(2048, 64), 256);
+        // A message larger than the share: one call per segment.
+        assert_eq!(segment_calls(32 << 20, 2), 1);
+        assert_eq!(segment_calls(0, 2), 8 << 20);
+    }
 }
