@@ -213,6 +213,7 @@ mod tests {
         assert_eq!(segment_calls(2048, 64), 256);
         // A message larger than the share: one call per segment.
         assert_eq!(segment_calls(32 << 20, 2), 1);
-        assert_eq!(segment_calls(0, 2), 8 << 20);
+        // An empty message counts as one byte per slot: 8 MiB / (2 * 1 B).
+        assert_eq!(segment_calls(0, 2), 4 << 20);
     }
 }
