@@ -208,7 +208,10 @@ fn diverges_at(dumps: &[Dump], missing: &[usize], seq: u64, last: bool) -> Optio
     let mut groups: Vec<(Ident, Vec<usize>)> = Vec::new();
     for (rank, r) in &made {
         let id = r.ident();
-        match groups.iter_mut().find(|(g, _)| *g == id) {
+        match groups
+            .iter_mut()
+            .find(|(g, _)| g.differences(&id).is_empty())
+        {
             Some((_, rs)) => rs.push(*rank),
             None => groups.push((id, vec![*rank])),
         }

@@ -121,12 +121,26 @@ impl Communicator {
     /// refuse alike on every rank before anything collective starts. Ask
     /// [`Communicator::unavailable`] before requesting an algorithm that may be missing.
     fn collective<R>(&mut self, call: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
+        if let Some(e) = self.refusal() {
+            return Err(self.flight.note(e));
+        }
+        self.attempt(call)
+    }
+
+    /// The error a call on an aborted communicator is refused with, if it is aborted.
+    fn refusal(&self) -> Option<Error> {
         // The flag first: a healthy communicator's call takes no lock here.
         let state = self.boot.abort_state();
-        if let Some(reason) = state.is_aborted().then(|| state.reason()).flatten() {
-            let rank = self.rank();
-            return Err(self.flight.note(Error::Aborted { rank, reason }));
-        }
+        let reason = state.is_aborted().then(|| state.reason()).flatten()?;
+        Some(Error::Aborted {
+            rank: self.rank(),
+            reason,
+        })
+    }
+
+    /// [`Self::collective`] past the refusal: runs `call`, aborting the communicator if it fails.
+    fn attempt<R>(&mut self, call: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
+        let state = self.boot.abort_state();
         let r = call(self);
         if let Err(e) = r {
             // A failure the backend already turned into an abort (mismatch, timeout, a peer's
@@ -145,7 +159,17 @@ impl Communicator {
         id: crate::flight::CallId,
         call: impl FnOnce(&mut Self) -> Result<R>,
     ) -> Result<R> {
-        self.collective(|c| {
+        if let Some(e) = self.refusal() {
+            // A peer's abort that reached this rank before its call: the call is still this
+            // rank's first failure, recorded as such, so that every rank's record and trace
+            // show the call it was making. Later refusals leave the ring as it was.
+            if !self.flight.has_failed() {
+                self.flight.begin(&id);
+                self.flight.end(false);
+            }
+            return Err(self.flight.note(e));
+        }
+        self.attempt(|c| {
             c.flight.begin(&id);
             let r = call(c);
             c.flight.end(r.is_ok());
@@ -397,7 +421,9 @@ impl Communicator {
         op: ReduceOp,
         algo: Algorithm,
     ) -> Result<()> {
-        self.collective(|c| {
+        // `attempt`, not `collective`: the raw call refuses an aborted communicator itself,
+        // recording the call it refuses (see `recorded`).
+        self.attempt(|c| {
             c.require_host("all_reduce_host")?;
             if send.len() != recv.len() {
                 return Err(Error::invalid(
@@ -429,7 +455,9 @@ impl Communicator {
         op: ReduceOp,
         algo: Algorithm,
     ) -> Result<()> {
-        self.collective(|c| {
+        // `attempt`, not `collective`: the raw call refuses an aborted communicator itself,
+        // recording the call it refuses (see `recorded`).
+        self.attempt(|c| {
             c.require_host("all_reduce_host_in_place")?;
             let b = as_bytes_mut(buf);
             let p = b.as_mut_ptr().cast::<c_void>();
@@ -837,7 +865,9 @@ impl Communicator {
         recv: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        self.collective(|c| {
+        // `attempt`, not `collective`: the raw call refuses an aborted communicator itself,
+        // recording the call it refuses (see `recorded`).
+        self.attempt(|c| {
             c.require_host("reduce_scatter_host")?;
             c.require_len("reduce_scatter", send.len(), recv.len() * c.world())?;
             let (s, r) = (as_bytes(send), as_bytes_mut(recv));
@@ -857,7 +887,9 @@ impl Communicator {
 
     /// All-gather of host slices (host backend): `send.len() * world == recv.len()`.
     pub fn all_gather_host<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<()> {
-        self.collective(|c| {
+        // `attempt`, not `collective`: the raw call refuses an aborted communicator itself,
+        // recording the call it refuses (see `recorded`).
+        self.attempt(|c| {
             c.require_host("all_gather_host")?;
             c.require_len("all_gather", recv.len(), send.len() * c.world())?;
             let (s, r) = (as_bytes(send), as_bytes_mut(recv));

@@ -424,6 +424,11 @@ impl Recorder {
         )))
     }
 
+    /// Whether a failure was recorded already (the ring is then kept as it was).
+    pub fn has_failed(&self) -> bool {
+        self.error.is_some()
+    }
+
     /// `error` with the dump's file named in it: the ring is written at the first failure
     /// (later ones name the same file; the ring no longer changes once the communicator is
     /// aborted). Off, or when the file cannot be written (a warning says why), the error comes

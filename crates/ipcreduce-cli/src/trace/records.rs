@@ -97,8 +97,11 @@ impl Ident {
             self.in_place.to_string(),
             want.in_place.to_string(),
         );
-        let p = |p: &Option<String>| p.clone().unwrap_or_else(|| "-".into());
-        cmp("path", p(&self.path), p(&want.path));
+        // A call refused before its path was chosen (the communicator was aborted already)
+        // has none: that is no difference.
+        if let (Some(a), Some(b)) = (&self.path, &want.path) {
+            cmp("path", a.clone(), b.clone());
+        }
         d
     }
 }
@@ -170,4 +173,35 @@ pub(super) fn files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>, String> {
         ));
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Ident;
+
+    fn ident(count: u64, path: Option<&str>) -> Ident {
+        Ident {
+            op: "all_reduce".into(),
+            count,
+            dtype: "float".into(),
+            reduce: "sum".into(),
+            in_place: false,
+            path: path.map(Into::into),
+        }
+    }
+
+    #[test]
+    fn a_call_refused_before_its_path_was_chosen_differs_only_in_what_it_names() {
+        let ran = ident(105, Some("oneshot"));
+        assert!(ident(105, None).differences(&ran).is_empty());
+        assert!(ran.differences(&ident(105, None)).is_empty());
+        assert_eq!(
+            ident(106, None).differences(&ran),
+            vec!["count 106 vs 105".to_string()]
+        );
+        assert_eq!(
+            ident(105, Some("twoshot")).differences(&ran),
+            vec!["path twoshot vs oneshot".to_string()]
+        );
+    }
 }
