@@ -54,6 +54,8 @@ fn play_rank_if_child() {
         "pointers" => rank_pointers(),
         "scatter_gather" => rank_scatter_gather(),
         "hostile" => rank_hostile(),
+        "graph_origin" => rank_graph_origin(),
+        "graph_after_close" => rank_graph_after_close(),
         "share_refused" => rank_share_refused(),
         "staged_offsets" => rank_staged_offsets(),
         other => panic!("unknown role {other}"),
@@ -1765,6 +1767,163 @@ fn hostile_calls_fail_promptly_on_every_rank() {
         "hostile_calls_fail_promptly_on_every_rank",
         "hostile",
         &[2, 4, 8],
+        &[],
+    );
+}
+
+/// One all-reduce of `COUNT` floats on `s`, captured into a graph.
+fn captured_all_reduce(
+    c: &mut Communicator,
+    s: &Stream,
+    send: &DeviceAlloc,
+    recv: &DeviceAlloc,
+) -> Graph {
+    let count = send.bytes / 4;
+    Graph::capture(s, || {
+        reduce(
+            c,
+            send.ptr,
+            recv.ptr,
+            count,
+            DType::F32,
+            ReduceOp::Sum,
+            Algorithm::OneShot,
+            s.ptr(),
+        )
+    })
+}
+
+/// A replay paired with an eager call, or with a call of another graph, on the other ranks:
+/// every rank must fail promptly with a mismatch that names the origin, not reduce the two
+/// together. Case `eager`: rank 0 replays, the others call eagerly. Case `graphs`: every rank
+/// captures graphs 1 and 2; rank 0 replays 2, the others 1.
+fn rank_graph_origin() -> i32 {
+    let mut checked = 0;
+    for (case, words) in [
+        ("eager", "origin (eager call against CUDA graph replay)"),
+        ("graphs", "CUDA graph or call within it"),
+    ] {
+        let mut c = hostile_comm(&format!("origin-{case}"), None);
+        let rank = c.rank();
+        let s = Stream::new();
+        let bytes = 4096 * 4;
+        let (send, recv) = (
+            DeviceAlloc::new(bytes, rank).unwrap(),
+            DeviceAlloc::new(bytes, rank).unwrap(),
+        );
+        let first = captured_all_reduce(&mut c, &s, &send, &recv);
+        let second = (case == "graphs").then(|| captured_all_reduce(&mut c, &s, &send, &recv));
+        c.bootstrap().barrier().expect("barrier");
+        let t0 = std::time::Instant::now();
+        let issued = match (rank, &second) {
+            (0, Some(g)) => {
+                g.launch(&s);
+                Ok(())
+            }
+            (_, Some(_)) | (0, None) => {
+                first.launch(&s);
+                Ok(())
+            }
+            (_, None) => {
+                // SAFETY: this rank's device buffers of `bytes`.
+                unsafe {
+                    c.all_reduce_raw(
+                        send.ptr as *const c_void,
+                        recv.ptr as *mut c_void,
+                        bytes / 4,
+                        DType::F32,
+                        ReduceOp::Sum,
+                        Algorithm::OneShot,
+                        s.ptr(),
+                    )
+                }
+            }
+        };
+        // A replay is no call the communicator sees: wait for the stream, then read the
+        // error record.
+        sync(s.0);
+        let err = issued
+            .err()
+            .or_else(|| c.synchronize().err())
+            .or_else(|| c.async_error())
+            .unwrap_or_else(|| {
+                panic!("rank {rank}: origin {case}: the mispaired call returned Ok")
+            });
+        let took = t0.elapsed();
+        let text = err.to_string();
+        assert!(
+            text.contains(words),
+            "rank {rank}: origin {case}: the error does not name `{words}`: {text}"
+        );
+        assert!(
+            took < HOSTILE_PROMPT,
+            "rank {rank}: origin {case}: failed after {took:?}: {text}"
+        );
+        if rank == 0 {
+            eprintln!("origin {case}: {took:?}: {text}");
+        }
+        drop((first, second));
+        drop(c);
+        checked += 1;
+    }
+    say(format!("DONE {checked}"));
+    0
+}
+
+/// A graph replayed after its communicator was dropped: the communicator's state stays behind,
+/// marked closed, and the graph's first kernel stops (a trap) instead of reading or writing
+/// the freed workspace. The replay must fail on every rank; the process's CUDA context is
+/// lost after it, so nothing is freed and the rank exits at once.
+fn rank_graph_after_close() -> i32 {
+    let mut c = hostile_comm("after-close", None);
+    let rank = c.rank();
+    let s = Stream::new();
+    let bytes = 4096 * 4;
+    let (send, recv) = (
+        DeviceAlloc::new(bytes, rank).unwrap(),
+        DeviceAlloc::new(bytes, rank).unwrap(),
+    );
+    let g = captured_all_reduce(&mut c, &s, &send, &recv);
+    // One good replay first: the graph works while its communicator lives.
+    g.launch(&s);
+    sync(s.0);
+    c.bootstrap().barrier().expect("barrier");
+    drop(c);
+    g.launch(&s);
+    // SAFETY: our live stream.
+    let res = unsafe { sys::cuStreamSynchronize(s.0) };
+    assert_ne!(
+        res,
+        sys::CUresult::CUDA_SUCCESS,
+        "rank {rank}: a graph replayed after its communicator was dropped completed"
+    );
+    eprintln!("rank {rank}: replay after close: {res:?}");
+    // The context is lost: freeing anything would fail.
+    std::mem::forget((g, s, send, recv));
+    say("DONE 1");
+    0
+}
+
+#[test]
+fn a_graph_replay_paired_with_an_eager_call_or_another_graph_fails_on_every_rank() {
+    play_rank_if_child();
+    run_role(
+        "a_graph_replay_paired_with_an_eager_call_or_another_graph_fails_on_every_rank",
+        "graph_origin",
+        &[2, 4],
+        &[],
+    );
+}
+
+/// Faults its ranks' CUDA contexts on purpose: gpu-tests.sh runs the tests named
+/// `..._after_close_...` last.
+#[test]
+fn a_graph_replayed_after_close_traps_before_touching_memory() {
+    play_rank_if_child();
+    run_role(
+        "a_graph_replayed_after_close_traps_before_touching_memory",
+        "graph_after_close",
+        &[2],
         &[],
     );
 }

@@ -61,6 +61,7 @@ pub(super) fn launch(
         send: registered(send),
         recv: registered(recv),
         fused: None,
+        origin: None,
     };
     let mut args = l.kernel_args(call, &ident, zero_copy);
     let knobs = l.limits.staged;

@@ -109,6 +109,7 @@ pub(super) fn launch(
             fp8: s.fp8,
             residual_in_place: s.residual_in_place,
         }),
+        origin: None,
     };
     let call = call_args(args, s, stream);
     let mut k = kernel_args(l.kernel_args(&call, &ident, None), args, rpc);
@@ -161,6 +162,7 @@ pub(super) fn reference(l: &Launcher, args: &AddRmsNorm, stream: sys::CUstream) 
         send: None,
         recv: None,
         fused: None,
+        origin: None,
     };
     let call = call_args(args, &s, stream);
     let mut k = kernel_args(l.kernel_args(&call, &ident, None), args, s.tokens);

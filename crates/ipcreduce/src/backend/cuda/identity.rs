@@ -32,6 +32,23 @@ pub struct FusedShape {
     pub residual_in_place: bool,
 }
 
+/// Where a call was issued from: captured into a CUDA graph (a replay runs it), or eager when
+/// None. Graphs are numbered per communicator in the order their first call of ours was
+/// captured, calls in capture order within each; ranks that capture the same graphs number them
+/// alike, so a replay meets the same call of the same graph on every peer, and a replay against
+/// an eager call, or against another graph, is a mismatch instead of a pairing of unrelated
+/// buffers. Both numbers are kept modulo [`ORIGIN_WRAP`] (12 bits each in the flags word).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Captured {
+    /// The graph's number (1, 2, ...), mod [`ORIGIN_WRAP`].
+    pub graph: u32,
+    /// The call's index within its graph's capture (0, 1, ...), mod [`ORIGIN_WRAP`].
+    pub index: u32,
+}
+
+/// Graph numbers and call indices wrap at this value.
+pub const ORIGIN_WRAP: u32 = 1 << 12;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CallIdentity {
     pub op: SgOp,
@@ -47,10 +64,17 @@ pub struct CallIdentity {
     pub recv: Option<RegionAt>,
     /// Fused calls: the shape, eps and outputs (then `send` and `recv` are None).
     pub fused: Option<FusedShape>,
+    /// Captured into a CUDA graph (None: eager). The operations build their identity with
+    /// None; the launcher stamps the origin of the call it issues ([`CallIdentity::issued`]).
+    pub origin: Option<Captured>,
 }
 
 /// Flags-word bit of an identity that carries a [`FusedShape`].
 const FLAG_FUSED: u32 = 1 << 3;
+/// Flags-word bit of a captured call; its graph number is in bits 8-19, its index in 20-31.
+const FLAG_CAPTURED: u32 = 1 << 4;
+const ORIGIN_GRAPH_SHIFT: u32 = 8;
+const ORIGIN_INDEX_SHIFT: u32 = 20;
 
 fn op_code(op: SgOp) -> u32 {
     op.code() + 1
@@ -66,17 +90,29 @@ fn op_words(op: SgOp) -> &'static str {
 }
 
 impl CallIdentity {
+    /// This identity as issued from `origin`.
+    pub fn issued(&self, origin: Option<Captured>) -> CallIdentity {
+        CallIdentity { origin, ..*self }
+    }
+
     /// The words the kernels carry: {op | path << 8 | dtype << 16 | reduce op << 24, flags
-    /// (in place, send registered, recv registered), count (2), send region, recv region,
-    /// send offset (2), recv offset (2)}.
+    /// (in place, send registered, recv registered, fused, captured; the graph number and the
+    /// call's index in it), count (2), send region, recv region, send offset (2), recv
+    /// offset (2)}.
     pub fn encode(&self) -> [u32; IDENT_WORDS] {
         let region = |r: Option<RegionAt>| r.map_or((0, 0), |r| (r.id, r.offset));
         let (sid, soff) = region(self.send);
         let (rid, roff) = region(self.recv);
+        let origin = self.origin.map_or(0, |o| {
+            FLAG_CAPTURED
+                | (o.graph % ORIGIN_WRAP) << ORIGIN_GRAPH_SHIFT
+                | (o.index % ORIGIN_WRAP) << ORIGIN_INDEX_SHIFT
+        });
         let flags = self.in_place as u32
             | (self.send.is_some() as u32) << 1
             | (self.recv.is_some() as u32) << 2
-            | if self.fused.is_some() { FLAG_FUSED } else { 0 };
+            | if self.fused.is_some() { FLAG_FUSED } else { 0 }
+            | origin;
         let mut w = [
             op_code(self.op)
                 | (self.path.code() & 0xFF) << 8
@@ -113,6 +149,10 @@ impl CallIdentity {
         let at = |bit: u32, id: u32, off: u64| {
             (w[1] & (1 << bit) != 0).then_some(RegionAt { id, offset: off })
         };
+        let origin = (w[1] & FLAG_CAPTURED != 0).then(|| Captured {
+            graph: (w[1] >> ORIGIN_GRAPH_SHIFT) % ORIGIN_WRAP,
+            index: (w[1] >> ORIGIN_INDEX_SHIFT) % ORIGIN_WRAP,
+        });
         if w[1] & FLAG_FUSED != 0 {
             return Some(CallIdentity {
                 op,
@@ -129,6 +169,7 @@ impl CallIdentity {
                     fp8: w[7] & 1 != 0,
                     residual_in_place: w[7] & 2 != 0,
                 }),
+                origin,
             });
         }
         Some(CallIdentity {
@@ -141,6 +182,7 @@ impl CallIdentity {
             send: at(1, w[4], wide(6)),
             recv: at(2, w[5], wide(8)),
             fused: None,
+            origin,
         })
     }
 
@@ -150,8 +192,17 @@ impl CallIdentity {
     }
 
     /// The call in words, e.g. "all-reduce oneshot-reg16 67108864 x float sum out of place,
-    /// send region 2 +0, recv region 3 +0".
+    /// send region 2 +0, recv region 3 +0"; a captured call adds ", in CUDA graph 1 as its
+    /// call 0" (the mismatch of a replay against an eager call names the origin).
     pub fn describe(&self) -> String {
+        let what = self.describe_call();
+        match self.origin {
+            Some(o) => format!("{what}, in CUDA graph {} as its call {}", o.graph, o.index),
+            None => what,
+        }
+    }
+
+    fn describe_call(&self) -> String {
         let place = if self.in_place {
             "in place"
         } else {
@@ -231,6 +282,14 @@ impl CallIdentity {
         check(self.in_place != other.in_place, "in place");
         check(self.send != other.send, "send buffer");
         check(self.recv != other.recv, "recv buffer");
+        check(
+            self.origin.is_some() != other.origin.is_some(),
+            "origin (eager call against CUDA graph replay)",
+        );
+        check(
+            self.origin.is_some() && other.origin.is_some() && self.origin != other.origin,
+            "CUDA graph or call within it",
+        );
         d
     }
 }
@@ -308,6 +367,7 @@ mod tests {
             send: None,
             recv: None,
             fused: None,
+            origin: None,
         }
     }
 
@@ -333,6 +393,7 @@ mod tests {
                         }),
                         recv: path.registered().then_some(RegionAt { id: 0, offset: 0 }),
                         fused: None,
+                        origin: None,
                     });
                 }
             }
@@ -353,6 +414,17 @@ mod tests {
                 ..ar(CudaPath::OneShotLl, 0)
             });
         }
+        // Every case again as captured, at the ends of the numbers' ranges.
+        let captured: Vec<CallIdentity> = cases
+            .iter()
+            .zip(
+                [(1, 0), (ORIGIN_WRAP - 1, ORIGIN_WRAP - 1), (2, 77)]
+                    .iter()
+                    .cycle(),
+            )
+            .map(|(id, &(graph, index))| id.issued(Some(Captured { graph, index })))
+            .collect();
+        cases.extend(captured);
         for id in cases {
             let w = id.encode();
             assert_eq!(CallIdentity::decode(&w), Some(id), "{w:?}");
@@ -482,5 +554,51 @@ mod tests {
             .map(|n| ll_flag(ar(CudaPath::OneShotLl, n).digest(), 7))
             .collect();
         assert!(flags.len() >= 9_990, "{}", flags.len());
+    }
+
+    #[test]
+    fn a_replay_against_an_eager_call_or_another_graph_is_a_difference_named_in_words() {
+        let eager = ar(CudaPath::OneShotLl, 4096);
+        let g1 = eager.issued(Some(Captured { graph: 1, index: 0 }));
+        let g1_next = eager.issued(Some(Captured { graph: 1, index: 1 }));
+        let g2 = eager.issued(Some(Captured { graph: 2, index: 0 }));
+        // Every pair of different origins stamps differently, so the kernels see a mismatch.
+        let all = [eager, g1, g1_next, g2];
+        for (i, a) in all.iter().enumerate() {
+            for b in &all[i + 1..] {
+                assert_ne!(a.digest(), b.digest(), "{a:?} {b:?}");
+            }
+        }
+        assert_eq!(
+            g1.differences(&eager),
+            vec!["origin (eager call against CUDA graph replay)"]
+        );
+        assert_eq!(g1.differences(&g2), vec!["CUDA graph or call within it"]);
+        assert_eq!(
+            g1.differences(&g1_next),
+            vec!["CUDA graph or call within it"]
+        );
+        assert!(g1.differences(&g1).is_empty());
+        let msg = describe_mismatch(0, &g1, 1, Some(&eager));
+        assert_eq!(
+            msg,
+            "rank 0: all-reduce oneshot-ll 4096 x float sum out of place, in CUDA graph 1 as its \
+             call 0; rank 1: all-reduce oneshot-ll 4096 x float sum out of place; they differ in \
+             origin (eager call against CUDA graph replay)"
+        );
+        // The numbers wrap instead of spilling into other fields.
+        let wrapped = eager.issued(Some(Captured {
+            graph: ORIGIN_WRAP + 3,
+            index: 2 * ORIGIN_WRAP + 5,
+        }));
+        let back = CallIdentity::decode(&wrapped.encode()).unwrap();
+        assert_eq!(back.origin, Some(Captured { graph: 3, index: 5 }));
+        assert_eq!(
+            CallIdentity {
+                origin: None,
+                ..back
+            },
+            eager
+        );
     }
 }

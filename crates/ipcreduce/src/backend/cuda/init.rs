@@ -238,6 +238,7 @@ impl CudaComm {
             stream,
             streams: streams::Tracker::new(own),
             events: streams::CudaEvents::new(rank),
+            captures: Default::default(),
             ws: ManuallyDrop::new(ws),
             launch,
             leak: teardown::Leak::Nothing,

@@ -134,6 +134,10 @@ pub(super) struct Launcher {
     /// it), and whether the call being issued is (see [`Launcher::launch`]).
     pub pdl: Pdl,
     pub launch_pdl: bool,
+    /// Where the call being issued comes from (set per call with `launch_pdl`): stamped into
+    /// its identity, so that a graph replay never pairs with an eager call or another graph's
+    /// call on a peer (see [`identity::Captured`]).
+    pub origin: Option<identity::Captured>,
     /// The LL kernels let the next kernel launch early (MODE_LET_NEXT_LAUNCH).
     pub let_next_launch: bool,
     /// The kernels of the last few calls' kinds: a repeated call finds its kernel here,
@@ -191,6 +195,7 @@ impl Launcher {
             last_path: None,
             pdl: agreed.pdl,
             launch_pdl: false,
+            origin: None,
             let_next_launch: agreed.let_next_launch,
             recent: [None; RECENT_KERNELS],
         }
@@ -301,14 +306,15 @@ impl Launcher {
         }
     }
 
-    /// The kernels' arguments for `call`, stamped with `ident`. `zero_copy`: every rank's send
-    /// and recv as mapped here (registered buffers).
+    /// The kernels' arguments for `call`, stamped with `ident` as issued from `self.origin`.
+    /// `zero_copy`: every rank's send and recv as mapped here (registered buffers).
     pub fn kernel_args(
         &self,
         call: &CallArgs,
         ident: &CallIdentity,
         zero_copy: Option<([u64; MAX_RANKS], [u64; MAX_RANKS])>,
     ) -> KernelArgs {
+        let ident = &ident.issued(self.origin);
         let mut data = [0u64; MAX_RANKS];
         let mut ll = [0u64; MAX_RANKS];
         let mut sig = [0u64; MAX_RANKS];
@@ -406,6 +412,7 @@ impl Launcher {
             send: None,
             recv: None,
             fused: None,
+            origin: None,
         };
         let f = self.function(path, dtype, reduce)?;
         self.took(path, 1);

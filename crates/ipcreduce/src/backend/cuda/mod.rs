@@ -36,6 +36,7 @@
 //! registered buffers), never an `impl` of [`CudaComm`]: only `ops.rs` dispatches to them.
 
 mod allreduce;
+mod captures;
 mod ce;
 pub mod driver;
 mod fused;
@@ -119,6 +120,8 @@ pub struct CudaComm {
     /// Stream order and what teardown waits for (see streams.rs).
     streams: streams::Tracker,
     events: streams::CudaEvents,
+    /// The origin of each call: eager, or captured (see captures.rs).
+    captures: captures::Captures,
     /// What every call goes through, with the memory kernels use (freed in Drop unless work
     /// may still run on it, see teardown.rs).
     launch: Launcher,

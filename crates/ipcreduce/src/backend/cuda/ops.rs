@@ -7,7 +7,6 @@ use super::launcher::CallArgs;
 use super::{allreduce, driver, hier, nccl, pointers, registry, scatter_gather, streams, CudaComm};
 use crate::backend::{BackendMeta, BackendOps, RegisteredBuffer, SgOp};
 use crate::bootstrap::Bootstrap;
-use crate::config::Pdl;
 use crate::error::{Error, Result};
 use crate::plan::{Fabric, PathInfo};
 use crate::shards::Shards;
@@ -309,15 +308,14 @@ impl CudaComm {
         issue: impl FnOnce(&mut Self) -> Result<()>,
     ) -> Result<()> {
         let key = stream as streams::Key;
-        // The capture status decides whether the tracker may record and wait on events (not
-        // during capture: the graph orders its calls), and, with Pdl::Eager, whether kernels
-        // are launched with programmatic dependent launch. Where neither depends on it, the
-        // query is skipped: repeated calls on the legacy default stream (PyTorch's default)
-        // or on our own stream.
-        let pdl = self.launch.pdl;
-        let needed = pdl == Pdl::Eager || !self.streams.quiet(key);
-        let capturing = needed && streams::capturing(stream, self.rank)?;
-        self.launch.launch_pdl = pdl.for_call(capturing);
+        // The capture decides the call's origin (stamped into its identity, so a replay never
+        // pairs with an eager call or another graph's call on a peer), whether the tracker may
+        // record and wait on events (not during capture: the graph orders its calls), and,
+        // with Pdl::Eager, whether kernels are launched with programmatic dependent launch.
+        let capture = streams::capture(stream, self.rank)?;
+        let capturing = capture.is_some();
+        self.launch.origin = self.captures.origin(capture);
+        self.launch.launch_pdl = self.launch.pdl.for_call(capturing);
         self.streams.before(&mut self.events, key, capturing)?;
         issue(self)?;
         self.streams.after(&mut self.events, key, capturing)

@@ -128,6 +128,7 @@ pub(super) fn launch(
         send: at(read_send),
         recv: at(read_recv),
         fused: None,
+        origin: None,
     };
     let whole = CallArgs {
         count: shards.total,

@@ -11,7 +11,9 @@
 //!   default stream) get theirs when needed. Drop waits for all of them, within a deadline.
 //!
 //! Calls captured into a CUDA graph are ordered by the graph and the stream it is launched on:
-//! nothing is recorded or waited for during capture.
+//! nothing is recorded or waited for during capture. Every call asks CUDA whether its stream
+//! is capturing ([`capture`]): the answer names the call's origin (eager, or which graph),
+//! which goes into its identity (captures.rs).
 //!
 //! The decisions ([`Tracker`]) are plain logic over an [`Events`] implementation, so they are
 //! tested without a GPU; [`CudaEvents`] carries them out with the driver.
@@ -72,15 +74,6 @@ impl Tracker {
     /// Our own stream and the legacy default stream outlive every call.
     fn lasting(&self, s: Key) -> bool {
         s == self.own || s == 0 || s == LEGACY_ALIAS
-    }
-
-    /// Whether a call on `s` asks nothing of CUDA whether or not `s` is capturing: `s` ran
-    /// the previous call (nothing to wait for) and outlives us (its event is recorded when
-    /// needed, not after every call). The caller may then skip the capture-status query and
-    /// pass `capturing = false`: the only difference it makes is marking `s` as having had
-    /// work, which at worst records one more event when draining.
-    pub fn quiet(&self, s: Key) -> bool {
-        self.last == Some(s) && self.lasting(s)
     }
 
     /// Before a call on `s`: if the previous call ran on another stream, `s` waits for it.
@@ -247,10 +240,15 @@ impl Drop for CudaEvents {
     }
 }
 
-/// Whether `stream` is capturing into a CUDA graph.
-pub(super) fn capturing(stream: sys::CUstream, rank: usize) -> Result<bool> {
+/// The capture `stream` takes part in (its process-wide id), or None. The legacy default
+/// stream is never captured (CUDA refuses capture there), so it is not asked.
+pub(super) fn capture(stream: sys::CUstream, rank: usize) -> Result<Option<u64>> {
+    let key = stream as Key;
+    if key == 0 || key == LEGACY_ALIAS {
+        return Ok(None);
+    }
     // SAFETY: the caller's stream (its call vouched for it), or ours.
-    unsafe { driver::stream_capturing(stream, rank) }
+    unsafe { driver::stream_capture(stream, rank) }
 }
 
 #[cfg(test)]
@@ -338,7 +336,6 @@ mod tests {
         let (mut t, mut ev) = (Tracker::new(OWN), Log::default());
         call(&mut t, &mut ev, 0x2);
         call(&mut t, &mut ev, 0x2);
-        assert!(!t.quiet(0x2));
         assert_eq!(
             ev.ops,
             [
@@ -352,17 +349,13 @@ mod tests {
     }
 
     #[test]
-    fn only_repeated_calls_on_a_lasting_stream_are_quiet() {
+    fn repeated_calls_on_a_lasting_stream_ask_nothing_of_cuda() {
         let (mut t, mut ev) = (Tracker::new(OWN), Log::default());
-        assert!(!t.quiet(0), "no call yet");
         call(&mut t, &mut ev, 0);
-        assert!(t.quiet(0) && !t.quiet(OWN) && !t.quiet(0x10));
         call(&mut t, &mut ev, 0x10);
-        // A caller's stream gets an event after every call: never quiet.
-        assert!(!t.quiet(0x10) && !t.quiet(0));
+        // A caller's stream gets an event after every call.
+        assert_eq!(ev.ops[ev.ops.len() - 1], "record 16");
         call(&mut t, &mut ev, OWN);
-        assert!(t.quiet(OWN));
-        // What a quiet call would do: nothing at all.
         let before = ev.ops.len();
         call(&mut t, &mut ev, OWN);
         call(&mut t, &mut ev, OWN);

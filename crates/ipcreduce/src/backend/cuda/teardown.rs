@@ -6,10 +6,17 @@
 //! 3. free. Memory that work may still use is leaked instead: a leak is better than a fault
 //!    in a kernel, ours or a peer's.
 //!
+//! CUDA graphs that captured our calls hold the addresses of our memory and may be replayed
+//! after we are gone. So when any call was captured, the private state (a few KiB) is kept and
+//! its call counter set to `CALL_CLOSED`: every kernel reads that counter first and traps on
+//! it (prims.cuh), so a replay fails loudly before it reads or writes any freed (or reused)
+//! address, instead of waiting for peers that left or writing into another allocation.
+//!
 //! Never panics, never waits without a deadline. An aborted communicator skips the barrier
 //! (its peers are leaving too, or gone).
 
-use super::CudaComm;
+use super::kernels::STATE_CALL_WORD;
+use super::{driver, CudaComm};
 use crate::bootstrap::Bootstrap;
 use crate::config::Sharing;
 use std::mem::ManuallyDrop;
@@ -75,12 +82,53 @@ impl CudaComm {
     }
 }
 
+/// The call counter of a closed communicator whose calls were captured (`CALL_CLOSED` in
+/// kernels/prims.cuh).
+const CALL_CLOSED: u64 = u64::MAX;
+
+impl CudaComm {
+    /// Sets the state's call counter to [`CALL_CLOSED`] for the graphs that captured our calls
+    /// (see the module's comment) and waits for the copy; false if that failed.
+    fn close_for_graphs(&mut self) -> bool {
+        let at = self.launch.state.ptr + (STATE_CALL_WORD * 4) as u64;
+        let word = CALL_CLOSED.to_le_bytes();
+        let own = self.stream.cu_stream();
+        let res = self
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| e.to_string())
+            .and_then(|_| {
+                // SAFETY: the state holds the counter at `at`; `word` lives until the stream (our
+                // own, with no other work left: quiesce waited for it) is synchronized below.
+                unsafe { driver::copy_to_device_async(at, &word, own, self.rank) }
+                    .map_err(|e| e.to_string())?;
+                self.stream.synchronize().map_err(|e| e.to_string())
+            });
+        match res {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(
+                    rank = self.rank,
+                    "could not mark the state closed for captured CUDA graphs: {e}; a replay \
+                     of them would run on freed memory"
+                );
+                false
+            }
+        }
+    }
+}
+
 impl Drop for CudaComm {
     fn drop(&mut self) {
         // Dropped without `teardown` (init failed half way): still wait for our own work.
         if !self.left {
             self.quiesce();
         }
+        // Kept (and marked closed) when graphs may still replay our calls.
+        let keep_state = self.captures.any() && {
+            self.close_for_graphs();
+            true
+        };
         if self.launch.abort.is_aborted() || self.leak != Leak::Nothing {
             if let Ok(nccl) = &mut self.nccl {
                 nccl.abort_on_drop();
@@ -98,7 +146,9 @@ impl Drop for CudaComm {
                 // Registered memory is cuMem memory: a peer's mapping keeps it alive, so only
                 // our own unfinished work keeps it from being released.
                 ManuallyDrop::drop(&mut self.registry);
-                ManuallyDrop::drop(&mut self.launch.state);
+                if !keep_state {
+                    ManuallyDrop::drop(&mut self.launch.state);
+                }
                 ManuallyDrop::drop(&mut self.launch.words);
             }
         }

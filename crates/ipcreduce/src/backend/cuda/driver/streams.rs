@@ -70,17 +70,30 @@ pub unsafe fn event_done(
     }
 }
 
-/// Whether `stream` is being captured into a graph.
+/// The id of the capture `stream` takes part in (unique in the process), or None when it is
+/// not capturing. A capture already invalidated still counts: the call fails with it.
 ///
 /// # Safety
-/// `stream` is a live stream (or 0, the legacy default stream).
-pub unsafe fn stream_capturing(stream: sys::CUstream, rank: usize) -> Result<bool> {
+/// `stream` is a live stream.
+pub unsafe fn stream_capture(stream: sys::CUstream, rank: usize) -> Result<Option<u64>> {
     let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: writes one enum; the stream as the caller vouched.
+    let mut id: sys::cuuint64_t = 0;
+    // SAFETY: writes the status and the id; the other outputs are optional (null); the stream
+    // as the caller vouched.
     ck(
-        unsafe { sys::cuStreamIsCapturing(stream, &mut status) },
+        unsafe {
+            sys::cuStreamGetCaptureInfo_v3(
+                stream,
+                &mut status,
+                &mut id,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        },
         rank,
-        || format!("cuStreamIsCapturing on stream {:#x}", stream as usize),
+        || format!("cuStreamGetCaptureInfo on stream {:#x}", stream as usize),
     )?;
-    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    Ok((status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE).then_some(id))
 }

@@ -20,7 +20,8 @@ extern "C" __global__ void __launch_bounds__(32) ipcr_ce_barrier(const Args a) {
     wait_for_previous_kernel();
     u32 *ctr = a.counters + 2 * a.lane;
     const bool begins = (a.check & CHECK_BEGIN) != 0;
-    const u64 call = begins ? begin_call(a) : 0;
+    // Later barriers do not start a call, but guard the pushes behind them the same way.
+    const u64 call = begins ? begin_call(a) : (open_call_counter(a), 0);
     u32 F = ctr[0];
     barrier_at(a, F, call, (a.check & CHECK_STAMPS) != 0, a.lane);
     if (threadIdx.x == 0) ctr[0] = F;

@@ -341,11 +341,33 @@ __device__ bool wait_must_end(const Args &a, int from, u32 where, u64 call, u64 
     return false;
 }
 
+// The call counter of a communicator that was closed after some of its calls were captured
+// into CUDA graphs (teardown.rs keeps its private state, and only that, for this): a replay of
+// such a graph must not run, since every other address in its arguments may be freed or reused.
+#define CALL_CLOSED 0xFFFFFFFFFFFFFFFFull
+
+// Stops a replay of a closed communicator's call before it touches anything but its state:
+// the trap fails the graph launch (the context is unusable afterwards, as after any trap).
+__device__ __noinline__ void closed_communicator(const Args &a) {
+    if (threadIdx.x == 0 && blockIdx.x == 0)
+        printf("ipcreduce: rank %d: a CUDA graph replayed a call of a closed communicator "
+               "(host call %llu); drop such graphs before closing it\n",
+               a.rank, (unsigned long long)a.seq);
+    __trap();
+}
+
+// The state's call counter, after making sure the communicator is open.
+__device__ __forceinline__ u64 open_call_counter(const Args &a) {
+    const u64 done = *(volatile u64 *)(a.counters + STATE_CALL);
+    if (done == CALL_CLOSED) closed_communicator(a);
+    return done;
+}
+
 // Starts a call (invariant 1): its number, and block 0 posts the identity. The LL kernels at
 // two ranks pass post = false and post it themselves after their pushes: the posting threads
 // are pushing threads, and ten stores to a peer's board ahead of the first line delay it.
 __device__ __forceinline__ u64 begin_call(const Args &a, bool post = true) {
-    const u64 call = *(volatile u64 *)(a.counters + STATE_CALL) + 1;
+    const u64 call = open_call_counter(a) + 1;
     if (post) post_identity(a, call);
     return call;
 }
