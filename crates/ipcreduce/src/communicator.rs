@@ -152,6 +152,13 @@ impl Communicator {
         r
     }
 
+    /// A host-slice call, which checks its slices and calls a raw one: [`Self::attempt`], not
+    /// [`Self::collective`], since the raw call refuses an aborted communicator itself,
+    /// recording the call it refuses (see [`Self::recorded`]).
+    fn slice_call<R>(&mut self, call: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
+        self.attempt(call)
+    }
+
     /// [`Self::collective`] for a call the flight recorder keeps: `id` is what the caller
     /// asked for, recorded before the call and marked when it returns.
     fn recorded<R>(
@@ -421,9 +428,7 @@ impl Communicator {
         op: ReduceOp,
         algo: Algorithm,
     ) -> Result<()> {
-        // `attempt`, not `collective`: the raw call refuses an aborted communicator itself,
-        // recording the call it refuses (see `recorded`).
-        self.attempt(|c| {
+        self.slice_call(|c| {
             c.require_host("all_reduce_host")?;
             if send.len() != recv.len() {
                 return Err(Error::invalid(
@@ -455,9 +460,7 @@ impl Communicator {
         op: ReduceOp,
         algo: Algorithm,
     ) -> Result<()> {
-        // `attempt`, not `collective`: the raw call refuses an aborted communicator itself,
-        // recording the call it refuses (see `recorded`).
-        self.attempt(|c| {
+        self.slice_call(|c| {
             c.require_host("all_reduce_host_in_place")?;
             let b = as_bytes_mut(buf);
             let p = b.as_mut_ptr().cast::<c_void>();
@@ -865,9 +868,7 @@ impl Communicator {
         recv: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        // `attempt`, not `collective`: the raw call refuses an aborted communicator itself,
-        // recording the call it refuses (see `recorded`).
-        self.attempt(|c| {
+        self.slice_call(|c| {
             c.require_host("reduce_scatter_host")?;
             c.require_len("reduce_scatter", send.len(), recv.len() * c.world())?;
             let (s, r) = (as_bytes(send), as_bytes_mut(recv));
@@ -887,9 +888,7 @@ impl Communicator {
 
     /// All-gather of host slices (host backend): `send.len() * world == recv.len()`.
     pub fn all_gather_host<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<()> {
-        // `attempt`, not `collective`: the raw call refuses an aborted communicator itself,
-        // recording the call it refuses (see `recorded`).
-        self.attempt(|c| {
+        self.slice_call(|c| {
             c.require_host("all_gather_host")?;
             c.require_len("all_gather", recv.len(), send.len() * c.world())?;
             let (s, r) = (as_bytes(send), as_bytes_mut(recv));

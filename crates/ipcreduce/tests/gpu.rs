@@ -1771,7 +1771,22 @@ fn hostile_calls_fail_promptly_on_every_rank() {
     );
 }
 
-/// One all-reduce of `COUNT` floats on `s`, captured into a graph.
+/// A graph case's communicator (of its own, see [`hostile_comm`]), stream and send and recv
+/// buffers of [`GRAPH_CASE_COUNT`] floats.
+fn graph_case(name: &str) -> (Communicator, Stream, DeviceAlloc, DeviceAlloc) {
+    let c = hostile_comm(name, None);
+    let rank = c.rank();
+    let bytes = GRAPH_CASE_COUNT * 4;
+    let (send, recv) = (
+        DeviceAlloc::new(bytes, rank).unwrap(),
+        DeviceAlloc::new(bytes, rank).unwrap(),
+    );
+    (c, Stream::new(), send, recv)
+}
+
+const GRAPH_CASE_COUNT: usize = 4096;
+
+/// One all-reduce of `send`'s floats into `recv` on `s`, captured into a graph.
 fn captured_all_reduce(
     c: &mut Communicator,
     s: &Stream,
@@ -1803,14 +1818,8 @@ fn rank_graph_origin() -> i32 {
         ("eager", "origin (eager call against CUDA graph replay)"),
         ("graphs", "CUDA graph or call within it"),
     ] {
-        let mut c = hostile_comm(&format!("origin-{case}"), None);
+        let (mut c, s, send, recv) = graph_case(&format!("origin-{case}"));
         let rank = c.rank();
-        let s = Stream::new();
-        let bytes = 4096 * 4;
-        let (send, recv) = (
-            DeviceAlloc::new(bytes, rank).unwrap(),
-            DeviceAlloc::new(bytes, rank).unwrap(),
-        );
         let first = captured_all_reduce(&mut c, &s, &send, &recv);
         let second = (case == "graphs").then(|| captured_all_reduce(&mut c, &s, &send, &recv));
         c.bootstrap().barrier().expect("barrier");
@@ -1825,12 +1834,12 @@ fn rank_graph_origin() -> i32 {
                 Ok(())
             }
             (_, None) => {
-                // SAFETY: this rank's device buffers of `bytes`.
+                // SAFETY: this rank's device buffers of GRAPH_CASE_COUNT floats.
                 unsafe {
                     c.all_reduce_raw(
                         send.ptr as *const c_void,
                         recv.ptr as *mut c_void,
-                        bytes / 4,
+                        GRAPH_CASE_COUNT,
                         DType::F32,
                         ReduceOp::Sum,
                         Algorithm::OneShot,
@@ -1875,14 +1884,8 @@ fn rank_graph_origin() -> i32 {
 /// the freed workspace. The replay must fail on every rank; the process's CUDA context is
 /// lost after it, so nothing is freed and the rank exits at once.
 fn rank_graph_after_close() -> i32 {
-    let mut c = hostile_comm("after-close", None);
+    let (mut c, s, send, recv) = graph_case("after-close");
     let rank = c.rank();
-    let s = Stream::new();
-    let bytes = 4096 * 4;
-    let (send, recv) = (
-        DeviceAlloc::new(bytes, rank).unwrap(),
-        DeviceAlloc::new(bytes, rank).unwrap(),
-    );
     let g = captured_all_reduce(&mut c, &s, &send, &recv);
     // One good replay first: the graph works while its communicator lives.
     g.launch(&s);

@@ -349,7 +349,7 @@ mod tests {
     }
 
     #[test]
-    fn repeated_calls_on_a_lasting_stream_ask_nothing_of_cuda() {
+    fn repeated_calls_on_a_lasting_stream_record_and_wait_for_no_event() {
         let (mut t, mut ev) = (Tracker::new(OWN), Log::default());
         call(&mut t, &mut ev, 0);
         call(&mut t, &mut ev, 0x10);

@@ -124,11 +124,9 @@ impl Drop for CudaComm {
         if !self.left {
             self.quiesce();
         }
-        // Kept (and marked closed) when graphs may still replay our calls.
-        let keep_state = self.captures.any() && {
-            self.close_for_graphs();
-            true
-        };
+        // Kept, marked closed, when graphs may still replay our calls (unmarked it would guard
+        // nothing: then it is freed like the rest).
+        let keep_state = self.captures.any() && self.close_for_graphs();
         if self.launch.abort.is_aborted() || self.leak != Leak::Nothing {
             if let Ok(nccl) = &mut self.nccl {
                 nccl.abort_on_drop();
