@@ -185,6 +185,11 @@ impl Rank {
         }
     }
 
+    /// The next `@@` message, or None when none came within `within`.
+    pub fn try_next(&mut self, within: Duration) -> Option<String> {
+        self.lines.recv_timeout(within).ok()
+    }
+
     /// The next `@@` message starting with `tag`, without the tag (others are skipped).
     pub fn expect(&mut self, tag: &str, within: Duration) -> String {
         let until = Instant::now() + within;
