@@ -349,32 +349,28 @@ fn rank_chain() -> i32 {
             let algos = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Auto];
             let order: Vec<_> = (0..3).map(|k| algos[(lead + k) % 3]).collect();
             let steps = chain::steps(len, chain::max_steps(dtype, c.world()), &order);
-            checked += run_chain(&mut c, dtype, &steps, &[s.0], |_, _| {});
+            checked += run_chain(&mut c, dtype, &steps, s.0);
         }
     }
     say(format!("DONE {checked}"));
     0
 }
 
-/// Runs `steps` in place, step k on `streams[k % len]` after `before(k, stream)`, snapshots
-/// each step's buffer on its stream, synchronizes once at the end and checks every snapshot.
-/// Returns the steps checked.
+/// Runs `steps` in place on `stream`, snapshots each step's buffer behind it on the same
+/// stream, synchronizes once at the end and checks every snapshot. Returns the steps checked.
 fn run_chain(
     c: &mut Communicator,
     dtype: DType,
     steps: &[chain::Step],
-    streams: &[sys::CUstream],
-    mut before: impl FnMut(usize, sys::CUstream),
+    st: sys::CUstream,
 ) -> usize {
     let (rank, world) = (c.rank(), c.world());
     let len = steps.iter().map(|s| s.count).max().unwrap();
     let bytes = len * dtype.size();
     let x = DeviceAlloc::new(bytes, rank).unwrap();
     let snaps = DeviceAlloc::new(bytes * steps.len(), rank).unwrap();
-    upload(&x, &chain::input(dtype, rank, len), streams[0]);
+    upload(&x, &chain::input(dtype, rank, len), st);
     for (k, step) in steps.iter().enumerate() {
-        let st = streams[k % streams.len()];
-        before(k, st);
         reduce(
             c,
             x.ptr,
@@ -392,16 +388,69 @@ fn run_chain(
         );
     }
     c.synchronize().expect("synchronize");
+    sync(st);
+    let mut all = vec![0u8; bytes * steps.len()];
+    download(snaps.ptr, &mut all, st);
+    let mut want = Expect::new(dtype, world, rank, len);
+    for (k, step) in steps.iter().enumerate() {
+        want.apply(step);
+        let what = format!("{dtype} step {k} {step:?}");
+        want.check(&all[k * bytes..(k + 1) * bytes], &what)
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+    steps.len()
+}
+
+/// The chain of `steps` across streams: step k on `streams[k % len]` after `before(k,
+/// stream)`, reading buffer k and writing buffer k + 1, so that only the library orders the
+/// calls (a snapshot behind an in-place call would be the caller's work on the buffer, which
+/// the next call on another stream need not wait for). Buffer k + 1 starts as step k must
+/// leave it, but with the elements step k writes zero: a call that overtook the call before it
+/// reads zeros and its result is wrong. Every buffer is checked after one synchronize.
+fn run_stream_chain(
+    c: &mut Communicator,
+    dtype: DType,
+    steps: &[chain::Step],
+    streams: &[sys::CUstream],
+    mut before: impl FnMut(usize, sys::CUstream),
+) -> usize {
+    let (rank, world) = (c.rank(), c.world());
+    let len = steps.iter().map(|s| s.count).max().unwrap();
+    let bytes = len * dtype.size();
+    let bufs = DeviceAlloc::new(bytes * (steps.len() + 1), rank).unwrap();
+    let buf = |k: usize| bufs.ptr + (k * bytes) as u64;
+    let mut start = chain::input(dtype, rank, len);
+    let mut want = Expect::new(dtype, world, rank, len);
+    for step in steps {
+        want.apply(step);
+        start.extend(want.bytes(step.count));
+    }
+    upload(&bufs, &start, streams[0]);
+    for (k, step) in steps.iter().enumerate() {
+        let st = streams[k % streams.len()];
+        before(k, st);
+        reduce(
+            c,
+            buf(k),
+            buf(k + 1),
+            step.count,
+            dtype,
+            ReduceOp::Sum,
+            step.algo,
+            st.cast(),
+        );
+    }
+    c.synchronize().expect("synchronize");
     for st in streams {
         sync(*st);
     }
-    let mut all = vec![0u8; bytes * steps.len()];
-    download(snaps.ptr, &mut all, streams[0]);
+    let mut all = vec![0u8; bytes * (steps.len() + 1)];
+    download(bufs.ptr, &mut all, streams[0]);
     let mut want = Expect::new(dtype, world, rank, len);
     for (k, step) in steps.iter().enumerate() {
         want.apply(step);
         let what = format!("{dtype} step {k} {step:?} on stream {}", k % streams.len());
-        want.check(&all[k * bytes..(k + 1) * bytes], &what)
+        want.check(&all[(k + 1) * bytes..(k + 2) * bytes], &what)
             .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
     }
     steps.len()
@@ -652,7 +701,7 @@ fn rank_streams() -> i32 {
     for dtype in [DType::F32, DType::Bf16] {
         let algos = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Auto];
         let steps = chain::steps(200_003, chain::max_steps(dtype, c.world()), &algos);
-        checked += run_chain(&mut c, dtype, &steps, &streams, |k, st| {
+        checked += run_stream_chain(&mut c, dtype, &steps, &streams, |k, st| {
             if k % 2 == 0 {
                 delay(&scratch, 256, st);
             }

@@ -102,6 +102,16 @@ impl Expect {
         }
     }
 
+    /// The whole buffer as it must be now, with the first `poison` elements zero instead
+    /// (a value no chain element ever holds: every one is at least 1).
+    pub fn bytes(&self, poison: usize) -> Vec<u8> {
+        let mut out = vec![0u8; self.reduced.len() * self.dtype.size()];
+        for i in poison..self.reduced.len() {
+            store_f64(self.dtype, &mut out, i, self.value(i));
+        }
+        out
+    }
+
     /// `Err` names the first wrong element (and how many are wrong).
     pub fn check(&self, got: &[u8], what: &str) -> Result<(), String> {
         let size = self.dtype.size();
