@@ -688,10 +688,15 @@ mod tests {
             ..Config::default()
         };
         assert_eq!(chosen.pick_device(Some(2), 5, 4).unwrap(), 3);
-        assert!(matches!(
-            chosen.pick_device(None, 0, 2),
-            Err(Error::Config(_))
-        ));
-        assert!(none.pick_device(None, 0, 0).is_err());
+        match chosen.pick_device(None, 0, 2) {
+            Err(Error::Config(m)) => {
+                assert!(m.contains("device 3") && m.contains("2 visible"), "{m}")
+            }
+            other => panic!("device 3 of 2: {other:?}"),
+        }
+        match none.pick_device(None, 0, 0) {
+            Err(Error::CudaUnavailable(m)) => assert!(m.contains("no CUDA device"), "{m}"),
+            other => panic!("no device: {other:?}"),
+        }
     }
 }
