@@ -391,11 +391,32 @@ fn run_chain(
     sync(st);
     let mut all = vec![0u8; bytes * steps.len()];
     download(snaps.ptr, &mut all, st);
+    check_chain(
+        dtype,
+        world,
+        rank,
+        steps,
+        |k| &all[k * bytes..(k + 1) * bytes],
+        |_| String::new(),
+    )
+}
+
+/// Checks the buffer after every step of a chain against [`Expect`] (`after(k)`: its bytes
+/// after step k; `where_(k)`: more words naming step k); returns the steps checked.
+fn check_chain<'a>(
+    dtype: DType,
+    world: usize,
+    rank: usize,
+    steps: &[chain::Step],
+    after: impl Fn(usize) -> &'a [u8],
+    where_: impl Fn(usize) -> String,
+) -> usize {
+    let len = steps.iter().map(|s| s.count).max().unwrap();
     let mut want = Expect::new(dtype, world, rank, len);
     for (k, step) in steps.iter().enumerate() {
         want.apply(step);
-        let what = format!("{dtype} step {k} {step:?}");
-        want.check(&all[k * bytes..(k + 1) * bytes], &what)
+        let what = format!("{dtype} step {k} {step:?}{}", where_(k));
+        want.check(after(k), &what)
             .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
     }
     steps.len()
@@ -446,14 +467,14 @@ fn run_stream_chain(
     }
     let mut all = vec![0u8; bytes * (steps.len() + 1)];
     download(bufs.ptr, &mut all, streams[0]);
-    let mut want = Expect::new(dtype, world, rank, len);
-    for (k, step) in steps.iter().enumerate() {
-        want.apply(step);
-        let what = format!("{dtype} step {k} {step:?} on stream {}", k % streams.len());
-        want.check(&all[(k + 1) * bytes..(k + 2) * bytes], &what)
-            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-    }
-    steps.len()
+    check_chain(
+        dtype,
+        world,
+        rank,
+        steps,
+        |k| &all[(k + 1) * bytes..(k + 2) * bytes],
+        |k| format!(" on stream {}", k % streams.len()),
+    )
 }
 
 /// CUDA graphs: two calls (two algorithms, two outputs) captured once, replayed with a new
