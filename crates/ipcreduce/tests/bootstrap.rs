@@ -42,6 +42,7 @@ fn play_rank_if_child() {
         "expect_fail" => rank_expect_fail(),
         "layout" => rank_layout(),
         "group" => rank_group(),
+        "notices" => rank_notices(),
         other => panic!("unknown role {other}"),
     };
     let _ = std::io::stdout().flush();
@@ -230,6 +231,45 @@ fn rank_barrier() -> i32 {
     0
 }
 
+/// Every rank tells two notices; every rank must hear each peer's two, in order, and none of
+/// its own (rank 0 relays the others' between them).
+fn rank_notices() -> i32 {
+    let b = join();
+    let (r, n) = (b.rank(), b.world());
+    let heard = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let h = heard.clone();
+    let notices = b.notices();
+    assert!(notices.on_notice(Box::new(move |from, bytes| {
+        h.lock().unwrap().push((from, bytes.to_vec()))
+    })));
+    let note = |k: usize, i: usize| format!("notice {i} of rank {k}").into_bytes();
+    notices.tell(note(r, 0));
+    notices.tell(note(r, 1));
+    let until = Instant::now() + Duration::from_secs(5);
+    while heard.lock().unwrap().len() < 2 * (n - 1) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let got = heard.lock().unwrap().clone();
+    for k in (0..n).filter(|&k| k != r) {
+        let of_k: Vec<Vec<u8>> = got
+            .iter()
+            .filter(|(f, _)| *f == k)
+            .map(|(_, b)| b.clone())
+            .collect();
+        assert_eq!(
+            of_k,
+            vec![note(k, 0), note(k, 1)],
+            "rank {r}: what rank {k} told"
+        );
+    }
+    assert_eq!(got.len(), 2 * (n - 1), "rank {r} heard {got:?}");
+    // Nobody leaves before everyone heard everything (a leaving rank 0 relays nothing).
+    let mut b = b;
+    b.barrier().expect("barrier");
+    say(format!("HEARD {}", got.len()));
+    0
+}
+
 fn unix_micros() -> u128 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -403,6 +443,23 @@ fn all_gather_fds_shares_memfds() {
     let mut ranks = spawn_world("all_gather_fds_shares_memfds", "fds", &job, 4, &[]);
     for r in &mut ranks {
         r.expect("DONE", T);
+        r.wait_ok(T);
+    }
+}
+
+#[test]
+fn notices_reach_every_other_rank_in_order() {
+    play_rank_if_child();
+    let job = Job::new("bt", "notices");
+    let mut ranks = spawn_world(
+        "notices_reach_every_other_rank_in_order",
+        "notices",
+        &job,
+        4,
+        &[],
+    );
+    for r in &mut ranks {
+        assert_eq!(r.expect("HEARD", T), "6");
         r.wait_ok(T);
     }
 }

@@ -1855,8 +1855,8 @@ fn rank_hostile() -> i32 {
             },
         ),
         // On one GPU shared by the ranks, the count-0 kernel may not get onto the GPU beside
-        // the peers' full grids at the two-shot sizes: this case then fails at the timeout
-        // (README, Errors: the one limit of ranks sharing a GPU).
+        // the peers' full grids at the two-shot sizes: the mismatch is then found on the host,
+        // where the count-0 call is told to every peer (backend/cuda/calls.rs).
         (Hostile::AllReduce, Hostile::Empty),
         (
             Hostile::AllReduceReg {

@@ -14,11 +14,16 @@
 //!   rather than at their timeout or when the failing rank leaves. An abort learnt from a peer
 //!   is not sent on again, so nothing loops.
 //!
+//! - Notices (see notices.rs) ride the same connections: a queued one wakes the watcher as
+//!   abort news does, which sends it (a non-zero rank to rank 0; rank 0 to every rank, and it
+//!   relays what a non-zero rank sent to every other rank).
+//!
 //! Stopping: the owner writes one byte into a socketpair the watcher polls; the watcher says
 //! BYE and returns. If the communicator was aborted here and that was not yet told, it says
 //! DIED(itself, why) instead, so the others abort too and learn the root cause (say, a
 //! mismatched call) rather than only that a rank left. The owner waits for it, bounded.
 
+use super::notices::{Notices, NOTICE_MAX};
 use super::wire::{poll_timeout, Conn, Deadline, Kind, Reader, WireError, Writer};
 use crate::abort::{AbortState, Origin};
 use nix::errno::Errno;
@@ -43,10 +48,11 @@ pub(crate) struct Watcher {
     handle: Option<JoinHandle<()>>,
 }
 
-/// The watcher's two wake-up sockets: the owner's stop request, and the abort hook's news.
+/// The watcher's two wake-up sockets: the owner's stop request, and news (an abort raised
+/// here, or a notice queued).
 struct Wakes {
     stop: UnixStream,
-    aborted: UnixStream,
+    news: UnixStream,
 }
 
 impl Watcher {
@@ -54,24 +60,31 @@ impl Watcher {
     pub fn spawn_root(
         conns: Vec<(usize, Conn)>,
         abort: Arc<AbortState>,
+        notices: Arc<Notices>,
     ) -> std::io::Result<Watcher> {
-        let a = abort.clone();
-        Self::spawn("ipcreduce-live0", &a, move |wakes| {
-            root_loop(conns, wakes, &abort)
+        let (a, n) = (abort.clone(), notices.clone());
+        Self::spawn("ipcreduce-live0", &a, &n, move |wakes| {
+            root_loop(conns, wakes, &abort, &notices)
         })
     }
 
     /// A non-zero rank's watcher over its connection to rank 0.
-    pub fn spawn_leaf(rank: usize, conn: Conn, abort: Arc<AbortState>) -> std::io::Result<Watcher> {
-        let a = abort.clone();
-        Self::spawn("ipcreduce-live", &a, move |wakes| {
-            leaf_loop(rank, conn, wakes, &abort)
+    pub fn spawn_leaf(
+        rank: usize,
+        conn: Conn,
+        abort: Arc<AbortState>,
+        notices: Arc<Notices>,
+    ) -> std::io::Result<Watcher> {
+        let (a, n) = (abort.clone(), notices.clone());
+        Self::spawn("ipcreduce-live", &a, &n, move |wakes| {
+            leaf_loop(rank, conn, wakes, &abort, &notices)
         })
     }
 
     fn spawn(
         name: &str,
         abort: &AbortState,
+        notices: &Notices,
         body: impl FnOnce(Wakes) + Send + 'static,
     ) -> std::io::Result<Watcher> {
         let (tx, rx) = UnixStream::pair()?;
@@ -81,21 +94,25 @@ impl Watcher {
         }
         let wakes = Wakes {
             stop: rx,
-            aborted: news_rx,
+            news: news_rx,
         };
         let handle = std::thread::Builder::new()
             .name(name.into())
             .spawn(move || body(wakes))?;
-        // The hook only pokes the watcher (one non-blocking byte): it runs on whatever thread
-        // aborts, maybe inside a call. MSG_NOSIGNAL: after the watcher ended, the write fails
-        // quietly instead of raising SIGPIPE in a process that did not ignore it.
-        abort.on_abort(Box::new(move || {
+        // The hooks only poke the watcher (one non-blocking byte): they run on whatever thread
+        // aborts or tells, maybe inside a call. MSG_NOSIGNAL: after the watcher ended, the
+        // write fails quietly instead of raising SIGPIPE in a process that did not ignore it.
+        let news_tx = Arc::new(news_tx);
+        let poke = move |tx: &UnixStream| {
             let _ = nix::sys::socket::send(
-                std::os::fd::AsRawFd::as_raw_fd(&news_tx),
+                std::os::fd::AsRawFd::as_raw_fd(tx),
                 &[1],
                 nix::sys::socket::MsgFlags::MSG_NOSIGNAL | nix::sys::socket::MsgFlags::MSG_DONTWAIT,
             );
-        }));
+        };
+        let tx2 = news_tx.clone();
+        abort.on_abort(Box::new(move || poke(&news_tx)));
+        notices.set_wake(Box::new(move || poke(&tx2)));
         Ok(Watcher {
             wake: Some(tx),
             handle: Some(handle),
@@ -138,7 +155,7 @@ impl Drop for Watcher {
 fn poll_set(wakes: &Wakes, conns: &[&Conn]) -> (bool, bool, Vec<bool>) {
     let mut pfds = Vec::with_capacity(2 + conns.len());
     pfds.push(PollFd::new(wakes.stop.as_fd(), PollFlags::POLLIN));
-    pfds.push(PollFd::new(wakes.aborted.as_fd(), PollFlags::POLLIN));
+    pfds.push(PollFd::new(wakes.news.as_fd(), PollFlags::POLLIN));
     for c in conns {
         pfds.push(PollFd::new(c.sock.as_fd(), PollFlags::POLLIN));
     }
@@ -155,7 +172,8 @@ fn poll_set(wakes: &Wakes, conns: &[&Conn]) -> (bool, bool, Vec<bool>) {
     )
 }
 
-/// Empties the abort-news socket (the bytes carry nothing; the state says what happened).
+/// Empties the news socket (the bytes carry nothing; the abort state and the outbox say what
+/// happened).
 fn drain(mut news: &UnixStream) {
     let mut b = [0u8; 64];
     while matches!(news.read(&mut b), Ok(n) if n > 0) {}
@@ -193,12 +211,21 @@ fn say_failed(conn: &mut Conn, rank: usize, abort: &AbortState, leaving: bool) {
     let _ = conn.send(Kind::Died, 0, &msg.0, &[], &Deadline::after(SEND_BOUND));
 }
 
+/// Sends rank `from`'s notice over `conn` (a failure means that end is gone; liveness says so).
+fn send_notice(conn: &mut Conn, from: usize, notice: &[u8]) {
+    let mut msg = Writer::new();
+    msg.u32(from as u32).bytes(notice);
+    let _ = conn.send(Kind::Notice, 0, &msg.0, &[], &Deadline::after(SEND_BOUND));
+}
+
 /// What reading a liveness connection turned up.
 enum Event {
     Nothing,
     Bye,
     /// Rank 0 reports that rank `k` died.
     Died(usize, String),
+    /// Rank `k`'s notice (from rank 0: maybe relayed).
+    Notice(usize, Vec<u8>),
     Gone(String),
 }
 
@@ -214,6 +241,14 @@ fn next_event(conn: &mut Conn) -> Event {
                     let why = String::from_utf8_lossy(r.rest()).into_owned();
                     return Event::Died(k, why);
                 }
+                Kind::Notice => {
+                    let mut r = Reader(&f.payload);
+                    let Ok(k) = r.u32() else { continue };
+                    let notice = r.rest();
+                    if notice.len() <= NOTICE_MAX {
+                        return Event::Notice(k as usize, notice.to_vec());
+                    }
+                }
                 // Nothing else travels here; ignore rather than tear the job down.
                 _ => continue,
             },
@@ -224,7 +259,7 @@ fn next_event(conn: &mut Conn) -> Event {
     }
 }
 
-fn root_loop(mut conns: Vec<(usize, Conn)>, wakes: Wakes, abort: &AbortState) {
+fn root_loop(mut conns: Vec<(usize, Conn)>, wakes: Wakes, abort: &AbortState, notices: &Notices) {
     // Whether every rank was told of this rank's own abort.
     let mut told = false;
     loop {
@@ -233,7 +268,12 @@ fn root_loop(mut conns: Vec<(usize, Conn)>, wakes: Wakes, abort: &AbortState) {
             poll_set(&wakes, &refs)
         };
         if news {
-            drain(&wakes.aborted);
+            drain(&wakes.news);
+        }
+        for notice in notices.take_outbox() {
+            for (_, c) in conns.iter_mut() {
+                send_notice(c, 0, &notice);
+            }
         }
         let mut dead = Vec::new();
         // Downwards so removals do not shift the entries still to visit.
@@ -243,6 +283,16 @@ fn root_loop(mut conns: Vec<(usize, Conn)>, wakes: Wakes, abort: &AbortState) {
             }
             match next_event(&mut conns[i].1) {
                 Event::Nothing => {}
+                // Rank k's notice: ours to hear, and every other rank's.
+                Event::Notice(_, notice) => {
+                    let k = conns[i].0;
+                    notices.deliver(k, &notice);
+                    for (r, c) in conns.iter_mut() {
+                        if *r != k {
+                            send_notice(c, k, &notice);
+                        }
+                    }
+                }
                 // A rank that aborted (at once, or when leaving) says why (see say_failed);
                 // it needs no relay back, and nothing more comes from it that matters.
                 Event::Died(_, why) => {
@@ -301,17 +351,21 @@ fn root_loop(mut conns: Vec<(usize, Conn)>, wakes: Wakes, abort: &AbortState) {
     }
 }
 
-fn leaf_loop(rank: usize, mut conn: Conn, wakes: Wakes, abort: &AbortState) {
+fn leaf_loop(rank: usize, mut conn: Conn, wakes: Wakes, abort: &AbortState, notices: &Notices) {
     // Whether rank 0 was told of this rank's own abort.
     let mut told = false;
     loop {
         let (stop, news, ready) = poll_set(&wakes, &[&conn]);
         if news {
-            drain(&wakes.aborted);
+            drain(&wakes.news);
+        }
+        for notice in notices.take_outbox() {
+            send_notice(&mut conn, rank, &notice);
         }
         if ready[0] {
             match next_event(&mut conn) {
                 Event::Nothing => {}
+                Event::Notice(k, notice) => notices.deliver(k, &notice),
                 Event::Died(k, why) => {
                     let reason = if why.is_empty() {
                         format!("rank {k} died (reported by rank 0)")

@@ -20,6 +20,7 @@
 //! | `wire.rs` | frames over either stream, bounded waits |
 //! | `fdpass.rs` | socket I/O with SCM_RIGHTS |
 //! | `liveness.rs` | the watcher threads |
+//! | `notices.rs` | a backend's small messages to every peer, outside any collective |
 //!
 //! Collectives go through rank 0 (a star): every rank sends its part to rank 0, which
 //! answers each with the whole. Messages are small and N ≤ 64, so the extra hop costs
@@ -31,6 +32,7 @@ mod group;
 mod liveness;
 mod master;
 mod nodes;
+mod notices;
 mod rendezvous;
 mod tcp;
 mod wire;
@@ -38,6 +40,7 @@ mod wire;
 pub use env::{default_socket_dir, ensure_private_dir, RankInfo, MAX_WORLD};
 pub use master::Master;
 pub use nodes::{machine_host_id, Layout};
+pub use notices::{NoticeHandler, Notices, NOTICE_MAX};
 
 use crate::abort::AbortState;
 use crate::error::{Error, Result};
@@ -52,6 +55,8 @@ pub struct Bootstrap {
     info: RankInfo,
     timeout: Duration,
     abort: Arc<AbortState>,
+    /// What the backend tells every peer outside the collectives (through the watcher).
+    notices: Arc<Notices>,
     /// Number of the last collective, to catch ranks calling different ones.
     seq: u64,
     /// Stopped first on drop, so the goodbye goes out before the control connections close.
@@ -130,6 +135,7 @@ impl Bootstrap {
             op: "start liveness watcher",
             detail: e.to_string(),
         };
+        let notices = Arc::new(Notices::default());
         let (links, watcher) = if info.world == 1 {
             (Links::Alone, None)
         } else if info.rank == 0 {
@@ -142,11 +148,12 @@ impl Bootstrap {
                 .collect();
             let ctrl: Vec<Conn> = joined.ctrl.into_iter().flatten().collect();
             debug_assert_eq!(ctrl.len(), info.world - 1);
-            let w = Watcher::spawn_root(live, abort.clone()).map_err(|e| spawn_err(0, e))?;
+            let w = Watcher::spawn_root(live, abort.clone(), notices.clone())
+                .map_err(|e| spawn_err(0, e))?;
             (Links::Root(ctrl), Some(w))
         } else {
             let (ctrl, live) = rendezvous::leaf(&info, timeout)?;
-            let w = Watcher::spawn_leaf(info.rank, live, abort.clone())
+            let w = Watcher::spawn_leaf(info.rank, live, abort.clone(), notices.clone())
                 .map_err(|e| spawn_err(info.rank, e))?;
             (Links::Leaf(ctrl), Some(w))
         };
@@ -155,6 +162,7 @@ impl Bootstrap {
             info,
             timeout,
             abort,
+            notices,
             seq: 0,
             watcher,
             links,
@@ -201,6 +209,12 @@ impl Bootstrap {
     /// The communicator's abort state; the liveness watcher sets it when a peer dies.
     pub fn abort_state(&self) -> Arc<AbortState> {
         self.abort.clone()
+    }
+
+    /// The communicator's notices: what the backend tells every peer, and hears from them,
+    /// outside the collectives (see notices.rs).
+    pub fn notices(&self) -> Arc<Notices> {
+        self.notices.clone()
     }
 
     /// Every rank contributes `mine`; returns all contributions indexed by rank.

@@ -47,6 +47,9 @@ pub(crate) enum Kind {
     Bye = 11,
     /// Liveness: payload = dead rank (u32) + reason.
     Died = 12,
+    /// Liveness: a backend's notice to every peer; payload = sending rank (u32) + the notice
+    /// (see notices.rs).
+    Notice = 13,
 }
 
 impl Kind {
@@ -65,6 +68,7 @@ impl Kind {
             10 => BarrierDone,
             11 => Bye,
             12 => Died,
+            13 => Notice,
             _ => return None,
         })
     }

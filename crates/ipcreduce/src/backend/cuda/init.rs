@@ -2,6 +2,7 @@
 //! workspaces and the fabric, the launcher's memory, optionally NCCL beside us; across nodes,
 //! the node's communicator and NCCL between the nodes.
 
+use super::calls::CallLedger;
 use super::driver;
 use super::kernels::{self, LL_MAX_BYTES, MAX_BLOCKS, MAX_RANKS};
 use super::launcher::{data_offset, Agreed, Launcher, W_ABORT, W_ERR};
@@ -223,7 +224,15 @@ impl CudaComm {
             // Not where ranks share a GPU (unless forced): see let_next_kernel_launch.
             let_next_launch: pdl.trigger(config.pdl_trigger, sharing),
         };
-        let launch = Launcher::new((rank, world), gpu, bases, (words, state), abort, agreed);
+        let calls = CallLedger::new(rank, abort.clone(), boot.notices());
+        let launch = Launcher::new(
+            (rank, world),
+            gpu,
+            bases,
+            (words, state),
+            (abort, calls),
+            agreed,
+        );
         let mut comm = CudaComm {
             inter: None,
             rank,

@@ -12,6 +12,7 @@
 //! The operations (allreduce.rs, scatter_gather.rs, ce.rs, hier.rs) choose a path and fill
 //! the arguments; nothing here depends on which operation runs.
 
+use super::calls::CallLedger;
 use super::driver::{self, ck};
 use super::identity::{self, CallIdentity, IDENT_WORDS};
 use super::kernels::{rec, ERR_MISMATCH, ERR_TIMEOUT, MAX_RANKS, SIG_BYTES, STATE_ERR_WORD};
@@ -129,6 +130,8 @@ pub(super) struct Launcher {
     pub abort: Arc<AbortState>,
     /// Calls issued so far (for error messages and the kernels' stamps).
     pub seq: u64,
+    /// The eager calls' identities, against which the peers' count-0 calls are compared.
+    calls: Arc<CallLedger>,
     pub last_path: Option<PathInfo>,
     /// When kernels are launched with programmatic dependent launch (Off where the GPU lacks
     /// it), and whether the call being issued is (see [`Launcher::launch`]).
@@ -174,7 +177,7 @@ impl Launcher {
         gpu: Arc<Loaded>,
         bases: [u64; MAX_RANKS],
         (words, state): (Arc<MappedHostWords>, DeviceAlloc),
-        abort: Arc<AbortState>,
+        (abort, calls): (Arc<AbortState>, Arc<CallLedger>),
         agreed: Agreed,
     ) -> Launcher {
         Launcher {
@@ -192,6 +195,7 @@ impl Launcher {
             timeout: agreed.timeout,
             abort,
             seq: 0,
+            calls,
             last_path: None,
             pdl: agreed.pdl,
             launch_pdl: false,
@@ -315,6 +319,10 @@ impl Launcher {
         zero_copy: Option<([u64; MAX_RANKS], [u64; MAX_RANKS])>,
     ) -> KernelArgs {
         let ident = &ident.issued(self.origin);
+        let words = ident.encode();
+        if ident.origin.is_none() {
+            self.calls.record(self.seq, ident, &words);
+        }
         let mut data = [0u64; MAX_RANKS];
         let mut ll = [0u64; MAX_RANKS];
         let mut sig = [0u64; MAX_RANKS];
@@ -342,7 +350,7 @@ impl Launcher {
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
             digest: ident.digest(),
             seq: self.seq,
-            ident: ident.encode(),
+            ident: words,
             rank: self.rank as i32,
             world: self.world as i32,
             aligned: all16(&rsend) as i32 | (all16(&rrecv) as i32) << 1,

@@ -15,6 +15,7 @@
 //! | `init.rs` | start-up: the GPU, the agreed limits, workspaces, fabric, NCCL |
 //! | `ops.rs` | the entry points ([`crate::backend::BackendOps`]): bind, check buffers, stream order, dispatch |
 //! | `launcher.rs` | every call: its arguments, identity stamp, kernel launch, error record |
+//! | `calls.rs` | the eager calls' identities on the host, and the peers' count-0 calls compared with them |
 //! | `allreduce.rs` | the all-reduce within a node: the path, its kernel |
 //! | `scatter_gather.rs` | reduce-scatter and all-gather |
 //! | `ce.rs` | the copy-engine all-reduce (two ranks, registered, large) |
@@ -36,6 +37,7 @@
 //! registered buffers), never an `impl` of [`CudaComm`]: only `ops.rs` dispatches to them.
 
 mod allreduce;
+mod calls;
 mod captures;
 mod ce;
 pub mod driver;
