@@ -1078,7 +1078,41 @@ fn every_rank_diag(ranks: &mut [Rank]) -> String {
     all
 }
 
-/// Runs `role` at each world size; every rank must report `DONE n` with n > 0.
+/// How many checks every rank of `role` at `world` reports: the number of checked calls its
+/// loops make as they stand (a role whose loops change updates its number here), so a role
+/// whose loops shrank, or skipped a part, fails instead of passing with fewer checks. None:
+/// the count depends on the machine (GPUs present) or on a knob that narrowed the role.
+fn expected_checks(role: &str, world: usize) -> Option<usize> {
+    let knob = |v: &str| std::env::var(v).ok();
+    Some(match role {
+        "sweep" => 162,
+        "staged_offsets" => 72,
+        "graph" => 288,
+        "graph_origin" => 2,
+        "graph_after_close" => 1,
+        // Three chains (leads) per dtype of 10 (f32) + 6 (f16) + 4 (bf16) steps; at 8 ranks
+        // f16 stops at 4 (3 * 8^5 would pass 65504, chain::max_steps).
+        "chain" if world == 8 => 54,
+        "chain" => 60,
+        "streams" => 34,
+        "registered" => 72,
+        "scatter_gather" => 240,
+        "share_refused" => 1,
+        "teardown" => 6,
+        "hostile" if knob("GPU_TEST_HOSTILE_ONLY").is_some() => return None,
+        "hostile" => 6332,
+        "llwrap" => match knob("GPU_TEST_LL_CALLS") {
+            Some(n) => n.parse().ok()?,
+            None => 200_704,
+        },
+        // One more check where a second GPU is there to refuse, or to pick.
+        "pointers" | "device" => return None,
+        _ => return None,
+    })
+}
+
+/// Runs `role` at each world size; every rank must report `DONE n`, n the role's
+/// [`expected_checks`] (n > 0 where it has none).
 fn run_role(test: &str, role: &str, worlds: &[usize], extra: &[(&str, &str)]) {
     // One job on the GPU at a time, even when the harness runs tests in parallel: the ranks
     // of two jobs would compete for the SMs their kernels need resident together.
@@ -1118,6 +1152,13 @@ fn run_role(test: &str, role: &str, worlds: &[usize], extra: &[(&str, &str)]) {
             counts.iter().all(|n| *n == counts[0]),
             "{role} world {world}: {counts:?}"
         );
+        if let Some(want) = expected_checks(role, world) {
+            assert_eq!(
+                counts[0], want,
+                "{role} world {world}: every rank checked {} calls, not {want}",
+                counts[0]
+            );
+        }
         eprintln!("{role} world {world}: {} checked per rank", counts[0]);
     }
 }
