@@ -232,17 +232,21 @@ fn rank_barrier() -> i32 {
 }
 
 /// Every rank tells two notices; every rank must hear each peer's two, in order, and none of
-/// its own (rank 0 relays the others' between them).
+/// its own (rank 0 relays the others' between them). Odd ranks install their handler late, so
+/// the even ranks' notices reach them first and must be held for it.
 fn rank_notices() -> i32 {
     let b = join();
     let (r, n) = (b.rank(), b.world());
     let heard = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let h = heard.clone();
     let notices = b.notices();
+    let note = |k: usize, i: usize| format!("notice {i} of rank {k}").into_bytes();
+    if r % 2 == 1 {
+        std::thread::sleep(Duration::from_millis(300));
+    }
     assert!(notices.on_notice(Box::new(move |from, bytes| {
         h.lock().unwrap().push((from, bytes.to_vec()))
     })));
-    let note = |k: usize, i: usize| format!("notice {i} of rank {k}").into_bytes();
     notices.tell(note(r, 0));
     notices.tell(note(r, 1));
     let until = Instant::now() + Duration::from_secs(5);

@@ -7,7 +7,8 @@
 //! which sends it (a non-zero rank to rank 0, which relays it to every other rank; rank 0 to
 //! every rank); every rank but the sender hands it to the handler the backend installed, with
 //! the sending rank. Delivery is best effort (a peer that is gone is reported by liveness, not
-//! here) and in order per sender.
+//! here) and in order per sender. A peer may tell before this rank installed its handler (its
+//! init ran ahead): those notices are held, and handed to the handler when it comes.
 
 use std::sync::{Mutex, OnceLock};
 
@@ -20,6 +21,8 @@ pub const NOTICE_MAX: usize = 1024;
 /// Notices queued and not yet sent, at most: the watcher sends them within microseconds, so a
 /// full box means it is gone (the job is ending) and the oldest can go.
 const OUTBOX_MAX: usize = 1024;
+/// Peers' notices held for a handler not yet installed, at most (the oldest go first).
+const EARLY_MAX: usize = 1024;
 
 /// One communicator's notices: the outbox the watcher sends from, and the handler of those
 /// received.
@@ -27,6 +30,9 @@ const OUTBOX_MAX: usize = 1024;
 pub struct Notices {
     outbox: Mutex<Vec<Vec<u8>>>,
     handler: OnceLock<NoticeHandler>,
+    /// Peers' notices that came before the handler, oldest first. Its lock also orders
+    /// delivery: a notice is handed over only with this held, so the held ones go first.
+    early: Mutex<Vec<(usize, Vec<u8>)>>,
     /// Wakes the watcher; unset where there is none (a world of one), and then nothing is
     /// queued.
     wake: OnceLock<Box<dyn Fn() + Send + Sync>>,
@@ -53,9 +59,20 @@ impl Notices {
         wake();
     }
 
-    /// Installs the handler of peers' notices; false if one was installed already (it stays).
+    /// Installs the handler of peers' notices, and hands it those that came before it; false
+    /// if one was installed already (it stays).
     pub fn on_notice(&self, handler: NoticeHandler) -> bool {
-        self.handler.set(handler).is_ok()
+        // Under the lock, so that no notice is handed over between the set and the held ones.
+        let mut early = self.early.lock().unwrap_or_else(|e| e.into_inner());
+        if self.handler.set(handler).is_err() {
+            return false;
+        }
+        if let Some(h) = self.handler.get() {
+            for (from, notice) in early.drain(..) {
+                h(from, &notice);
+            }
+        }
+        true
     }
 
     /// The watcher's (and tests'): how it is woken when a notice is queued.
@@ -70,8 +87,16 @@ impl Notices {
 
     /// The watcher's: a notice from rank `from` arrived.
     pub(crate) fn deliver(&self, from: usize, notice: &[u8]) {
-        if let Some(h) = self.handler.get() {
-            h(from, notice);
+        let mut early = self.early.lock().unwrap_or_else(|e| e.into_inner());
+        match self.handler.get() {
+            // Installed, and it took the held ones under this lock: this one follows them.
+            Some(h) => h(from, notice),
+            None => {
+                if early.len() >= EARLY_MAX {
+                    early.remove(0);
+                }
+                early.push((from, notice.to_vec()));
+            }
         }
     }
 }
@@ -115,5 +140,22 @@ mod tests {
         assert!(!n.on_notice(Box::new(|_, _| panic!("second handler ran"))));
         n.deliver(3, &[9, 9]);
         assert_eq!(*heard.lock().unwrap(), vec![(3, vec![9, 9])]);
+    }
+
+    #[test]
+    fn notices_before_the_handler_are_handed_to_it_in_order() {
+        let n = Notices::default();
+        n.deliver(1, &[1]);
+        n.deliver(2, &[2]);
+        let heard = Arc::new(Mutex::new(Vec::new()));
+        let h = heard.clone();
+        assert!(n.on_notice(Box::new(move |from, b| {
+            h.lock().unwrap().push((from, b.to_vec()))
+        })));
+        n.deliver(1, &[3]);
+        assert_eq!(
+            *heard.lock().unwrap(),
+            vec![(1, vec![1]), (2, vec![2]), (1, vec![3])]
+        );
     }
 }
