@@ -253,7 +253,7 @@ mod tests {
                     k.registers, k.spill_bytes
                 );
                 assert!(k.registers > 0 && k.registers <= 64, "{k:?}");
-                assert_eq!(k.spill_bytes, 0, "{k:?}");
+                assert_eq!((k.spill_bytes, k.stack_bytes), (0, 0), "{k:?}");
             }
         }
         let ptx = kernels::compile("sm_80", 2)

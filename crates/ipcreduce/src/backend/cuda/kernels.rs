@@ -167,13 +167,16 @@ pub fn compile(arch: &str, w: usize) -> Result<cudarc::nvrtc::Ptx> {
     compile_source("ipcreduce kernels", &all_sources(), arch, &extra)
 }
 
-/// Registers and spills of one kernel as ptxas reports them.
+/// Registers, spills and stack frame of one kernel as ptxas reports them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Resources {
     pub kernel: String,
     pub registers: u32,
     /// Bytes of spill stores plus spill loads (0: everything fits in registers).
     pub spill_bytes: u32,
+    /// Bytes of its stack frame: spills, local arrays, and what a call to a function that is
+    /// not inlined (printf) needs.
+    pub stack_bytes: u32,
 }
 
 /// What ptxas makes of the all-reduce kernels for world-size class `w` on the real architecture
@@ -210,14 +213,18 @@ pub fn resources(arch: &str, w: usize) -> Result<Vec<Resources>> {
     Ok(parse_ptxas_log(&log))
 }
 
-/// The kernels of a `ptxas -v` log: "Compiling entry function 'NAME'", then its "N bytes spill
-/// stores, M bytes spill loads" and "Used R registers" lines.
+/// The kernels of a `ptxas -v` log: "Compiling entry function 'NAME'", then its "N bytes stack
+/// frame, S bytes spill stores, M bytes spill loads" and "Used R registers" lines. Functions it
+/// calls get "Function properties for CALLEE" and a stack line of their own, after the kernel's:
+/// those are not the kernel's.
 pub fn parse_ptxas_log(log: &str) -> Vec<Resources> {
     let number_before = |line: &str, word: &str| -> Option<u32> {
         let at = line.find(word)?;
         line[..at].split_whitespace().last()?.parse().ok()
     };
     let mut out: Vec<Resources> = Vec::new();
+    // Whether the stack lines read now are the current kernel's (not a callee's).
+    let mut own = false;
     for line in log.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             let name = rest.split('\'').next().unwrap_or_default();
@@ -225,11 +232,18 @@ pub fn parse_ptxas_log(log: &str) -> Vec<Resources> {
                 kernel: name.to_string(),
                 registers: 0,
                 spill_bytes: 0,
+                stack_bytes: 0,
             });
+            own = true;
         } else if let Some(k) = out.last_mut() {
-            if line.contains("spill stores") {
-                k.spill_bytes = number_before(line, "bytes spill stores").unwrap_or(0)
-                    + number_before(line, "bytes spill loads").unwrap_or(0);
+            if let Some(of) = line.split("Function properties for ").nth(1) {
+                own = of.trim() == k.kernel;
+            } else if line.contains("spill stores") {
+                if own {
+                    k.spill_bytes = number_before(line, "bytes spill stores").unwrap_or(0)
+                        + number_before(line, "bytes spill loads").unwrap_or(0);
+                    k.stack_bytes = number_before(line, "bytes stack frame").unwrap_or(0);
+                }
             } else if let Some(r) = number_before(line, "registers") {
                 k.registers = r;
             }
@@ -355,16 +369,26 @@ ptxas info    : Used 55 registers, used 1 barriers
 ptxas info    : Compiling entry function 'ipcr_b' for 'sm_90'
 ptxas         .     40 bytes stack frame, 52 bytes spill stores, 84 bytes spill loads
 ptxas info    : Used 64 registers, used 1 barriers, 40 bytes cumulative stack size
+ptxas info    : Compiling entry function 'ipcr_c' for 'sm_90'
+ptxas info    : Function properties for ipcr_c
+ptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 63 registers, used 1 barriers, 16 bytes cumulative stack size
+ptxas info    : Function properties for _Z6calleev
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ";
         let r = parse_ptxas_log(log);
-        assert_eq!(r.len(), 2);
+        let got: Vec<_> = r
+            .iter()
+            .map(|k| (k.kernel.as_str(), k.registers, k.spill_bytes, k.stack_bytes))
+            .collect();
+        // ipcr_c's numbers are its own, not those of the function it calls.
         assert_eq!(
-            (r[0].kernel.as_str(), r[0].registers, r[0].spill_bytes),
-            ("ipcr_a", 55, 0)
-        );
-        assert_eq!(
-            (r[1].kernel.as_str(), r[1].registers, r[1].spill_bytes),
-            ("ipcr_b", 64, 136)
+            got,
+            [
+                ("ipcr_a", 55, 0, 0),
+                ("ipcr_b", 64, 136, 40),
+                ("ipcr_c", 63, 12, 16)
+            ]
         );
     }
 
@@ -412,6 +436,15 @@ ptxas info    : Used 64 registers, used 1 barriers, 40 bytes cumulative stack si
                     };
                     if k.spill_bytes > allowed {
                         over.push(format!("{k:?} (at most {allowed} B)"));
+                    }
+                    // A frame with nothing spilled is a call that was not inlined (printf) or
+                    // a local array: registers and stack on the hot path of every call. Above
+                    // two ranks the LL kernels keep the W lines they peeked in one (ll_wait,
+                    // not inlined, takes each by reference): 64 bytes at world class 4.
+                    let ll_lines_array =
+                        matches!(path, CudaPath::OneShotLl | CudaPath::OneShotLl12) && w == 4;
+                    if k.spill_bytes == 0 && k.stack_bytes > 0 && !ll_lines_array {
+                        over.push(format!("{k:?} (a stack frame without spills)"));
                     }
                 }
             }

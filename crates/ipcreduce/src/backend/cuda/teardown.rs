@@ -105,7 +105,15 @@ impl CudaComm {
                 self.stream.synchronize().map_err(|e| e.to_string())
             });
         match res {
-            Ok(()) => true,
+            Ok(()) => {
+                // The kernels' trap carries no message (prims.cuh, open_call_counter): this
+                // line is what names the cause of a later replay's CUDA_ERROR_LAUNCH_FAILED.
+                tracing::info!(
+                    rank = self.rank,
+                    "closed with calls captured in CUDA graphs: replaying those graphs from                      now on fails (CUDA_ERROR_LAUNCH_FAILED); destroy them"
+                );
+                true
+            }
             Err(e) => {
                 tracing::warn!(
                     rank = self.rank,
