@@ -5,22 +5,24 @@
 #
 # Usage: scripts/device/identity.sh OUT_DIR
 #   latency   small-message latency before/after: bf16 sum, two ranks, 8 B - 64 KiB, eager and
-#             CUDA graph (-G 20), plain buffers, every call checked; the two binaries take
-#             turns for REPEAT rounds so a drift of the machine hits both alike; latency.md has
-#             the median of the rounds, their spread (min-max) and after/before per size.
+#             CUDA graph (-G 20), plain buffers, every call checked; the binaries of VERSIONS
+#             take turns for REPEAT rounds so a drift of the machine hits all alike; latency.md
+#             has the median of the rounds, their spread (min-max) and the ratios to the first.
 #   checks    `check` CASES cases at worlds 2, 4 and 8, plain and registered buffers.
 #   gputests  scripts/device/gpu-tests.sh into OUT_DIR/gpu-tests (the whole GPU suite, the
 #             hostile-call roles included).
 # summary.txt: one line per step (PASS/FAIL/SKIP and its last line); env.txt: GPU, driver and
 # both binaries' versions (the commit each was built from).
 # Knobs: PHASES="latency checks gputests", BUDGET=540, CASES=2000, WORLDS="2 4 8", REPEAT=3,
-# BASE_BIN=target/baseline/ipcreduce.
+# BASE_BIN=target/baseline/ipcreduce, VERSIONS="before=$BASE_BIN after=$BIN" (NAME=PATH ...).
 set -u
 # shellcheck source=lib/steps.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib/steps.sh" || exit 2
 OUT=${1:?usage: identity.sh OUT_DIR}
 BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
 BASE_BIN=${BASE_BIN:-target/baseline/ipcreduce}
+# The binaries the latency phase compares, NAME=PATH each, in turns; ratios are to the first.
+VERSIONS=${VERSIONS:-before=$BASE_BIN after=$BIN}
 BUDGET=${BUDGET:-540}
 CASES=${CASES:-2000}
 REPEAT=${REPEAT:-3}
@@ -36,9 +38,13 @@ SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 status=0
 
-base_version=missing
-[ -x "$BASE_BIN" ] && base_version=$("$BASE_BIN" --version 2>&1)
-env_txt "GPUs: $NGPU PHASES=$PHASES BUDGET=$BUDGET CASES=$CASES REPEAT=$REPEAT; before: $base_version"
+versions=""
+for vb in $VERSIONS; do
+  v=missing
+  [ -x "${vb#*=}" ] && v=$("${vb#*=}" --version 2>&1)
+  versions="$versions; ${vb%%=*}: $v"
+done
+env_txt "GPUs: $NGPU PHASES=$PHASES BUDGET=$BUDGET CASES=$CASES REPEAT=$REPEAT$versions"
 
 has() { [[ " $PHASES " == *" $1 "* ]]; }
 
@@ -50,49 +56,47 @@ if [ "${NGPU:-0}" -lt 2 ]; then
 fi
 
 if has latency; then
-  if [ ! -x "$BASE_BIN" ]; then
-    echo "SKIP latency: no binary of the commit before at $BASE_BIN" | tee -a "$SUMMARY"
+  missing=""
+  for vb in $VERSIONS; do [ -x "${vb#*=}" ] || missing="$missing ${vb#*=}"; done
+  if [ -n "$missing" ]; then
+    echo "SKIP latency: no binary at$missing" | tee -a "$SUMMARY"
     status=1
   else
     for i in $(seq 1 "$REPEAT"); do
-      for v in before after; do
-        b=$BIN
-        [ "$v" = before ] && b=$BASE_BIN
-        step "bench-$v-$i" 150 "$b" bench --backend cuda --ranks 2 -a auto -d bfloat16 \
-          -b 8 -e 64K -f 2 -n 300 -w 50 -G 20 --json "$OUT/bench-$v-$i.json"
+      for vb in $VERSIONS; do
+        step "bench-${vb%%=*}-$i" 150 "${vb#*=}" bench --backend cuda --ranks 2 -a auto -d bfloat16 \
+          -b 8 -e 64K -f 2 -n 300 -w 50 -G 20 --json "$OUT/bench-${vb%%=*}-$i.json"
       done
     done
-    python3 - "$OUT" >"$OUT/latency.md" <<'EOF' || status=1
+    # shellcheck disable=SC2086 # one argument per version
+    python3 - "$OUT" $VERSIONS >"$OUT/latency.md" <<'EOF' || status=1
 import glob, json, os, statistics, sys
 out = sys.argv[1]
+names = [a.split("=", 1)[0] for a in sys.argv[2:]]
 runs = {v: [json.load(open(f))["rows"] for f in sorted(glob.glob(os.path.join(out, f"bench-{v}-*.json")))]
-        for v in ("before", "after")}
+        for v in names}
 def rounds(v, b, mode):
     return [r["time_us"] for rows in runs[v] for r in rows
             if r["bytes"] == b and r["mode"] == mode and not r["registered"] and r["algo"] == "auto"]
-sizes = sorted({r["bytes"] for rows in runs["after"] for r in rows})
+sizes = sorted({r["bytes"] for rows in runs[names[-1]] for r in rows})
+first = names[0]
 print("# bf16 sum, two ranks under MPS on one GPU, us per call (slowest rank), median of the rounds")
-print("# [min-max]; after/before < 1: the change is faster")
+print(f"# [min-max]; X/{first} < 1: X is faster than {first}")
+print("# " + ", ".join(f"{v}: {len(runs[v])} rounds" for v in names))
 for mode in ("graph", "eager"):
     print()
     print(f"## {mode}")
     print()
-    print("| size | before | after | after/before |")
-    print("|---|---|---|---|")
+    print("| size | " + " | ".join(names) + " | " + " | ".join(f"{v}/{first}" for v in names[1:]) + " |")
+    print("|---" * (2 * len(names)) + "|")
     for b in sizes:
-        cells = []
-        meds = []
-        for v in ("before", "after"):
+        cells, meds = [], []
+        for v in names:
             c = rounds(v, b, mode)
-            if c:
-                m = statistics.median(c)
-                meds.append(m)
-                cells.append(f"{m:.2f} [{min(c):.2f}-{max(c):.2f}]")
-            else:
-                meds.append(None)
-                cells.append("-")
-        ratio = "-" if None in meds else f"{meds[1] / meds[0]:.3f}"
-        print(f"| {b} | {cells[0]} | {cells[1]} | {ratio} |")
+            meds.append(statistics.median(c) if c else None)
+            cells.append(f"{meds[-1]:.2f} [{min(c):.2f}-{max(c):.2f}]" if c else "-")
+        ratios = ["-" if None in (m, meds[0]) else f"{m / meds[0]:.3f}" for m in meds[1:]]
+        print(f"| {b} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
 wrong = sum(r["wrong"] for v in runs for rows in runs[v] for r in rows)
 print()
 print(f"wrong elements over every row: {wrong}")
