@@ -45,6 +45,7 @@ __all__ = [
     "ConfigError",
     "RegisteredBuffer",
     "nccl_library",
+    "trace",
 ]
 
 RegisteredBuffer = _native.RegisteredBuffer
@@ -281,6 +282,23 @@ class Communicator:
         """Devices, driver and NCCL versions, for reports."""
         return self._native.meta()
 
+    @property
+    def traced_calls(self) -> int:
+        """Calls this rank's flight recorder has seen: a mark for `write_trace`."""
+        return self._native.traced_calls
+
+    def write_trace(self, dir: str, since: int = 0) -> str:
+        """Writes this rank's calls after `since` (a `traced_calls` mark; 0: every call the
+        flight recorder still holds, the last IPCREDUCE_FLIGHT) into `dir` as
+        ipcreduce-trace-<job>-rank<r>.jsonl, replacing one there, and returns its path. For
+        `ipcreduce trace export` / `summarize` (docs/tracing.md). Not collective."""
+        return self._native.write_trace(str(dir), since)
+
+    def trace(self, dir: str) -> "_Trace":
+        """`with comm.trace(dir): ...` writes the calls made inside the block into `dir` when
+        it ends (see `write_trace`), also when it ends by an exception."""
+        return _Trace(dir, [self])
+
     def __enter__(self) -> "Communicator":
         return self
 
@@ -293,6 +311,49 @@ class Communicator:
     def _invalid(self, detail: str, op: str = "all_reduce") -> InvalidArgumentError:
         # Worded as the library's own argument errors.
         return InvalidArgumentError(f"rank {self.rank}: invalid argument to {op}: {detail}")
+
+
+class _Trace:
+    """The context of `ipcreduce.trace` and `Communicator.trace`."""
+
+    def __init__(self, dir: str, comms, every_open: bool = False) -> None:
+        self.dir = str(dir)
+        self._comms = list(comms)
+        # Every open communicator of the process: those closed already are left out.
+        self._every_open = every_open
+        self._marks: list = []
+        self.files: list = []
+
+    def __enter__(self) -> "_Trace":
+        self._marks = []
+        for c in self._comms:
+            try:
+                self._marks.append((c, c.traced_calls))
+            except InvalidArgumentError:
+                if not self._every_open:
+                    raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.files = [c.write_trace(self.dir, since) for c, since in self._marks]
+
+
+def trace(dir: str, comm: Optional[Communicator] = None) -> _Trace:
+    """Traces the calls made inside a `with` block:
+
+        with ipcreduce.trace("traces/step-10"):
+            ...                     # calls of comm (and any other open communicator)
+
+    When the block ends (an exception included), every rank writes its calls made inside it
+    into `dir` (ipcreduce-trace-<job>-rank<r>.jsonl, replacing one there), which
+    `ipcreduce trace export DIR` turns into one Perfetto / chrome://tracing timeline and
+    `ipcreduce trace summarize DIR` into the straggler report (docs/tracing.md). `comm`: the
+    communicator to trace, default every open one of this process. The context's `files` are
+    the paths written. Costs nothing inside the block: the calls are recorded anyway (the
+    flight recorder); `IPCREDUCE_TIMELINE=1` adds when each ran on its stream (cuda)."""
+    if comm is not None:
+        return _Trace(dir, [comm])
+    return _Trace(dir, list(_BY_HANDLE.values()), every_open=True)
 
 
 def nccl_library() -> str:

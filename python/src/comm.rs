@@ -413,6 +413,24 @@ impl Communicator {
         })
     }
 
+    /// Calls this rank's flight recorder has seen: the mark `write_trace` writes the calls
+    /// after.
+    #[getter]
+    fn traced_calls(&self, py: Python<'_>) -> PyResult<u64> {
+        self.with(py, "traced_calls", |c| Ok(c.traced_calls()))
+    }
+
+    /// Writes this rank's calls after `since` (a `traced_calls` mark; 0: all it holds) into
+    /// `dir` as `ipcreduce-trace-<job>-rank<r>.jsonl`, for `ipcreduce trace export` and
+    /// `summarize`; returns the file's path. Not collective.
+    #[pyo3(signature = (dir, since = 0))]
+    fn write_trace(&self, py: Python<'_>, dir: std::path::PathBuf, since: u64) -> PyResult<String> {
+        self.with(py, "write_trace", move |c| {
+            c.write_trace(&dir, since)
+                .map(|p| p.to_string_lossy().into_owned())
+        })
+    }
+
     /// Facts for reports: the devices, driver and NCCL versions.
     fn meta(&self, py: Python<'_>) -> PyResult<HashMap<String, String>> {
         let m = self.with(py, "meta", |c| Ok(c.meta()))?;

@@ -392,3 +392,42 @@ def test_fabric_and_registration_of_the_host_backend(comm):
 def test_registered_buffers_need_the_cuda_backend(comm):
     with pytest.raises(ipcreduce.InvalidArgumentError, match="cuda backend"):
         comm.alloc(4096)
+
+
+def _traced_counts(path):
+    """(header, the counts of the calls) of a trace file."""
+    with open(path) as f:
+        lines = f.read().splitlines()
+    return json.loads(lines[0]), [json.loads(line)["count"] for line in lines[1:]]
+
+
+def test_trace_writes_the_calls_made_inside_the_block(comm, tmp_path):
+    # Counts this test chooses, so each call is known by its count in the file.
+    comm.all_reduce(np.ones(10, np.float32))  # before the block: left out
+    with ipcreduce.trace(tmp_path / "block", comm) as t:
+        for n in (11, 12, 13):
+            comm.all_reduce(np.ones(n, np.float32))
+    comm.all_reduce(np.ones(14, np.float32))  # after it: left out
+    job = os.environ["IPCREDUCE_JOB_ID"]
+    want = str(tmp_path / "block" / f"ipcreduce-trace-{job}-rank{comm.rank}.jsonl")
+    assert t.files == [want]
+    header, counts = _traced_counts(want)
+    assert (header["rank"], header["world"], header["written"]) == (comm.rank, comm.world_size,
+                                                                    "trace")
+    assert counts == [11, 12, 13]
+
+    # A block that ends by an exception is written too; the method form of the same.
+    with pytest.raises(ZeroDivisionError):
+        with comm.trace(tmp_path / "raised") as t:
+            comm.all_reduce(np.ones(15, np.float32))
+            1 / 0
+    assert _traced_counts(t.files[0])[1] == [15]
+
+    # Without a communicator: every open one (the earlier tests' are closed and left out).
+    with ipcreduce.trace(tmp_path / "every") as t:
+        comm.all_reduce(np.ones(16, np.float32))
+    assert [_traced_counts(f)[1] for f in t.files] == [[16]]
+
+    # Every call the ring holds, through the plain method.
+    _, counts = _traced_counts(comm.write_trace(tmp_path / "all"))
+    assert counts == [10, 11, 12, 13, 14, 15, 16]

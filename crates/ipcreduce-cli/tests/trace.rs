@@ -2,8 +2,10 @@
 //! launch`) with `IPCREDUCE_TRACE=DIR` make eight calls and close; `ipcreduce trace export`
 //! must give one track per rank with every call as a slice, in order, and `ipcreduce trace
 //! summarize` and the export must both name the rank that was made late on purpose and by
-//! how much. A second job mismatches a count at call #5: the export must mark it on the odd
-//! rank and the error on every rank. The calls, counts, delay and ranks are this file's own
+//! how much. Each rank also writes the part of its run from call #3 to #5 into a directory of
+//! its own (`Communicator::write_trace`), which must hold just those calls. A second job
+//! mismatches a count at call #5: the export must mark it on the odd rank and the error on
+//! every rank. The calls, counts, delay and ranks are this file's own
 //! script.
 
 use serde_json::Value;
@@ -13,6 +15,9 @@ use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ipcreduce");
 const ROLE: &str = "IPCREDUCE_TRACE_TEST_ROLE";
+/// Where each rank writes the trace of calls [`PART_FIRST`]..=[`LATE_SEQ`].
+const PART_DIR: &str = "IPCREDUCE_TRACE_TEST_PART";
+const PART_FIRST: u64 = 3;
 const WORLD: usize = 3;
 /// Calls each rank makes: #1-#6 all-reduces, #7 a reduce-scatter, #8 an all-gather.
 const CALLS: u64 = 8;
@@ -41,7 +46,11 @@ fn trace_rank() {
     };
     let mut comm = Communicator::init(&config).expect("init");
     let rank = comm.rank();
+    let mut mark = 0;
     for seq in 1..=6u64 {
+        if seq == PART_FIRST {
+            mark = comm.traced_calls();
+        }
         let mut count = 100 + seq as usize;
         if rank == ODD && seq == LATE_SEQ {
             match role.as_str() {
@@ -54,6 +63,11 @@ fn trace_rank() {
         if let Err(e) = comm.all_reduce_host(&send, &mut recv, ReduceOp::Sum, Algorithm::Auto) {
             println!("@@ ERR {rank} {e}");
             return;
+        }
+        if seq == LATE_SEQ {
+            let part = std::env::var(PART_DIR).expect("part dir");
+            let f = comm.write_trace(&part, mark).expect("write_trace");
+            println!("@@ PART {rank} {}", f.display());
         }
     }
     let send = vec![1.0f32; 8 * WORLD];
@@ -119,6 +133,7 @@ fn job(role: &str, dir: &Path) -> (Vec<String>, String) {
         ])
         .env(ROLE, role)
         .env("IPCREDUCE_TRACE", dir)
+        .env(PART_DIR, dir.join("part"))
         .env("IPCREDUCE_FLIGHT_DIR", dir.join("flight"))
         .env_remove("IPCREDUCE_RANK")
         .env_remove("RANK")
@@ -202,6 +217,39 @@ fn a_late_rank_is_named_with_its_delay_by_the_summary_and_the_export() {
     }
     // No call failed: no flight record was written.
     assert!(!dir.join("flight").exists(), "{all}");
+
+    // The part each rank wrote: calls #3-#5 only, the late one among them.
+    let part = dir.join("part");
+    for rank in 0..WORLD {
+        let f = part.join(format!("ipcreduce-trace-{}-rank{rank}.jsonl", job_id(&dir)));
+        assert!(
+            lines.contains(&format!("PART {rank} {}", f.display())),
+            "{all}"
+        );
+        let body = std::fs::read_to_string(&f).unwrap();
+        let seqs: Vec<u64> = body
+            .lines()
+            .skip(1)
+            .map(|l| {
+                serde_json::from_str::<Value>(l).unwrap()["seq"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(seqs, (PART_FIRST..=LATE_SEQ).collect::<Vec<_>>(), "{body}");
+    }
+    let text = cli(&["trace", "summarize"], &part);
+    assert!(
+        text.contains(&format!(
+            "no divergence: every rank made calls #{PART_FIRST}-#{LATE_SEQ} alike"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("latest arrival: #{LATE_SEQ}: rank {ODD}, ")),
+        "{text}"
+    );
+    assert_eq!(slices(&export(&part, "chrome"), ODD).len(), 3);
 
     // The summary, in text and JSON.
     let text = cli(&["trace", "summarize"], &dir);

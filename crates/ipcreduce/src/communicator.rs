@@ -741,6 +741,29 @@ impl Communicator {
         self.backend.last_path()
     }
 
+    /// Calls this rank's flight recorder has seen (the latest call's number): the mark that
+    /// [`Self::write_trace`] writes the calls after.
+    pub fn traced_calls(&self) -> u64 {
+        self.flight.calls()
+    }
+
+    /// Writes this rank's calls after `since` (a [`Self::traced_calls`] mark; 0: every call
+    /// the recorder still holds, the last `IPCREDUCE_FLIGHT`) into `dir` as
+    /// `ipcreduce-trace-<job>-rank<r>.jsonl`, the file `IPCREDUCE_TRACE` writes at close
+    /// (replaced if there), for `ipcreduce trace export` / `summarize` of a part of a run; with
+    /// `IPCREDUCE_TIMELINE=1`, when each call ran on its stream. Not collective: each rank
+    /// writes its own, into the same `dir`. Returns the file's path.
+    pub fn write_trace(
+        &mut self,
+        dir: impl AsRef<std::path::Path>,
+        since: u64,
+    ) -> Result<std::path::PathBuf> {
+        let rank = self.rank();
+        self.flight
+            .write_trace(dir.as_ref(), since)
+            .map_err(|why| Error::invalid(rank, "write_trace", why))
+    }
+
     /// Collective: a registered backend-owned buffer for the benchmark and the checks (used
     /// like [`Self::test_alloc`]'s; cuda backend).
     #[cfg(feature = "test-support")]

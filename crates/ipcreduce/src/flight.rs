@@ -457,7 +457,7 @@ impl Recorder {
         self.error = Some(words.clone());
         let path = self.file()?;
         let spans = self.spans();
-        match self.write(&path, Some(&words), "error", &spans) {
+        match self.write(&path, Some(&words), "error", &spans, 0) {
             Ok(()) => {
                 self.dumped = Some(path.clone());
                 Some(path)
@@ -467,6 +467,36 @@ impl Recorder {
                 None
             }
         }
+    }
+
+    /// Calls recorded so far (the latest call's number): the mark a [`Recorder::write_trace`]
+    /// of the calls after it takes.
+    pub fn calls(&self) -> u64 {
+        self.calls
+    }
+
+    /// Writes the calls after `since` (a [`Recorder::calls`] mark; 0: all) that the ring still
+    /// holds into `dir`, as the close trace is written (`ipcreduce-trace-<job>-rank<r>.jsonl`,
+    /// replacing one of that name there, `written: "trace"`), for `ipcreduce trace export` of
+    /// a part of a run. Fails when recording is off (`IPCREDUCE_FLIGHT=0`) or the file cannot
+    /// be written.
+    pub fn write_trace(&mut self, dir: &Path, since: u64) -> std::result::Result<PathBuf, String> {
+        if self.ring.is_empty() {
+            return Err("IPCREDUCE_FLIGHT=0 keeps no calls to write".into());
+        }
+        let who = self
+            .who
+            .as_ref()
+            .ok_or("the recorder has no job identity yet")?;
+        let path = dir.join(format!(
+            "ipcreduce-trace-{}-rank{}.jsonl",
+            who.job, who.rank
+        ));
+        let error = self.error.clone();
+        let spans = self.spans();
+        self.write(&path, error.as_deref(), "trace", &spans, since)
+            .map_err(|e| format!("could not write {}: {e}", path.display()))?;
+        Ok(path)
     }
 
     /// Where the trace goes at close (`IPCREDUCE_TRACE`), if it is on.
@@ -487,7 +517,7 @@ impl Recorder {
         };
         let error = self.error.clone();
         let spans = self.spans();
-        if let Err(e) = self.write(&path, error.as_deref(), "close", &spans) {
+        if let Err(e) = self.write(&path, error.as_deref(), "close", &spans, 0) {
             tracing::warn!("trace: could not write {}: {e}", path.display());
         }
     }
@@ -515,6 +545,7 @@ impl Recorder {
         error: Option<&str>,
         written: &str,
         spans: &std::collections::HashMap<u64, (u64, u64)>,
+        since: u64,
     ) -> std::io::Result<()> {
         let who = self.who.as_ref().expect("file() checked it");
         let header = serde_json::json!({
@@ -528,11 +559,12 @@ impl Recorder {
             "calls": self.calls,
             "dumped_ns": now_ns(),
             "written": written,
+            "since": since,
             "error": error,
         });
         let mut text = header.to_string();
         text.push('\n');
-        for mut e in self.entries() {
+        for mut e in self.entries().into_iter().filter(|e| e.seq > since) {
             if let Some(&(b, d)) = spans.get(&e.seq) {
                 (e.dev_start_ns, e.dev_end_ns) = (b, d);
             }
