@@ -42,6 +42,7 @@ impl Communicator {
     /// Joins the job described by `info`.
     pub fn with_rank_info(info: RankInfo, config: &Config) -> Result<Communicator> {
         let mut phases = crate::phases::Phases::start("init");
+        crate::host_profile::init();
         let config = config.resolve()?;
         let mut flight = crate::flight::Recorder::from_env()?;
         let algo_env = config.algo;
@@ -320,7 +321,8 @@ impl Communicator {
             in_place: send == recv.cast_const(),
             stream,
         };
-        self.recorded(id, |c| {
+        crate::host_profile::begin();
+        let r = self.recorded(id, |c| {
             c.check_args(send, recv, count, dtype)?;
             // Count 0 goes to the backend too: it is a call like any other, whose identity
             // every rank compares (a count-0 call against a real one is a mismatch).
@@ -328,12 +330,17 @@ impl Communicator {
             let zero_copy = c.backend.zero_copy_call(send as u64, recv as u64, bytes);
             let algo = c.resolve_call(algo, dtype, bytes, zero_copy);
             c.flight.path(algo);
+            crate::host_profile::lap(crate::host_profile::Phase::Checks);
             // SAFETY: checked above; the caller vouches for the memory.
-            unsafe {
+            let r = unsafe {
                 c.backend
                     .all_reduce_raw(send, recv, count, dtype, op, algo, stream)
-            }
-        })
+            };
+            crate::host_profile::lap(crate::host_profile::Phase::Rest);
+            r
+        });
+        crate::host_profile::end(r.is_ok());
+        r
     }
 
     /// All-reduce of `args.input` over the ranks, then residual add and RMSNorm (and an FP8
@@ -652,6 +659,7 @@ impl Drop for Communicator {
         // After the leave, so that peers are not kept waiting for a file write; before the
         // backend's context goes (field order), which the device timeline's events belong to.
         self.flight.close_all();
+        crate::host_profile::report(self.rank());
     }
 }
 

@@ -26,6 +26,7 @@ pub mod element;
 pub mod error;
 pub mod flight;
 pub mod fused;
+pub mod host_profile;
 mod phases;
 pub mod plan;
 pub mod reference;

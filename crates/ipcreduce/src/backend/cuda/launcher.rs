@@ -375,6 +375,9 @@ impl Launcher {
     pub fn launch<A>(&self, k: Kernel, args: &mut A, what: impl FnOnce() -> String) -> Result<()> {
         // `A`: the kernel's one by-value parameter (KernelArgs, or a struct that starts with it).
         let mut params = [(args as *mut A).cast::<c_void>()];
+        // What came before the launch (plan, kernel, arguments): the driver's call is the
+        // caller's `launch` phase (ops.rs).
+        crate::host_profile::lap(crate::host_profile::Phase::Prepare);
         // SAFETY: the kernel reads `args` (copied at launch) and only touches the buffers in it,
         // which the caller vouched for and we own.
         ck(

@@ -8,6 +8,7 @@ use super::{allreduce, driver, hier, nccl, pointers, registry, scatter_gather, s
 use crate::backend::{BackendMeta, BackendOps, RegisteredBuffer, SgOp};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
+use crate::host_profile::{self, Phase};
 use crate::plan::{Fabric, PathInfo};
 use crate::shards::Shards;
 use crate::types::{Algorithm, BackendKind, DType, ReduceOp};
@@ -53,6 +54,7 @@ impl BackendOps for CudaComm {
                 self.check_buffer("all_reduce", call.recv, bytes, "recv")?;
             }
         }
+        host_profile::lap(Phase::Pointers);
         self.enqueue(&call, algo).map_err(|e| self.in_job(e))
     }
 
@@ -313,12 +315,17 @@ impl CudaComm {
         // record and wait on events (not during capture: the graph orders its calls), and,
         // with Pdl::Eager, whether kernels are launched with programmatic dependent launch.
         let capture = streams::capture(stream, self.rank)?;
+        host_profile::lap(Phase::Capture);
         let capturing = capture.is_some();
         self.launch.origin = self.captures.origin(capture);
         self.launch.launch_pdl = self.launch.pdl.for_call(capturing);
         self.streams.before(&mut self.events, key, capturing)?;
+        host_profile::lap(Phase::Order);
         issue(self)?;
-        self.streams.after(&mut self.events, key, capturing)
+        host_profile::lap(Phase::Launch);
+        let r = self.streams.after(&mut self.events, key, capturing);
+        host_profile::lap(Phase::After);
+        r
     }
 
     /// The reference add + RMSNorm of an already all-reduced `args.input` on `stream` (no
