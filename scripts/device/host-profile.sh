@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Where an eager call's host time goes, on one GPU (two ranks under MPS): `bench` eager only
+# (bf16 sum, 8 B - 64 KiB, every call checked) with IPCREDUCE_HOST_PROFILE=1, with
+# programmatic dependent launch as by default and with IPCREDUCE_PDL=0, REPEAT rounds each.
+# Every rank prints its per-phase means when its communicator is dropped (README, knobs).
+# Builds nothing: expects target/release/ipcreduce.
+#
+# Usage: scripts/device/host-profile.sh OUT_DIR
+# Writes: bench-PDL-ROUND.json / .log, profile.txt (every rank's profile line per run),
+# summary.txt (PASS/FAIL per run), env.txt. Knobs: REPEAT=2.
+set -u
+# shellcheck source=lib/steps.sh source-path=SCRIPTDIR
+. "$(dirname "$0")/lib/steps.sh" || exit 2
+OUT=${1:?usage: host-profile.sh OUT_DIR}
+BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
+REPEAT=${REPEAT:-2}
+BUDGET=${BUDGET:-400}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+# Never NVLink multicast.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export IPCREDUCE_TUNE_FILE="$OUT/no-tune.txt"
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+status=0
+env_txt "GPUs: $NGPU REPEAT=$REPEAT"
+if [ "${NGPU:-0}" -lt 2 ]; then
+  if ! mps_on; then
+    echo "FAIL mps: the MPS control daemon did not start" | tee -a "$SUMMARY"
+    exit 1
+  fi
+fi
+: >"$OUT/profile.txt"
+for i in $(seq 1 "$REPEAT"); do
+  for pdl in eager 0; do
+    IPCREDUCE_PDL=$pdl IPCREDUCE_HOST_PROFILE=1 step "bench-pdl-$pdl-$i" 150 "$BIN" bench \
+      --backend cuda --ranks 2 -a auto -d bfloat16 -b 8 -e 64K -f 2 -n 300 -w 50 \
+      --json "$OUT/bench-pdl-$pdl-$i.json" || status=1
+    grep -h "host profile" "$OUT/bench-pdl-$pdl-$i.log" | sed "s/^/pdl=$pdl round $i: /" \
+      >>"$OUT/profile.txt"
+  done
+done
+cat "$OUT/profile.txt"
+exit $status
