@@ -324,10 +324,19 @@ impl Communicator {
             // The library's eps is a float32 (NaN and negatives stay so: it refuses them).
             eps: eps as f32,
         };
-        // SAFETY: the caller's contract above.
-        unsafe {
-            crate::fused::all_reduce_add_rms_norm(self, py, args, dtype, on_device, algo, stream)
+        let dtype = parse::<DType>("dtype", dtype)?;
+        let algo = parse::<Algorithm>("algo", algo)?;
+        if let Some(why) = crate::fused::wrong_address_space(on_device, self.backend_kind()) {
+            return Err(self.invalid(crate::fused::OP, why));
         }
+        self.with(py, crate::fused::OP, move |c| {
+            // SAFETY: the caller's contract above (every non-zero address valid for its tensor
+            // until the call has completed); the library checks null, alignment, aliasing and
+            // (cuda) that every pointer is device memory of its GPU.
+            unsafe {
+                c.all_reduce_add_rms_norm_raw(&args.to_library(dtype), algo, stream as *mut c_void)
+            }
+        })
     }
 
     /// Waits for the work this communicator enqueued on its own stream and raises an error a

@@ -75,7 +75,10 @@ impl CudaComm {
             )));
         }
         // What every rank's grid can count on being resident (the smallest room of any rank).
-        let room = residency::agree(boot, residency::measure(&gpu, device, sharing, rank)?)?;
+        let room = residency::agree(
+            boot,
+            residency::measure(&gpu.loaded_functions(), device, sharing, rank)?,
+        )?;
         phases.mark("device exchange");
         let residency::Caps { cap, deep_cap } =
             residency::caps(&room, fixed, DEFAULT_CTA_CAP, MAX_BLOCKS)

@@ -2,88 +2,16 @@
 //! [`crate::fused`], run through the host all-reduce (rank order, f32, one rounding) and a
 //! per-row epilogue in Rust.
 //!
-//! A call is one identity epoch, then the all-reduce's epochs. The identity epoch's stamp
-//! holds what the all-reduce's stamps cannot: `count` = hidden, `place` = [`FUSED_IDENT`] |
-//! output flags << 56 | tokens (24 bits, saturated) << 32 | eps bits. Tokens beyond 2^24 - 1
-//! are still compared, through the all-reduce's count (tokens x hidden, with hidden equal).
+//! A call is one identity epoch (its stamp holds the shape, see stamp.rs, `fused_ident`), then
+//! the all-reduce's epochs.
 
-use super::stamp::{code_name, Stamp};
+use super::stamp;
 use super::HostComm;
 use crate::backend::SgOp;
 use crate::error::{Error, Result};
-use crate::fused::{self, AddRmsNorm, Shape};
+use crate::fused::{self, AddRmsNorm};
 use crate::types::{Algorithm, DType, ReduceOp};
 use half::{bf16, f16};
-
-/// `Stamp::place` bit of a fused call's identity epoch (an all-reduce's place never has it:
-/// arena offsets stay far below 2^62).
-const FUSED_IDENT: u64 = 1 << 62;
-const TOKENS_MAX: u64 = (1 << 24) - 1;
-
-fn ident_stamp(seq: u64, s: &Shape, dtype: DType, algo: Algorithm) -> Stamp {
-    let mut st = Stamp::new(seq, s.hidden, dtype, ReduceOp::Sum, algo).of(SgOp::AddRmsNorm);
-    let flags = s.fp8 as u64 | (s.out_in_place as u64) << 1 | (s.residual_in_place as u64) << 2;
-    st.place =
-        FUSED_IDENT | flags << 56 | (s.tokens as u64).min(TOKENS_MAX) << 32 | s.eps_bits as u64;
-    st
-}
-
-/// The shape an identity stamp holds (tokens saturated at 2^24 - 1), or None for any other.
-fn shape_of(st: &Stamp) -> Option<Shape> {
-    (st.place & FUSED_IDENT != 0).then(|| {
-        let flags = st.place >> 56;
-        Shape {
-            tokens: ((st.place >> 32) & TOKENS_MAX) as usize,
-            hidden: st.count as usize,
-            eps_bits: st.place as u32,
-            fp8: flags & 1 != 0,
-            out_in_place: flags & 2 != 0,
-            residual_in_place: flags & 4 != 0,
-        }
-    })
-}
-
-/// [`Stamp::describe`] of an identity stamp.
-pub(super) fn describe(st: &Stamp) -> Option<String> {
-    let s = shape_of(st)?;
-    let more = if s.tokens as u64 == TOKENS_MAX {
-        " (or more tokens)"
-    } else {
-        ""
-    };
-    Some(format!(
-        "{} #{} of {} {}{more}, {}",
-        fused::NAME,
-        st.seq,
-        code_name(st.codes, 0),
-        s.describe(),
-        code_name(st.codes, 2)
-    ))
-}
-
-/// [`Stamp::diff`] when either stamp is an identity stamp.
-pub(super) fn diff(a: &Stamp, b: &Stamp) -> Option<String> {
-    let (sa, sb) = (shape_of(a), shape_of(b));
-    if sa.is_none() && sb.is_none() {
-        return None;
-    }
-    let mut parts = Vec::new();
-    if a.seq != b.seq {
-        parts.push(format!("call #{} vs #{}", a.seq, b.seq));
-    }
-    for (field, what) in [(3, "operation"), (0, "dtype"), (2, "algorithm")] {
-        let (x, y) = (code_name(a.codes, field), code_name(b.codes, field));
-        if x != y {
-            parts.push(format!("{what} {x} vs {y}"));
-        }
-    }
-    match (sa, sb) {
-        (Some(x), Some(y)) => parts.extend(x.differences(&y).into_iter().map(String::from)),
-        _ if parts.is_empty() => parts.push("the call's step (ranks out of step)".into()),
-        _ => {}
-    }
-    Some(parts.join(", "))
-}
 
 /// An element type as the epilogue reads and writes it.
 trait Elem: Copy {
@@ -176,7 +104,7 @@ impl HostComm {
         let seq = self.seq + 1;
         self.check_alive(fused::NAME, seq)?;
         if self.world > 1 {
-            let stamp = ident_stamp(seq, &shape, a.dtype, algo);
+            let stamp = stamp::fused_ident(seq, &shape, a.dtype, algo);
             self.handshake(&stamp)
                 .map_err(|f| self.fail(f, fused::NAME, seq))?;
         }

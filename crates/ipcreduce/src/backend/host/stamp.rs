@@ -4,6 +4,7 @@
 
 use super::arena::ReadyLine;
 use crate::backend::SgOp;
+use crate::fused::{self, Shape};
 use crate::types::{Algorithm, DType, ReduceOp};
 use std::sync::atomic::Ordering;
 
@@ -70,7 +71,7 @@ impl Stamp {
 
     /// What differs, in words ("count 100 vs 200").
     pub fn diff(&self, peer: &Stamp) -> String {
-        if let Some(d) = super::fused::diff(self, peer) {
+        if let Some(d) = fused_diff(self, peer) {
             return d;
         }
         let mut parts = Vec::new();
@@ -103,7 +104,7 @@ impl Stamp {
     /// The call in words ("all_reduce #3 of 100 float, sum, oneshot, out of place"), for
     /// errors that name both ranks' calls.
     pub fn describe(&self) -> String {
-        if let Some(d) = super::fused::describe(self) {
+        if let Some(d) = fused_describe(self) {
             return d;
         }
         let name = |field| code_name(self.codes, field);
@@ -160,6 +161,80 @@ pub(super) fn code_name(codes: u32, field: u32) -> String {
         _ => algos.iter().find(|a| a.code() == v).map(|a| a.name()),
     };
     name.map_or_else(|| format!("code {v}"), str::to_string)
+}
+
+/// `Stamp::place` bit of a fused call's identity epoch (an all-reduce's place never has it:
+/// arena offsets stay far below 2^62).
+const FUSED_IDENT: u64 = 1 << 62;
+const TOKENS_MAX: u64 = (1 << 24) - 1;
+
+/// The stamp of a fused call's identity epoch (fused.rs), which holds what the all-reduce's
+/// stamps cannot: `count` = hidden, `place` = [`FUSED_IDENT`] | output flags << 56 | tokens
+/// (24 bits, saturated) << 32 | eps bits. Tokens beyond 2^24 - 1 are still compared, through
+/// the all-reduce's count (tokens x hidden, with hidden equal).
+pub(super) fn fused_ident(seq: u64, s: &Shape, dtype: DType, algo: Algorithm) -> Stamp {
+    let mut st = Stamp::new(seq, s.hidden, dtype, ReduceOp::Sum, algo).of(SgOp::AddRmsNorm);
+    let flags = s.fp8 as u64 | (s.out_in_place as u64) << 1 | (s.residual_in_place as u64) << 2;
+    st.place =
+        FUSED_IDENT | flags << 56 | (s.tokens as u64).min(TOKENS_MAX) << 32 | s.eps_bits as u64;
+    st
+}
+
+/// The shape an identity stamp holds (tokens saturated at 2^24 - 1), or None for any other.
+fn shape_of(st: &Stamp) -> Option<Shape> {
+    (st.place & FUSED_IDENT != 0).then(|| {
+        let flags = st.place >> 56;
+        Shape {
+            tokens: ((st.place >> 32) & TOKENS_MAX) as usize,
+            hidden: st.count as usize,
+            eps_bits: st.place as u32,
+            fp8: flags & 1 != 0,
+            out_in_place: flags & 2 != 0,
+            residual_in_place: flags & 4 != 0,
+        }
+    })
+}
+
+/// [`Stamp::describe`] of a fused identity stamp.
+fn fused_describe(st: &Stamp) -> Option<String> {
+    let s = shape_of(st)?;
+    let more = if s.tokens as u64 == TOKENS_MAX {
+        " (or more tokens)"
+    } else {
+        ""
+    };
+    Some(format!(
+        "{} #{} of {} {}{more}, {}",
+        fused::NAME,
+        st.seq,
+        code_name(st.codes, 0),
+        s.describe(),
+        code_name(st.codes, 2)
+    ))
+}
+
+/// [`Stamp::diff`] when either stamp is a fused identity stamp.
+fn fused_diff(a: &Stamp, b: &Stamp) -> Option<String> {
+    let (sa, sb) = (shape_of(a), shape_of(b));
+    if sa.is_none() && sb.is_none() {
+        return None;
+    }
+    let mut parts = Vec::new();
+    if a.seq != b.seq {
+        parts.push(format!("call #{} vs #{}", a.seq, b.seq));
+    }
+    for (field, what) in [(3, "operation"), (0, "dtype"), (2, "algorithm")] {
+        let (x, y) = (code_name(a.codes, field), code_name(b.codes, field));
+        if x != y {
+            parts.push(format!("{what} {x} vs {y}"));
+        }
+    }
+    match (sa, sb) {
+        (Some(x), Some(y)) => parts.extend(x.differences(&y).into_iter().map(String::from)),
+        _ if parts.is_empty() => parts.push("the call's step (ranks out of step)".into()),
+        _ => {}
+    }
+    Some(parts.join(", "))
 }
 
 #[cfg(test)]
