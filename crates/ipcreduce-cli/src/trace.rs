@@ -1,11 +1,13 @@
 //! `ipcreduce trace summarize FILES_OR_DIR...`: lines up the flight records the ranks of a job
 //! wrote when a call failed (see `ipcreduce::flight` and docs/tracing.md) and says where they
 //! diverged: the first call a rank never made or made differently, else the first call that
-//! failed; which rank arrived last there, and which ranks arrived last most often.
+//! failed; which rank arrived last there, which ranks arrived last most often, and how long
+//! each rank waited for each other (waits.rs).
 //! `ipcreduce trace export` turns the same files into a Chrome / Perfetto trace (export.rs).
 
 mod export;
 mod records;
+mod waits;
 
 use records::{files, load, Dump, Ident, Rec};
 use serde::Serialize;
@@ -112,6 +114,8 @@ struct JobSummary {
     /// The call whose last rank came latest after the first, over every call compared.
     latest_arrival: Option<Arrival>,
     stragglers: Vec<Straggler>,
+    /// How long each rank waited for each other over the calls compared (one host only).
+    waits: Option<waits::Waits>,
     same_host: bool,
     errors: Vec<RankError>,
 }
@@ -155,6 +159,9 @@ fn summarize_job(dumps: Vec<Dump>) -> JobSummary {
     } else {
         (None, None, Vec::new())
     };
+    let waits = same_host
+        .then(|| waits::waits(&dumps, first_seq, last_seq))
+        .flatten();
     JobSummary {
         job: dumps[0].header.job.clone(),
         world,
@@ -166,6 +173,7 @@ fn summarize_job(dumps: Vec<Dump>) -> JobSummary {
         last_arrival,
         latest_arrival,
         stragglers,
+        waits,
         same_host,
         errors: dumps
             .iter()
@@ -426,6 +434,9 @@ fn text(s: &JobSummary) -> String {
             })
             .collect();
         let _ = writeln!(o, "last to arrive, per call: {}", parts.join("; "));
+    }
+    if let Some(w) = &s.waits {
+        o.push_str(&waits::text(w));
     }
     if s.errors.is_empty() {
         let _ = writeln!(o, "errors: none");

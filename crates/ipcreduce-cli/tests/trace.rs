@@ -273,6 +273,27 @@ fn a_late_rank_is_named_with_its_delay_by_the_summary_and_the_export() {
         "rank {ODD} late by {us} us, slept {DELAY:?}: {v}"
     );
     assert!(v["jobs"][0]["divergence"].is_null(), "{v}");
+    // The wait matrix: every other rank waited about the delay for the late one, which
+    // itself waited for nobody that long.
+    let waits = &v["jobs"][0]["waits"];
+    assert_eq!(waits["calls"], CALLS, "{v}");
+    let waited = |i: usize, j: usize| waits["total_us"][i][j].as_f64().unwrap();
+    for r in (0..WORLD).filter(|&r| r != ODD) {
+        assert!(
+            within(waited(r, ODD), DELAY),
+            "rank {r} waited {} us for rank {ODD}, which slept {DELAY:?}: {v}",
+            waited(r, ODD)
+        );
+        assert!(
+            waited(ODD, r) < TOLERANCE * DELAY.as_secs_f64() * 1e6,
+            "rank {ODD} waited {} us for rank {r}: {v}",
+            waited(ODD, r)
+        );
+    }
+    assert!(
+        text.contains(&format!("waits over {CALLS} calls, ms")),
+        "{text}"
+    );
 
     // The export: one process per rank, every call a slice, in order and not overlapping.
     for format in ["chrome", "perfetto"] {
