@@ -9,8 +9,11 @@
 #      name call #1 and rank 3 -> faults-*.log, summary-*.txt, summary-*.json.
 #   3. trace: a cuda bench at 2 ranks with IPCREDUCE_TRACE and IPCREDUCE_TIMELINE=1, exported
 #      as a Chrome/Perfetto trace with a device track, checked (every rank has host and device
-#      slices, each device span after its host call's start, in order) and summarized ->
-#      trace.json, trace-check.txt, trace-summary.txt (under 150 s: PARTS=trace runs it alone).
+#      slices, each device span after its host call's start, in order), summarized and drawn
+#      (`trace plot`, its last 16 calls) -> trace.json, trace-check.txt, trace-summary.txt,
+#      trace-bench.png; then `overlap` (2 ranks, 64 MiB of gradients in 16 MiB buckets, 20
+#      steps) traced the same way -> trace-overlap.json, trace-overlap-summary.txt,
+#      trace-overlap.png (under 150 s: PARTS=trace runs it alone).
 #   The cuda cost rounds include the device timeline on (tl/off); with LIB_TESTS, the
 #   timeline's own host cost per call (flight::timeline's ignored GPU test).
 # Builds nothing: expects target/release/ipcreduce.
@@ -155,6 +158,28 @@ trace_run() {
   fi
   cat "$OUT/trace-check.txt"
   sed -n 1,12p "$OUT/trace-summary.txt"
+  if "$BIN" trace plot -o "$OUT/trace-bench.png" "$dir" >"$OUT/trace-plot.log" 2>&1; then
+    echo "PASS trace plot: $(tail -n 1 "$OUT/trace-plot.log")" | tee -a "$SUMMARY"
+  else
+    echo "FAIL trace plot: $(tail -n 1 "$OUT/trace-plot.log")" | tee -a "$SUMMARY"
+    status=1
+  fi
+  # A training loop's calls among its compute: overlap, traced the same way.
+  local odir="$OUT/trace-overlap"
+  rm -rf "$odir"; mkdir -p "$odir"
+  budget_fits 60 20 || { echo "SKIP trace overlap: out of time" | tee -a "$SUMMARY"; status=1; return; }
+  IPCREDUCE_TRACE=$odir IPCREDUCE_TIMELINE=1 timeout "$T" "$BIN" overlap --backend cuda --ranks 2 \
+    --steps 20 --warmup 5 --grad-bytes 64M --bucket-bytes 16M -a auto \
+    --json "$OUT/trace-overlap-run.json" >"$OUT/trace-overlap.log" 2>&1 \
+    || echo "trace overlap failed (exit $?): $(tail -n 2 "$OUT/trace-overlap.log")"
+  "$BIN" trace export --format perfetto -o "$OUT/trace-overlap.json" "$odir" >>"$OUT/trace-export.log" 2>&1
+  "$BIN" trace summarize "$odir" >"$OUT/trace-overlap-summary.txt" 2>&1
+  if "$BIN" trace plot -o "$OUT/trace-overlap.png" "$odir" >>"$OUT/trace-plot.log" 2>&1; then
+    echo "PASS trace overlap plot: $(tail -n 1 "$OUT/trace-plot.log")" | tee -a "$SUMMARY"
+  else
+    echo "FAIL trace overlap plot: $(tail -n 1 "$OUT/trace-plot.log")" | tee -a "$SUMMARY"
+    status=1
+  fi
 }
 part trace && trace_run
 

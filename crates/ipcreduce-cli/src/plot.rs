@@ -146,7 +146,7 @@ pub fn series(
 }
 
 /// Registers the compiled-in font once under the family plotters asks for.
-fn register_font() -> Result<(), String> {
+pub(crate) fn register_font() -> Result<(), String> {
     static DONE: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
     DONE.get_or_init(|| {
         plotters::style::register_font(

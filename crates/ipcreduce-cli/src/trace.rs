@@ -3,9 +3,11 @@
 //! diverged: the first call a rank never made or made differently, else the first call that
 //! failed; which rank arrived last there, which ranks arrived last most often, and how long
 //! each rank waited for each other (waits.rs).
-//! `ipcreduce trace export` turns the same files into a Chrome / Perfetto trace (export.rs).
+//! `ipcreduce trace export` turns the same files into a Chrome / Perfetto trace (export.rs),
+//! `ipcreduce trace plot` a window of them into a PNG timeline (plot.rs).
 
 mod export;
+mod plot;
 mod records;
 mod waits;
 
@@ -44,6 +46,22 @@ pub enum TraceCmd {
         /// Where to write it; `-` (the default): standard output.
         #[arg(short, long, default_value = "-")]
         output: PathBuf,
+    },
+    /// Draw a window of one job's calls as a PNG timeline: a lane per rank, each call's host
+    /// time and, where recorded, when it ran on its stream.
+    Plot {
+        /// Flight-record or trace files of one job, or directories holding them.
+        #[arg(required = true)]
+        inputs: Vec<PathBuf>,
+        /// The PNG to write.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// The calls to draw, FIRST-LAST (default: the last 16 every rank recorded).
+        #[arg(long)]
+        calls: Option<String>,
+        /// Title above the timeline (default: the job, its world and the window).
+        #[arg(long)]
+        title: Option<String>,
     },
 }
 
@@ -469,8 +487,65 @@ fn summarize(inputs: &[PathBuf], json: bool) -> Result<String, String> {
     Ok(summaries.iter().map(text).collect::<Vec<_>>().join("\n"))
 }
 
+/// `trace plot`: the one job in `inputs`, its window, drawn.
+fn plot_job(
+    inputs: &[PathBuf],
+    output: &std::path::Path,
+    calls: Option<&str>,
+    title: Option<String>,
+) -> Result<String, String> {
+    let mut jobs = jobs(inputs)?;
+    if jobs.len() > 1 {
+        let names: Vec<&String> = jobs.keys().collect();
+        return Err(format!(
+            "records of {} jobs ({names:?}): pass the files of one",
+            jobs.len()
+        ));
+    }
+    let (job, dumps) = jobs.pop_first().ok_or("no records")?;
+    let dumps = latest_per_rank(dumps);
+    let same_clock = dumps
+        .windows(2)
+        .all(|w| w[0].header.host == w[1].header.host);
+    let calls = calls.map(plot::parse_calls).transpose()?;
+    let (first, last) = plot::window(&dumps, calls)?;
+    let lanes = plot::lanes(&dumps, first, last, same_clock)?;
+    let title = title.unwrap_or_else(|| {
+        format!(
+            "job {job} (world {}): calls #{first}-#{last}, host time above, stream time below{}",
+            dumps.iter().map(|d| d.header.world).max().unwrap_or(0),
+            if same_clock {
+                ""
+            } else {
+                " (hosts differ: each rank from its own first call)"
+            }
+        )
+    });
+    plot::draw(&lanes, &title, output)?;
+    Ok(format!(
+        "wrote {} (calls #{first}-#{last} of {} ranks)",
+        output.display(),
+        lanes.len()
+    ))
+}
+
 pub fn run(args: TraceArgs) -> i32 {
     match args.what {
+        TraceCmd::Plot {
+            inputs,
+            output,
+            calls,
+            title,
+        } => match plot_job(&inputs, &output, calls.as_deref(), title) {
+            Ok(line) => {
+                eprintln!("{line}");
+                0
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                1
+            }
+        },
         TraceCmd::Export {
             inputs,
             format,

@@ -174,8 +174,17 @@ fn the_commands_table_names_flags_and_defaults_the_binary_has() {
     assert!(rows.len() >= 10, "{rows:?}");
     for syn in rows {
         let words: Vec<&str> = syn.split_whitespace().collect();
-        let cmd = words[1];
-        let out = ipcreduce(&[cmd, "--help"]).output().unwrap();
+        // The command and its subcommand words (`trace plot`): lowercase words up to the
+        // first argument or flag.
+        let cmd_words: Vec<&str> = words[1..]
+            .iter()
+            .copied()
+            .take_while(|w| w.chars().all(|c| c.is_ascii_lowercase()))
+            .collect();
+        let cmd = cmd_words.join(" ");
+        let mut args = cmd_words.clone();
+        args.push("--help");
+        let out = ipcreduce(&args).output().unwrap();
         let help = text(&out);
         assert!(out.status.success(), "`ipcreduce {cmd} --help`:\n{help}");
         for (i, w) in words.iter().enumerate() {
