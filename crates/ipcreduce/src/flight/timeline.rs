@@ -6,10 +6,13 @@
 //! the flight ring is written (a failure's dump, or the trace at close): a call not finished by
 //! then has no device span, and nothing ever waits for the stream.
 //!
-//! Event times are turned into host wall-clock ns through one anchor taken at that read: an
-//! event recorded on a private, empty stream and waited for, between two readings of the wall
-//! clock. `cuEventElapsedTime` gives float milliseconds (resolution about 0.5 us, and the
-//! float's 24 bits: 6 us of rounding for an event 100 s before the read).
+//! Event times are turned into host wall-clock ns through two anchors, each an event recorded
+//! on a private, empty stream and waited for between two readings of the wall clock: one when
+//! the timeline is made, one at the read. The GPU's clock drifts against the host's (9 ppm
+//! measured on an H200: 10 us over the 1.2 s of a bench), so event times are measured back
+//! from the read's anchor and scaled by the two clocks' ratio between the anchors ([`fit`]).
+//! `cuEventElapsedTime` gives float milliseconds (resolution about 0.5 us, and the float's 24
+//! bits: 6 us of rounding for an event 100 s before the read).
 //!
 //! Off (the default), the recorder holds no timeline: recording a call tests one `Option`.
 
@@ -35,6 +38,29 @@ pub struct Timeline {
     cap: usize,
     /// A driver call failed: recording stopped (said once, as a warning).
     broken: bool,
+    /// The first anchor (see the module doc), if it could be taken.
+    start: Option<(sys::CUevent, u64)>,
+}
+
+/// Host ns per device ns between two anchors `device_ms` apart on the GPU's clock and
+/// `host_ns` apart on the host's; 1 where they are too close to tell or disagree beyond any
+/// drift (0.1%: one of them is wrong).
+pub fn fit(device_ms: f32, host_ns: u64) -> f64 {
+    let device_ns = f64::from(device_ms) * 1e6;
+    if device_ns < 1e8 {
+        return 1.0;
+    }
+    let scale = host_ns as f64 / device_ns;
+    if (scale - 1.0).abs() > 1e-3 {
+        1.0
+    } else {
+        scale
+    }
+}
+
+/// The host time of an event `ms_before` (GPU clock) before the anchor taken at host `at_ns`.
+pub fn host_ns(ms_before: f32, at_ns: u64, scale: f64) -> u64 {
+    at_ns.saturating_sub((f64::from(ms_before) * 1e6 * scale) as u64)
 }
 
 // SAFETY: the handles are the driver's; the communicator (and so its timeline) is used from
@@ -62,12 +88,15 @@ impl Timeline {
             return None;
         }
         let cap = calls.clamp(1, MAX_CALLS);
-        Some(Timeline {
+        let mut t = Timeline {
             ctx,
             slots: Vec::with_capacity(cap),
             cap,
             broken: false,
-        })
+            start: None,
+        };
+        t.start = t.anchor();
+        Some(t)
     }
 
     fn fail(&mut self, what: &str, r: sys::CUresult) {
@@ -177,11 +206,15 @@ impl Timeline {
         let Some((anchor, at_ns)) = self.anchor() else {
             return out;
         };
-        let before = |e: sys::CUevent| -> Option<u64> {
-            // SAFETY: two of our completed events (the entry point this CUDA version has).
-            let ms = unsafe { cudarc::driver::result::event::elapsed(e, anchor) }.ok()?;
-            Some(at_ns.saturating_sub((f64::from(ms) * 1e6) as u64))
+        // SAFETY: two of our completed events (the entry point this CUDA version has).
+        let elapsed = |from: sys::CUevent| unsafe {
+            cudarc::driver::result::event::elapsed(from, anchor).ok()
         };
+        let scale = self
+            .start
+            .and_then(|(ev, ns)| Some(fit(elapsed(ev)?, at_ns.saturating_sub(ns))))
+            .unwrap_or(1.0);
+        let before = |e: sys::CUevent| Some(host_ns(elapsed(e)?, at_ns, scale));
         for s in self.slots.iter().filter(|s| s.recorded) {
             // SAFETY: our events; a query does not wait.
             let done = unsafe { ok(sys::cuEventQuery(s.begin)) && ok(sys::cuEventQuery(s.end)) };
@@ -234,6 +267,10 @@ impl Drop for Timeline {
         if !self.bind() {
             return;
         }
+        if let Some((ev, _)) = self.start {
+            // SAFETY: our event, never used again.
+            unsafe { sys::cuEventDestroy_v2(ev) };
+        }
         for s in &self.slots {
             // SAFETY: our events, never used again.
             unsafe {
@@ -247,6 +284,24 @@ impl Drop for Timeline {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_drifting_gpu_clock_is_scaled_to_the_host_clock_between_the_anchors() {
+        // The GPU's clock runs 9 ppm slow: 1.2 s of host time are 1.2 s - 10.8 us on it.
+        let host_span = 1_200_000_000u64;
+        let device_ms = (host_span as f64 * (1.0 - 9e-6) / 1e6) as f32;
+        let scale = fit(device_ms, host_span);
+        assert!((scale - 1.0 - 9e-6).abs() < 1e-7, "{scale}");
+        // An event at the first anchor lands on it within a microsecond (the float's rounding);
+        // unscaled it would be 10.8 us late.
+        let at = 5_000_000_000u64;
+        let t = host_ns(device_ms, at, scale);
+        assert!(t.abs_diff(at - host_span) < 1_000, "{t}");
+        assert!(host_ns(device_ms, at, 1.0).abs_diff(at - host_span) > 10_000);
+        // Anchors too close, or a ratio no clock drifts by: no scaling.
+        assert_eq!(fit(50.0, 50_000_000), 1.0);
+        assert_eq!(fit(1000.0, 1_100_000_000), 1.0);
+    }
 
     /// On a GPU (ignored elsewhere): spans of work on a stream come back in order, inside the
     /// host window they were issued and waited in, and what recording costs the host per call
