@@ -171,6 +171,8 @@ pub fn draw(lanes: &[Lane], title: &str, out: &Path) -> Result<(), String> {
         (true, false) => RGBColor(60, 110, 190),
         (true, true) => RGBColor(240, 150, 40),
     };
+    // Two pixels at least, so that a host call of a few us shows beside a long device span.
+    let min_bar = tmax * 2.0 / f64::from(WIDTH);
     for (k, lane) in lanes.iter().enumerate() {
         // Lane k spans [n - k - 1, n - k), rank 0 at the top; its name in the margin.
         let top = n - k as f64;
@@ -190,7 +192,7 @@ pub fn draw(lanes: &[Lane], title: &str, out: &Path) -> Result<(), String> {
         ] {
             chart
                 .draw_series(bars.iter().flat_map(|b| {
-                    let corners = [(b.t0_us, y0), (b.t1_us.max(b.t0_us + tmax * 1e-4), y1)];
+                    let corners = [(b.t0_us, y0), (b.t1_us.max(b.t0_us + min_bar), y1)];
                     // A white edge, so that back-to-back calls stay apart.
                     [
                         Rectangle::new(corners, colour(b, device).filled()),
