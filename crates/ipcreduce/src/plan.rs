@@ -846,9 +846,14 @@ mod tests {
         assert_eq!(choose_zero_copy(auto, Some(one), 2, 1 << 30, None), one);
         assert_eq!(choose_zero_copy(two, Some(one), 2, 8, None), two);
         assert_eq!(choose_zero_copy(auto, None, 1, 1 << 30, None), one);
-        // More ranks: two-shot from smaller sizes on.
-        assert!(reg_oneshot_max_bytes(8) <= reg_oneshot_max_bytes(4));
-        assert!(reg_oneshot_max_bytes(4) < reg_oneshot_max_bytes(2));
+        // The documented limits (README, IPCREDUCE_REG_ONESHOT_MAX): 4 MiB at two ranks,
+        // 256 KiB at three or four, 128 KiB above; two-shot from there on.
+        let documented = [(2, 4 << 20), (3, 256 << 10), (4, 256 << 10), (8, 128 << 10)];
+        for (world, limit) in documented {
+            assert_eq!(reg_oneshot_max_bytes(world), limit, "world {world}");
+            assert_eq!(choose_zero_copy(auto, None, world, limit, None), one);
+            assert_eq!(choose_zero_copy(auto, None, world, limit + 1, None), two);
+        }
         assert_eq!(choose_zero_copy(auto, None, 8, 1 << 20, None), two);
     }
 
