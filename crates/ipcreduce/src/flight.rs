@@ -484,29 +484,35 @@ impl Recorder {
         if self.ring.is_empty() {
             return Err("IPCREDUCE_FLIGHT=0 keeps no calls to write".into());
         }
-        let who = self
-            .who
-            .as_ref()
+        let path = self
+            .trace_in(dir)
             .ok_or("the recorder has no job identity yet")?;
-        let path = dir.join(format!(
-            "ipcreduce-trace-{}-rank{}.jsonl",
-            who.job, who.rank
-        ));
-        let error = self.error.clone();
-        let spans = self.spans();
-        self.write(&path, error.as_deref(), "trace", &spans, since)
+        self.write_trace_file(&path, "trace", since)
             .map_err(|e| format!("could not write {}: {e}", path.display()))?;
         Ok(path)
     }
 
-    /// Where the trace goes at close (`IPCREDUCE_TRACE`), if it is on.
-    pub fn trace_file(&self) -> Option<PathBuf> {
+    /// The trace's file in `dir`: `ipcreduce-trace-<job>-rank<r>.jsonl` (None before the
+    /// recorder knows its job).
+    fn trace_in(&self, dir: &Path) -> Option<PathBuf> {
         let who = self.who.as_ref()?;
-        let dir = self.trace_dir.as_ref()?;
         Some(dir.join(format!(
             "ipcreduce-trace-{}-rank{}.jsonl",
             who.job, who.rank
         )))
+    }
+
+    /// Where the trace goes at close (`IPCREDUCE_TRACE`), if it is on.
+    pub fn trace_file(&self) -> Option<PathBuf> {
+        self.trace_in(self.trace_dir.as_ref()?)
+    }
+
+    /// Writes the calls after `since`, with the first failure if any and the device spans
+    /// read back now, to the trace file `path` (`written`: `close` or `trace`).
+    fn write_trace_file(&mut self, path: &Path, written: &str, since: u64) -> std::io::Result<()> {
+        let error = self.error.clone();
+        let spans = self.spans();
+        self.write(path, error.as_deref(), written, &spans, since)
     }
 
     /// At close: with `IPCREDUCE_TRACE` set, writes the ring (and the first failure, if any)
@@ -515,9 +521,7 @@ impl Recorder {
         let Some(path) = self.trace_file() else {
             return;
         };
-        let error = self.error.clone();
-        let spans = self.spans();
-        if let Err(e) = self.write(&path, error.as_deref(), "close", &spans, 0) {
+        if let Err(e) = self.write_trace_file(&path, "close", 0) {
             tracing::warn!("trace: could not write {}: {e}", path.display());
         }
     }
