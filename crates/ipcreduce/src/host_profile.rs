@@ -18,7 +18,6 @@
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::OnceLock;
 use std::time::Instant;
 
 /// The phases, in call order (see the module doc).
@@ -63,8 +62,7 @@ impl Phase {
     }
 }
 
-static ON: OnceLock<bool> = OnceLock::new();
-/// Whether the flag was read (so that the hot path is a relaxed load, not a OnceLock).
+/// `IPCREDUCE_HOST_PROFILE=1`, as read at the latest communicator init.
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static NS: [AtomicU64; 9] = [const { AtomicU64::new(0) }; 9];
 static CALLS: AtomicU64 = AtomicU64::new(0);
@@ -74,9 +72,9 @@ thread_local! {
     static LAST: Cell<Option<Instant>> = const { Cell::new(None) };
 }
 
-/// Reads `IPCREDUCE_HOST_PROFILE` (once per process; at communicator init).
+/// Reads `IPCREDUCE_HOST_PROFILE` (at communicator init).
 pub fn init() {
-    let on = *ON.get_or_init(|| std::env::var("IPCREDUCE_HOST_PROFILE").is_ok_and(|v| v == "1"));
+    let on = std::env::var("IPCREDUCE_HOST_PROFILE").is_ok_and(|v| v == "1");
     ENABLED.store(on, Ordering::Relaxed);
 }
 
