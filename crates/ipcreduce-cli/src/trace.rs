@@ -146,6 +146,13 @@ fn latest_per_rank(mut dumps: Vec<Dump>) -> Vec<Dump> {
     dumps
 }
 
+/// Whether every record comes from one host (one wall clock for their times).
+fn one_host(dumps: &[Dump]) -> bool {
+    dumps
+        .windows(2)
+        .all(|w| w[0].header.host == w[1].header.host)
+}
+
 fn summarize_job(dumps: Vec<Dump>) -> JobSummary {
     let dumps = latest_per_rank(dumps);
     let world = dumps.iter().map(|d| d.header.world).max().unwrap_or(0);
@@ -155,9 +162,7 @@ fn summarize_job(dumps: Vec<Dump>) -> JobSummary {
     let last = |d: &Dump| d.recs.keys().next_back().copied().unwrap_or(0);
     let first_seq = dumps.iter().map(first_kept).max().unwrap_or(1).max(1);
     let last_seq = dumps.iter().map(last).max().unwrap_or(0);
-    let same_host = dumps
-        .windows(2)
-        .all(|w| w[0].header.host == w[1].header.host);
+    let same_host = one_host(&dumps);
     // Traces written at close after a run with no failure have no last call to blame.
     let failed = dumps.iter().any(|d| d.header.error.is_some());
     let mut divergence = None;
@@ -504,9 +509,7 @@ fn plot_job(
     }
     let (job, dumps) = jobs.pop_first().ok_or("no records")?;
     let dumps = latest_per_rank(dumps);
-    let same_clock = dumps
-        .windows(2)
-        .all(|w| w[0].header.host == w[1].header.host);
+    let same_clock = one_host(&dumps);
     let calls = calls.map(plot::parse_calls).transpose()?;
     let (first, last) = plot::window(&dumps, calls)?;
     let lanes = plot::lanes(&dumps, first, last, same_clock)?;

@@ -218,41 +218,15 @@ pub fn draw(lanes: &[Lane], title: &str, out: &Path) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::records::Header;
+    use super::super::records::made_up::dump as made_up;
     use super::*;
 
     fn rec(seq: u64, start: u64, end: u64, dev: Option<(u64, u64)>) -> Rec {
-        Rec {
-            seq,
-            op: "all_reduce".into(),
-            path: None,
-            count: 4,
-            dtype: "float".into(),
-            reduce: "sum".into(),
-            in_place: false,
-            stream: None,
-            start_ns: Some(start),
-            end_ns: Some(end),
-            state: "ok".into(),
-            dev_start_ns: dev.map(|d| d.0),
-            dev_end_ns: dev.map(|d| d.1),
-        }
+        super::super::records::made_up::rec(seq, Some(start), Some(end), dev)
     }
 
     fn dump(rank: usize, host: &str, recs: Vec<Rec>) -> Dump {
-        Dump {
-            file: format!("rank{rank}").into(),
-            header: Header {
-                flight_record: 1,
-                job: "j".into(),
-                rank,
-                world: 2,
-                host: host.into(),
-                dumped_ns: 0,
-                error: None,
-            },
-            recs: recs.into_iter().map(|r| (r.seq, r)).collect(),
-        }
+        made_up(rank, 2, host, recs)
     }
 
     fn two_ranks() -> Vec<Dump> {

@@ -175,6 +175,48 @@ pub(super) fn files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>, String> {
     Ok(out)
 }
 
+/// Records made up for the tests of the modules that read them (waits.rs, plot.rs).
+#[cfg(test)]
+pub(super) mod made_up {
+    use super::{Dump, Header, Rec};
+
+    /// An `ok` all-reduce of 4 floats, call `seq`, at these host and device times (ns).
+    pub fn rec(seq: u64, start: Option<u64>, end: Option<u64>, dev: Option<(u64, u64)>) -> Rec {
+        Rec {
+            seq,
+            op: "all_reduce".into(),
+            path: None,
+            count: 4,
+            dtype: "float".into(),
+            reduce: "sum".into(),
+            in_place: false,
+            stream: None,
+            start_ns: start,
+            end_ns: end,
+            state: "ok".into(),
+            dev_start_ns: dev.map(|d| d.0),
+            dev_end_ns: dev.map(|d| d.1),
+        }
+    }
+
+    /// Rank `rank`'s record of job "j" (`world` ranks) on `host`, holding `recs`.
+    pub fn dump(rank: usize, world: usize, host: &str, recs: Vec<Rec>) -> Dump {
+        Dump {
+            file: format!("rank{rank}").into(),
+            header: Header {
+                flight_record: 1,
+                job: "j".into(),
+                rank,
+                world,
+                host: host.into(),
+                dumped_ns: 0,
+                error: None,
+            },
+            recs: recs.into_iter().map(|r| (r.seq, r)).collect(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::Ident;

@@ -90,49 +90,17 @@ pub(super) fn text(w: &Waits) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::super::records::{Header, Rec};
+    use super::super::records::made_up::{dump as made_up, rec};
     use super::*;
-    use std::collections::BTreeMap;
 
-    /// Rank `rank`'s record of calls with these start times (ns), call 1 first; None: a call
-    /// recorded without a time.
+    /// Rank `rank`'s record (world 3, one host) of calls with these start times (ns), call 1
+    /// first; None: a call recorded without a time.
     fn dump(rank: usize, starts: &[Option<u64>]) -> Dump {
-        let recs: BTreeMap<u64, Rec> = starts
-            .iter()
-            .enumerate()
-            .map(|(k, &t)| {
-                let seq = k as u64 + 1;
-                let rec = Rec {
-                    seq,
-                    op: "all_reduce".into(),
-                    path: None,
-                    count: 4,
-                    dtype: "float".into(),
-                    reduce: "sum".into(),
-                    in_place: false,
-                    stream: None,
-                    start_ns: t,
-                    end_ns: None,
-                    state: "ok".into(),
-                    dev_start_ns: None,
-                    dev_end_ns: None,
-                };
-                (seq, rec)
-            })
+        let recs = (1..)
+            .zip(starts)
+            .map(|(seq, &t)| rec(seq, t, None, None))
             .collect();
-        Dump {
-            file: format!("rank{rank}").into(),
-            header: Header {
-                flight_record: 1,
-                job: "j".into(),
-                rank,
-                world: 3,
-                host: "h".into(),
-                dumped_ns: 0,
-                error: None,
-            },
-            recs,
-        }
+        made_up(rank, 3, "h", recs)
     }
 
     #[test]
