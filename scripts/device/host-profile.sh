@@ -15,16 +15,7 @@ OUT=${1:?usage: host-profile.sh OUT_DIR}
 BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
 REPEAT=${REPEAT:-2}
 BUDGET=${BUDGET:-400}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-# Never NVLink multicast.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export IPCREDUCE_TUNE_FILE="$OUT/no-tune.txt"
-NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-SUMMARY="$OUT/summary.txt"
-: >"$SUMMARY"
-status=0
+gpu_run_setup
 env_txt "GPUs: $NGPU REPEAT=$REPEAT"
 if [ "${NGPU:-0}" -lt 2 ]; then
   if ! mps_on; then

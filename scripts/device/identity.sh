@@ -27,16 +27,7 @@ BUDGET=${BUDGET:-540}
 CASES=${CASES:-2000}
 REPEAT=${REPEAT:-3}
 PHASES=${PHASES:-latency checks gputests}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-# Never NVLink multicast.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export IPCREDUCE_TUNE_FILE="$OUT/no-tune.txt"
-NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-SUMMARY="$OUT/summary.txt"
-: >"$SUMMARY"
-status=0
+gpu_run_setup
 
 versions=""
 for vb in $VERSIONS; do

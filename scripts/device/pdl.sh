@@ -36,16 +36,7 @@ CASES=${CASES:-500}
 BENCH_MAX=${BENCH_MAX:-4M}
 REPEAT=${REPEAT:-1}
 PHASES=${PHASES:-bench checks gputests}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-# Never NVLink multicast.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export IPCREDUCE_TUNE_FILE="$OUT/no-tune.txt"
-NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-SUMMARY="$OUT/summary.txt"
-: >"$SUMMARY"
-status=0
+gpu_run_setup
 
 env_txt "GPUs: $NGPU PHASES=$PHASES BUDGET=$BUDGET CASES=$CASES BENCH_MAX=$BENCH_MAX"
 

@@ -32,20 +32,11 @@ REPEAT=${REPEAT:-3}
 WORLDS=${WORLDS:-1 2 8}
 PHASES=${PHASES:-cold warm graph nccl}
 TORCH_PY=${TORCH_PY:-/opt/torch/.venv/bin/python}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-# Never NVLink multicast.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export IPCREDUCE_TUNE_FILE="$OUT/no-tune.txt"
+gpu_run_setup
 # ipcreduce::phases: one line per rank with the time of each start-up phase.
 export IPCREDUCE_LOG=ipcreduce=info,ipcreduce::phases=debug
-NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-SUMMARY="$OUT/summary.txt"
 TIMES="$OUT/times.txt"
-: >"$SUMMARY"
 : >"$TIMES"
-status=0
 
 env_txt "GPUs: $NGPU WORLDS=$WORLDS REPEAT=$REPEAT PHASES=$PHASES BUDGET=$BUDGET"
 has() { [[ " $PHASES " == *" $1 "* ]]; }

@@ -10,6 +10,23 @@
 #            unset: no budget (a step runs for its own limit)
 #   status   0 at the start; `step` sets it to 1 on a failed or skipped step
 
+# gpu_run_setup: what a GPU run script does first, after setting OUT: makes OUT (absolute
+# afterwards); puts CUDA's libraries on the path; never NVLink multicast; no tuning table of
+# the machine's (IPCREDUCE_TUNE_FILE in OUT); counts the GPUs into NGPU; starts SUMMARY
+# ("$OUT/summary.txt") empty and status at 0.
+gpu_run_setup() {
+  mkdir -p "$OUT"
+  OUT=$(cd "$OUT" && pwd)
+  export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+  # Never NVLink multicast.
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  export IPCREDUCE_TUNE_FILE="$OUT/no-tune.txt"
+  NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  SUMMARY="$OUT/summary.txt"
+  : >"$SUMMARY"
+  status=0
+}
+
 # budget_left: prints the seconds left of BUDGET (a large number without a budget).
 budget_left() {
   if [ -z "${BUDGET:-}" ]; then
