@@ -60,38 +60,7 @@ if has latency; then
       done
     done
     # shellcheck disable=SC2086 # one argument per version
-    python3 - "$OUT" $VERSIONS >"$OUT/latency.md" <<'EOF' || status=1
-import glob, json, os, statistics, sys
-out = sys.argv[1]
-names = [a.split("=", 1)[0] for a in sys.argv[2:]]
-runs = {v: [json.load(open(f))["rows"] for f in sorted(glob.glob(os.path.join(out, f"bench-{v}-*.json")))]
-        for v in names}
-def rounds(v, b, mode):
-    return [r["time_us"] for rows in runs[v] for r in rows
-            if r["bytes"] == b and r["mode"] == mode and not r["registered"] and r["algo"] == "auto"]
-sizes = sorted({r["bytes"] for rows in runs[names[-1]] for r in rows})
-first = names[0]
-print("# bf16 sum, two ranks under MPS on one GPU, us per call (slowest rank), median of the rounds")
-print(f"# [min-max]; X/{first} < 1: X is faster than {first}")
-print("# " + ", ".join(f"{v}: {len(runs[v])} rounds" for v in names))
-for mode in ("graph", "eager"):
-    print()
-    print(f"## {mode}")
-    print()
-    print("| size | " + " | ".join(names) + " | " + " | ".join(f"{v}/{first}" for v in names[1:]) + " |")
-    print("|---" * (2 * len(names)) + "|")
-    for b in sizes:
-        cells, meds = [], []
-        for v in names:
-            c = rounds(v, b, mode)
-            meds.append(statistics.median(c) if c else None)
-            cells.append(f"{meds[-1]:.2f} [{min(c):.2f}-{max(c):.2f}]" if c else "-")
-        ratios = ["-" if None in (m, meds[0]) else f"{m / meds[0]:.3f}" for m in meds[1:]]
-        print(f"| {b} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
-wrong = sum(r["wrong"] for v in runs for rows in runs[v] for r in rows)
-print()
-print(f"wrong elements over every row: {wrong}")
-EOF
+    python3 "$(dirname "$0")/lib/bench_table.py" "$OUT" $VERSIONS >"$OUT/latency.md" || status=1
     cat "$OUT/latency.md"
   fi
 fi
