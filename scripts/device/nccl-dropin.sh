@@ -17,7 +17,7 @@
 #              all_reduce/reduce_scatter/all_gather), run with -c 1 and the library preloaded
 #              (every dtype and op, in place and out of place; the all-reduce also on
 #              stream 0, -y 1), then the small all-reduce timed with and without it, eager
-#              and in a graph.
+#              and in a graph; then an eager run with both host profiles (profile.txt).
 # Builds nothing of ours: expects target/release/libipcreduce_nccl.so (carry it).
 # Usage: scripts/device/nccl-dropin.sh OUT_DIR
 # Knobs: BUDGET=290 (seconds); PARTS="torch fsdp-tp watchdog nccl-tests".
@@ -150,6 +150,13 @@ elif [ -d "$SRC" ]; then
           "$WRAP" "$BUILD/build/all_reduce_perf" -b 8 -e 64K -f 4 -g 1 -c 1 -d bfloat16 -G "$g" -n 100 -w 10
       done
     done
+    # Where a preloaded eager call's host time goes (its own run: the profiles' clock reads
+    # cost time): the stand-in's phases (IPCREDUCE_NCCL_PROFILE) and the library's inside
+    # its collective phase (IPCREDUCE_HOST_PROFILE), printed by every rank at exit.
+    step nccl-tests-profile-G0 40 env LD_PRELOAD="$LIB" IPCREDUCE_NCCL_PROFILE=1 IPCREDUCE_HOST_PROFILE=1 \
+      $MPIRUN -x LD_PRELOAD -x IPCREDUCE_NCCL_PROFILE -x IPCREDUCE_HOST_PROFILE \
+      "$WRAP" "$BUILD/build/all_reduce_perf" -b 8 -e 8K -f 4 -g 1 -c 1 -d bfloat16 -G 0 -n 2000 -w 10
+    grep -h "profile" "$OUT/nccl-tests-profile-G0.log" | tee "$OUT/profile.txt"
   fi
 else
   echo "SKIP nccl-tests: no target/nccl-tests-src" | tee -a "$SUMMARY"
