@@ -17,8 +17,10 @@
 #              all_reduce/reduce_scatter/all_gather), run with -c 1 and the library preloaded
 #              (every dtype and op, in place and out of place; the all-reduce also on
 #              stream 0, -y 1), then the small all-reduce timed with and without it, eager
-#              and in a graph; then an eager run with both host profiles (profile.txt).
-# Builds nothing of ours: expects target/release/libipcreduce_nccl.so (carry it).
+#              and in a graph, beside our own bench of the same sizes (bench-ours);
+#              then an eager run with both host profiles (profile.txt).
+# Builds nothing of ours: expects target/release/libipcreduce_nccl.so (carry it; also
+# target/release/ipcreduce for bench-ours).
 # Usage: scripts/device/nccl-dropin.sh OUT_DIR
 # Knobs: BUDGET=290 (seconds); PARTS="torch fsdp-tp watchdog nccl-tests".
 # Prints a summary: checks passed/failed, calls per path, the small all-reduce's times.
@@ -150,6 +152,14 @@ elif [ -d "$SRC" ]; then
           "$WRAP" "$BUILD/build/all_reduce_perf" -b 8 -e 64K -f 4 -g 1 -c 1 -d bfloat16 -G "$g" -n 100 -w 10
       done
     done
+    # Our own bench in the same run, the same sizes: what the stand-in's calls are held to.
+    BENCH_BIN=$REPO/target/release/ipcreduce
+    if [ -x "$BENCH_BIN" ]; then
+      step bench-ours 60 "$BENCH_BIN" bench --backend cuda --ranks 2 -a auto -d bfloat16 -b 8 -e 8K \
+        -f 4 -n 100 -w 10 -G 20 --json "$OUT/bench-ours.json"
+    else
+      echo "SKIP bench-ours: no $BENCH_BIN (carry target/release/ipcreduce)" | tee -a "$SUMMARY"
+    fi
     # Where a preloaded eager call's host time goes (its own run: the profiles' clock reads
     # cost time): the stand-in's phases (IPCREDUCE_NCCL_PROFILE) and the library's inside
     # its collective phase (IPCREDUCE_HOST_PROFILE), printed by every rank at exit.

@@ -154,6 +154,13 @@ for path in sorted(glob.glob(f"{out}/nccl-tests-time-*.log")):
         size, t = int(row[0]), float(row[1])
         if size in (8, 8192, 65536):
             times.setdefault(f"nccl-tests all_reduce {size} B bf16 out of place", {})[mode] = t
+# Our own bench of the same run (bench-ours.json): its auto rows on plain buffers.
+ours = os.path.join(out, "bench-ours.json")
+if os.path.exists(ours):
+    for r in json.load(open(ours))["rows"]:
+        if r["algo"] == "auto" and not r["registered"] and r["bytes"] in (8, 8192):
+            mode = "ours-G0" if r["mode"] == "eager" else "ours-G20"
+            times.setdefault(f"nccl-tests all_reduce {r['bytes']} B bf16 out of place", {})[mode] = r["time_us"]
 for k, v in times.items():
     print(f"time us {k}: " + ", ".join(f"{m} {t:.1f}" for m, t in sorted(v.items())))
 summary["times_us"] = times
