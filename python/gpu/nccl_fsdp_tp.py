@@ -1,7 +1,8 @@
 """Unchanged PyTorch training with backend="nccl": FSDP2 (fully_shard: all-gather of
 parameters, reduce-scatter of gradients) and a tensor-parallel MLP (DTensor,
 parallelize_module with ColwiseParallel/RowwiseParallel: all-reduces of activations and
-gradients), a few steps each. scripts/device/nccl-dropin.sh runs it plain and with
+gradients), a few steps each; the TP MLP again through torch.compile, and its forward in a
+CUDA graph replayed on new inputs. scripts/device/nccl-dropin.sh runs it plain and with
 libipcreduce_nccl.so preloaded and compares the losses; here every rank must agree.
 It imports nothing of ipcreduce.
 Run: torchrun --standalone --nproc_per_node=2 nccl_fsdp_tp.py   (DROPIN_TAG names the report)"""
@@ -110,8 +111,62 @@ def tp_losses() -> list:
     return losses
 
 
+def tp_model():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    mesh = init_device_mesh("cuda", (world,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)).to(dev)
+    return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def tp_compiled_losses() -> list:
+    """The TP MLP's steps through torch.compile: the row-parallel layer's all-reduce becomes
+    a functional collective in the compiled graph, launched by ProcessGroupNCCL."""
+    model = tp_model()
+    step_fn = torch.compile(lambda x: (model(x) - x.flip(1)).pow(2).mean())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(STEPS):
+        x = batch(step, 16, 256, per_rank=False)
+        loss = step_fn(x)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().item())
+    return losses
+
+
+def tp_graph_outputs() -> list:
+    """The TP MLP's forward (its all-reduce inside) captured in a CUDA graph and replayed on
+    new inputs: each replay equal to an eager forward of the same input; the outputs' sums.
+    (The row-parallel layer hands back a plain, replicated tensor.)"""
+    model = tp_model()
+    x = batch(0, 16, 256, per_rank=False)
+    sums = []
+    with torch.no_grad():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):  # warm-up outside the capture, as CUDA graphs ask
+                model(x)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = model(x)
+        for step in range(STEPS):
+            x.copy_(batch(step + 1, 16, 256, per_rank=False))
+            g.replay()
+            expect(torch.equal(y, model(x)), f"TP graph replay {step} equal to the eager forward")
+            sums.append(y.double().sum().item())
+    return sums
+
+
 results = {}
-for name, fn in (("fsdp2", fsdp2_losses), ("tp", tp_losses)):
+for name, fn in (("fsdp2", fsdp2_losses), ("tp", tp_losses), ("tp_compiled", tp_compiled_losses),
+                 ("tp_graph", tp_graph_outputs)):
     try:
         losses = fn()
         results[name] = losses

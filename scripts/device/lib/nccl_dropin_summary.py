@@ -50,7 +50,7 @@ for prefix, name in (("dropin", "torch"), ("fsdptp", "fsdp-tp")):
         else:
             # FSDP2 sums gradients in another order on ipcreduce (then AdamW); TP's SGD too.
             pairs = {k: (plain[0]["losses"].get(k, []), pre[0]["losses"].get(k, []), 1e-3)
-                     for k in ("fsdp2", "tp")}
+                     for k in ("fsdp2", "tp", "tp_compiled", "tp_graph")}
         for k, (a, b, tol) in pairs.items():
             w = worst_relative(a, b)
             entry[f"{k}_worst_relative"] = w
