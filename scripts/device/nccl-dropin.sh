@@ -22,7 +22,8 @@
 # Builds nothing of ours: expects target/release/libipcreduce_nccl.so (carry it; also
 # target/release/ipcreduce for bench-ours).
 # Usage: scripts/device/nccl-dropin.sh OUT_DIR
-# Knobs: BUDGET=290 (seconds); PARTS="torch fsdp-tp watchdog nccl-tests".
+# Knobs: BUDGET=290 (seconds); PARTS="torch fsdp-tp watchdog nccl-tests" (or nccl-time: the
+# nccl-tests part without its -c 1 checks).
 # Prints a summary: checks passed/failed, calls per path, the small all-reduce's times.
 set -u
 # shellcheck source=lib/steps.sh source-path=SCRIPTDIR
@@ -118,7 +119,7 @@ fi
 
 SRC=$REPO/target/nccl-tests-src
 BUILD=/tmp/nccl-tests
-if [[ $PARTS != *" nccl-tests "* ]]; then
+if [[ $PARTS != *" nccl-tests "* && $PARTS != *" nccl-time "* ]]; then
   :
 elif [ -d "$SRC" ]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PATH=/usr/local/cuda/bin:$PATH
@@ -132,14 +133,17 @@ elif [ -d "$SRC" ]; then
   chmod +x "$WRAP"
   export NCCL_TESTS_DEVICE=0
   MPIRUN="mpirun -np 2 --bind-to none -x NCCL_TESTS_DEVICE -x LD_LIBRARY_PATH -x NCCL_SOCKET_IFNAME -x NCCL_IB_DISABLE -x NCCL_NVLS_ENABLE -x IPCREDUCE_TIMEOUT_MS -x CUDA_MPS_PIPE_DIRECTORY"
-  for t in all_reduce reduce_scatter all_gather; do
+  # nccl-time alone: the build and the timing, without the -c 1 checks.
+  checks=all_reduce
+  [[ $PARTS == *" nccl-tests "* ]] || checks=""
+  for t in ${checks:+all_reduce reduce_scatter all_gather}; do
     [ -x "$BUILD/build/${t}_perf" ] || continue
     # Correctness: every dtype and op, 8 B - 16 MiB, in place and out of place (log: paths).
     step "nccl-tests-$t-check" 60 env IPCREDUCE_NCCL=log LD_PRELOAD="$LIB" $MPIRUN -x LD_PRELOAD -x IPCREDUCE_NCCL \
       "$WRAP" "$BUILD/build/${t}_perf" -b 8 -e 16M -f 8 -g 1 -c 1 -d all -o all -n 3 -w 1
   done
   # The same on the legacy default stream (-y 1: nccl-tests passes stream 0).
-  [ -x "$BUILD/build/all_reduce_perf" ] && step nccl-tests-all_reduce-stream0-check 45 \
+  [ -n "$checks" ] && [ -x "$BUILD/build/all_reduce_perf" ] && step nccl-tests-all_reduce-stream0-check 45 \
     env IPCREDUCE_NCCL=log LD_PRELOAD="$LIB" $MPIRUN -x LD_PRELOAD -x IPCREDUCE_NCCL \
     "$WRAP" "$BUILD/build/all_reduce_perf" -b 8 -e 1M -f 8 -g 1 -c 1 -d all -o all -n 3 -w 1 -y 1
   # The small all-reduce, bf16, eager and as graph replays (-G), without and with the library.
