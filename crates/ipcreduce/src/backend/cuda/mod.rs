@@ -43,6 +43,8 @@ mod ce;
 pub mod driver;
 mod fused;
 mod hier;
+#[cfg(test)]
+mod hot_path_timing;
 pub mod identity;
 mod init;
 pub mod kernels;
