@@ -113,20 +113,30 @@ impl Table {
     /// [`from_samples`]); below the smallest measured size the first row holds, above the
     /// largest the last one.
     pub fn lookup(&self, world: usize, elem_bytes: usize, bytes: usize) -> Option<&Entry> {
-        let mut rows: Vec<&Entry> = self
-            .entries
-            .iter()
-            .filter(|e| e.world == world && e.elem_bytes == elem_bytes)
-            .collect();
-        rows.sort_by_key(|e| e.min_bytes);
-        let first = *rows.first()?;
+        // One pass, no list: every cuda call asks (twice: the algorithm, then its CTAs). The
+        // answer is that of the rows sorted stably by `min_bytes`: the first row, the first
+        // that holds `bytes`, else the last (see the test against that definition).
+        let (mut first, mut holds, mut last) = (None::<&Entry>, None::<&Entry>, None::<&Entry>);
+        for e in &self.entries {
+            if e.world != world || e.elem_bytes != elem_bytes {
+                continue;
+            }
+            if first.is_none_or(|f| e.min_bytes < f.min_bytes) {
+                first = Some(e);
+            }
+            if last.is_none_or(|l| e.min_bytes >= l.min_bytes) {
+                last = Some(e);
+            }
+            let inside = e.min_bytes <= bytes && bytes <= e.max_bytes;
+            if inside && holds.is_none_or(|h| e.min_bytes < h.min_bytes) {
+                holds = Some(e);
+            }
+        }
+        let first = first?;
         if bytes < first.min_bytes {
             return Some(first);
         }
-        rows.iter()
-            .copied()
-            .find(|e| e.min_bytes <= bytes && bytes <= e.max_bytes)
-            .or(rows.last().copied())
+        holds.or(last)
     }
 
     /// The table in the file format (`tune/text.rs`); [`Table::parse`] reads it back exactly.
@@ -469,6 +479,89 @@ mod tests {
         );
         assert_eq!(t.entries[2].measured_bytes, 16 << 20);
         assert_eq!(t.entries[2].time_us, 55.0);
+    }
+
+    /// [`Table::lookup`] is, without the list, what it was defined as: the rows of the world
+    /// and element size sorted stably by `min_bytes`; below the first its row, else the first
+    /// row holding the size, else the last. Checked on tables with gaps, overlaps, ties and
+    /// rows of other worlds, stored in every order.
+    #[test]
+    fn lookup_is_the_sorted_rows_definition() {
+        fn reference(t: &Table, world: usize, elem: usize, bytes: usize) -> Option<&Entry> {
+            let mut rows: Vec<&Entry> = t
+                .entries
+                .iter()
+                .filter(|e| e.world == world && e.elem_bytes == elem)
+                .collect();
+            rows.sort_by_key(|e| e.min_bytes);
+            let first = *rows.first()?;
+            if bytes < first.min_bytes {
+                return Some(first);
+            }
+            rows.iter()
+                .copied()
+                .find(|e| e.min_bytes <= bytes && bytes <= e.max_bytes)
+                .or(rows.last().copied())
+        }
+        let row = |world, min, max, ctas| Entry {
+            world,
+            elem_bytes: 2,
+            min_bytes: min,
+            max_bytes: max,
+            algo: "oneshot".into(),
+            ctas: Some(ctas),
+            chunk: None,
+            time_us: 1.0,
+            measured_bytes: min,
+        };
+        let rows = [
+            row(2, 100, 200, 1),
+            row(2, 100, 300, 2),
+            row(2, 150, 160, 3),
+            row(2, 400, 500, 4),
+            row(2, 400, 450, 5),
+            row(4, 0, 1000, 6),
+        ];
+        let sizes = [
+            0,
+            99,
+            100,
+            155,
+            200,
+            250,
+            301,
+            399,
+            400,
+            460,
+            500,
+            501,
+            1 << 30,
+        ];
+        // Every rotation of the rows and of their reverse: ties come in both orders.
+        for reversed in [false, true] {
+            for k in 0..rows.len() {
+                let mut entries = rows.to_vec();
+                if reversed {
+                    entries.reverse();
+                }
+                entries.rotate_left(k);
+                let t = Table {
+                    entries,
+                    ..Table::builtin()
+                };
+                for world in [2, 4, 8] {
+                    for b in sizes {
+                        let (got, want) = (t.lookup(world, 2, b), reference(&t, world, 2, b));
+                        assert_eq!(
+                            got.map(|e| e.ctas),
+                            want.map(|e| e.ctas),
+                            "world {world}, {b} bytes, rows {:?}",
+                            t.entries.iter().map(|e| e.ctas).collect::<Vec<_>>()
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -165,15 +165,22 @@ impl fmt::Display for Algorithm {
 impl FromStr for Algorithm {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().replace(['-', '_'], "").as_str() {
-            "auto" => Ok(Algorithm::Auto),
-            "oneshot" => Ok(Algorithm::OneShot),
-            "twoshot" => Ok(Algorithm::TwoShot),
-            "nccl" => Ok(Algorithm::Nccl),
-            other => Err(format!(
-                "unknown algorithm '{other}' (expected auto, oneshot, twoshot or nccl)"
-            )),
-        }
+        // Case and '-' / '_' do not count. Compared without allocating: a tuning table's row
+        // names its algorithm as text, read on every call (tune::Entry::algorithm).
+        let name = || s.bytes().filter(|b| !matches!(b, b'-' | b'_'));
+        let is = |a: &Algorithm| name().map(|b| b.to_ascii_lowercase()).eq(a.name().bytes());
+        let found = [
+            Algorithm::Auto,
+            Algorithm::OneShot,
+            Algorithm::TwoShot,
+            Algorithm::Nccl,
+        ]
+        .into_iter()
+        .find(is);
+        found.ok_or_else(|| {
+            let other = s.to_ascii_lowercase().replace(['-', '_'], "");
+            format!("unknown algorithm '{other}' (expected auto, oneshot, twoshot or nccl)")
+        })
     }
 }
 
@@ -249,6 +256,16 @@ mod tests {
         }
         assert_eq!("one-shot".parse::<Algorithm>().unwrap(), Algorithm::OneShot);
         assert!("ring".parse::<Algorithm>().is_err());
+        // Case and '-' / '_' anywhere do not count; anything more or less is another name.
+        assert_eq!("Two_Shot".parse::<Algorithm>().unwrap(), Algorithm::TwoShot);
+        assert_eq!("-N-C-C-L-".parse::<Algorithm>().unwrap(), Algorithm::Nccl);
+        for bad in ["", "oneshots", "onesho", "auto ", "nccl2"] {
+            assert!(bad.parse::<Algorithm>().is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            "One-Ring".parse::<Algorithm>().unwrap_err(),
+            "unknown algorithm 'onering' (expected auto, oneshot, twoshot or nccl)"
+        );
         assert!("f64".parse::<DType>().is_err());
     }
 }
