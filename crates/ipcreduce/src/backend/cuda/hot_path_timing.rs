@@ -6,6 +6,7 @@
 
 use super::calls::CallLedger;
 use super::identity::{CallIdentity, RegionAt};
+use super::kernel_args::{KernelArgs, Shared};
 use super::paths::CudaPath;
 use super::pointers::{Facts, Kind, PointerCache};
 use super::registry::Registry;
@@ -189,6 +190,27 @@ fn hot_path_timing() {
     }
     time("events: HashMap get (SipHash)", |_| {
         black_box(events.get(&black_box(0x5000 + 64)));
+    });
+
+    let shared = KernelArgs::shared(&Shared {
+        rank: 0,
+        world: 2,
+        bases: [0x10_0000; super::kernels::MAX_RANKS],
+        counters: 0x900,
+        err: 0x980,
+        abort_flag: 0x7000,
+        host_err: 0x7004,
+        slot_bytes: 1 << 22,
+        timeout: std::time::Duration::from_secs(5),
+        mode: 0,
+    });
+    time("kernel args: encode + for_call", |i| {
+        let words = CallIdentity {
+            count: black_box(4096 + (i & 1)),
+            ..id
+        }
+        .encode();
+        black_box(shared.for_call((0xa0, 0xb0, 4096), &words, i, None));
     });
 
     let mut captures = super::captures::Captures::default();

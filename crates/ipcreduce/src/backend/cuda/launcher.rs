@@ -15,6 +15,8 @@
 use super::calls::CallLedger;
 use super::driver::{self, ck};
 use super::identity::{self, CallIdentity, IDENT_WORDS};
+use super::kernel_args::Shared;
+pub(super) use super::kernel_args::{data_offset, KernelArgs};
 use super::kernels::{rec, ERR_MISMATCH, ERR_TIMEOUT, MAX_RANKS, SIG_BYTES, STATE_ERR_WORD};
 use super::memory::{DeviceAlloc, MappedHostWords};
 use super::modules::Loaded;
@@ -39,43 +41,8 @@ pub(super) const W_ABORT: usize = 0;
 // The kernels' error record (kernels::rec, REC_* in kernels/prims.cuh).
 pub(super) const W_ERR: usize = 1;
 
-/// Where the data slots of a `world`-rank workspace start: after the signal and LL areas.
-pub(super) fn data_offset(world: usize) -> u64 {
-    (SIG_BYTES + super::kernels::ll_bytes(world)) as u64
-}
-
 /// Where the start-up mapping test writes its probe: the LL area, cleared after the test.
 pub(super) const PROBE_OFFSET: u64 = SIG_BYTES as u64;
-
-/// Kernel arguments; must match `struct Args` in kernels/prims.cuh field by field.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub(super) struct KernelArgs {
-    pub send: u64,
-    pub recv: u64,
-    pub count: u64,
-    pub data: [u64; MAX_RANKS],
-    pub ll: [u64; MAX_RANKS],
-    pub sig: [u64; MAX_RANKS],
-    pub rsend: [u64; MAX_RANKS],
-    pub rrecv: [u64; MAX_RANKS],
-    pub counters: u64,
-    pub abort_flag: u64,
-    pub err: u64,
-    pub host_err: u64,
-    pub slot_bytes: u64,
-    pub timeout_ns: u64,
-    pub digest: u64,
-    pub seq: u64,
-    pub ident: [u32; IDENT_WORDS],
-    pub rank: i32,
-    pub world: i32,
-    pub aligned: i32,
-    pub lane: i32,
-    pub check: i32,
-    pub mode: i32,
-    pub chunk_bytes: u64,
-}
 
 /// One call as the caller made it. `count`: elements of the whole message (all-reduce: of
 /// each buffer; reduce-scatter: of send; all-gather: of recv). `stream` 0 is the legacy
@@ -110,8 +77,9 @@ pub(super) struct Launcher {
     pub rank: usize,
     pub world: usize,
     pub gpu: Arc<Loaded>,
-    /// Every rank's workspace as mapped here (fixed for the communicator's life).
-    bases: [u64; MAX_RANKS],
+    /// The kernels' arguments every call passes alike (workspaces, device state, host
+    /// words, limits: fixed for the communicator's life), copied into each call's.
+    shared: KernelArgs,
     // Memory kernels use: freed by the communicator's Drop unless work may still run on it
     // (see teardown.rs).
     pub words: ManuallyDrop<Arc<MappedHostWords>>,
@@ -180,11 +148,28 @@ impl Launcher {
         (abort, calls): (Arc<AbortState>, Arc<CallLedger>),
         agreed: Agreed,
     ) -> Launcher {
+        let shared = KernelArgs::shared(&Shared {
+            rank,
+            world,
+            bases,
+            counters: state.ptr,
+            err: state.ptr + (STATE_ERR_WORD * 4) as u64,
+            abort_flag: words.device + 4 * W_ABORT as u64,
+            host_err: words.device + 4 * W_ERR as u64,
+            slot_bytes: agreed.slot_bytes,
+            timeout: agreed.timeout,
+            mode: (agreed.fabric.kernel_mode()
+                | if agreed.let_next_launch {
+                    crate::plan::MODE_LET_NEXT_LAUNCH
+                } else {
+                    0
+                }) as i32,
+        });
         Launcher {
             rank,
             world,
             gpu,
-            bases,
+            shared,
             words: ManuallyDrop::new(words),
             state: ManuallyDrop::new(state),
             limits: agreed.limits,
@@ -310,8 +295,9 @@ impl Launcher {
         }
     }
 
-    /// The kernels' arguments for `call`, stamped with `ident` as issued from `self.origin`.
-    /// `zero_copy`: every rank's send and recv as mapped here (registered buffers).
+    /// The kernels' arguments for `call`, stamped with `ident` as issued from `self.origin`
+    /// (kept in the ledger when eager, see [`Launcher::issued`]). `zero_copy`: every rank's
+    /// send and recv as mapped here (registered buffers).
     pub fn kernel_args(
         &self,
         call: &CallArgs,
@@ -320,49 +306,20 @@ impl Launcher {
     ) -> KernelArgs {
         let ident = &ident.issued(self.origin);
         let words = ident.encode();
+        self.issued(ident, &words);
+        self.shared.for_call(
+            (call.send, call.recv, call.count),
+            &words,
+            self.seq,
+            zero_copy,
+        )
+    }
+
+    /// The current call (`self.seq`) is issued with identity `ident`, encoded as `words`: an
+    /// eager one goes into the ledger, against which the peers' count-0 calls are compared.
+    pub fn issued(&self, ident: &CallIdentity, words: &[u32; IDENT_WORDS]) {
         if ident.origin.is_none() {
-            self.calls.record(self.seq, ident, &words);
-        }
-        let mut data = [0u64; MAX_RANKS];
-        let mut ll = [0u64; MAX_RANKS];
-        let mut sig = [0u64; MAX_RANKS];
-        for r in 0..self.world {
-            sig[r] = self.bases[r];
-            ll[r] = self.bases[r] + SIG_BYTES as u64;
-            data[r] = self.bases[r] + data_offset(self.world);
-        }
-        let (rsend, rrecv) = zero_copy.unwrap_or(([0; MAX_RANKS], [0; MAX_RANKS]));
-        let all16 = |v: &[u64; MAX_RANKS]| v[..self.world].iter().all(|p| p % 16 == 0);
-        KernelArgs {
-            send: call.send,
-            recv: call.recv,
-            count: call.count as u64,
-            data,
-            ll,
-            sig,
-            rsend,
-            rrecv,
-            counters: self.state.ptr,
-            abort_flag: self.words.device + 4 * W_ABORT as u64,
-            err: self.state.ptr + (STATE_ERR_WORD * 4) as u64,
-            host_err: self.words.device + 4 * W_ERR as u64,
-            slot_bytes: self.slot_bytes as u64,
-            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
-            digest: ident.digest(),
-            seq: self.seq,
-            ident: words,
-            rank: self.rank as i32,
-            world: self.world as i32,
-            aligned: all16(&rsend) as i32 | (all16(&rrecv) as i32) << 1,
-            lane: 0,
-            check: 0,
-            mode: (self.fabric.kernel_mode()
-                | if self.let_next_launch {
-                    crate::plan::MODE_LET_NEXT_LAUNCH
-                } else {
-                    0
-                }) as i32,
-            chunk_bytes: self.slot_bytes as u64,
+            self.calls.record(self.seq, ident, words);
         }
     }
 

@@ -47,6 +47,7 @@ mod hier;
 mod hot_path_timing;
 pub mod identity;
 mod init;
+mod kernel_args;
 pub mod kernels;
 mod launcher;
 pub mod memory;
