@@ -159,6 +159,10 @@ impl Tracker {
 pub(super) struct CudaEvents {
     rank: usize,
     events: HashMap<Key, sys::CUevent>,
+    /// The stream whose event was used last and that event: a caller's calls come on one
+    /// stream, and its event after each call is then found without hashing the handle.
+    /// Always an entry of `events` (cleared when that entry goes).
+    last: Option<(Key, sys::CUevent)>,
 }
 
 // SAFETY: CUDA events may be used from any thread; we hold them behind &mut.
@@ -169,16 +173,26 @@ impl CudaEvents {
         CudaEvents {
             rank,
             events: HashMap::new(),
+            last: None,
         }
     }
 
     fn event(&mut self, stream: Key) -> Result<sys::CUevent> {
-        if let Some(e) = self.events.get(&stream) {
-            return Ok(*e);
+        if let Some((k, e)) = self.last {
+            if k == stream {
+                return Ok(e);
+            }
         }
-        // Destroyed in forget() or Drop.
-        let e = driver::event_create(self.rank, || "cuEventCreate (stream order)".into())?;
-        self.events.insert(stream, e);
+        let e = match self.events.get(&stream) {
+            Some(e) => *e,
+            None => {
+                // Destroyed in forget() or Drop.
+                let e = driver::event_create(self.rank, || "cuEventCreate (stream order)".into())?;
+                self.events.insert(stream, e);
+                e
+            }
+        };
+        self.last = Some((stream, e));
         Ok(e)
     }
 }
@@ -217,6 +231,9 @@ impl Events for CudaEvents {
     }
 
     fn forget(&mut self, stream: Key) {
+        if self.last.is_some_and(|(k, _)| k == stream) {
+            self.last = None;
+        }
         if let Some(e) = self.events.remove(&stream) {
             // SAFETY: our event, destroyed once.
             unsafe { driver::event_destroy(e) };
