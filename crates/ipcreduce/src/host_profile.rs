@@ -78,22 +78,37 @@ pub fn init() {
     ENABLED.store(on, Ordering::Relaxed);
 }
 
+#[inline]
 fn on() -> bool {
     ENABLED.load(Ordering::Relaxed)
 }
 
+// The entry points are inlined into the hot path as the flag's load and a branch; the timed
+// work is out of line, so that profiling off costs no call either.
+
 /// A call starts: its clock starts.
+#[inline]
 pub fn begin() {
     if on() {
-        LAST.with(|l| l.set(Some(Instant::now())));
+        begin_timed();
     }
 }
 
+#[inline(never)]
+fn begin_timed() {
+    LAST.with(|l| l.set(Some(Instant::now())));
+}
+
 /// The time since the last lap of this call goes to `phase`.
+#[inline]
 pub fn lap(phase: Phase) {
-    if !on() {
-        return;
+    if on() {
+        lap_timed(phase);
     }
+}
+
+#[inline(never)]
+fn lap_timed(phase: Phase) {
     LAST.with(|l| {
         if let Some(t) = l.get() {
             let now = Instant::now();
@@ -104,11 +119,16 @@ pub fn lap(phase: Phase) {
 }
 
 /// The call ended: `ok` ones are counted (the sums of failed ones stay, a few at most).
+#[inline]
 pub fn end(ok: bool) {
-    if !on() {
-        return;
+    if on() {
+        end_timed(ok);
     }
-    lap(Phase::Finish);
+}
+
+#[inline(never)]
+fn end_timed(ok: bool) {
+    lap_timed(Phase::Finish);
     LAST.with(|l| l.set(None));
     if ok {
         CALLS.fetch_add(1, Ordering::Relaxed);
