@@ -253,6 +253,7 @@ impl CudaComm {
             captures: Default::default(),
             ws: ManuallyDrop::new(ws),
             launch,
+            prepared: None,
             leak: teardown::Leak::Nothing,
             left: false,
             nccl: Err("not requested".into()),

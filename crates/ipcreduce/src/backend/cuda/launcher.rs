@@ -118,7 +118,7 @@ pub(super) struct Launcher {
 
 /// A loaded kernel's handle, kept across calls.
 #[derive(Clone, Copy)]
-struct KernelHandle(sys::CUfunction);
+pub(super) struct KernelHandle(pub sys::CUfunction);
 // SAFETY: a CUfunction is a handle the driver accepts from any thread of the process; its module
 // is never unloaded (modules.rs), so it stays valid wherever the communicator moves.
 unsafe impl Send for KernelHandle {}

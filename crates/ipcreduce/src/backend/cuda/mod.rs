@@ -130,6 +130,9 @@ pub struct CudaComm {
     /// What every call goes through, with the memory kernels use (freed in Drop unless work
     /// may still run on it, see teardown.rs).
     launch: Launcher,
+    /// What the last eager all-reduce came to, for the next one with the same inputs (see
+    /// allreduce.rs).
+    prepared: Option<allreduce::Prepared>,
     ws: ManuallyDrop<SharedWorkspaces>,
     /// Set by teardown: what must not be freed.
     leak: teardown::Leak,

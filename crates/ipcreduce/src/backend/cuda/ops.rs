@@ -217,6 +217,8 @@ impl BackendOps for CudaComm {
 
     fn use_tuning(&mut self, table: &crate::tune::Table) {
         self.launch.tune = table.clone();
+        // The kept call's CTA count may have come from the old table.
+        self.prepared = None;
     }
 }
 
@@ -263,7 +265,14 @@ impl CudaComm {
                 Ok(())
             });
         }
-        allreduce::launch(&mut self.launch, &self.registry, &mut self.ce, call, algo)
+        allreduce::launch(
+            &mut self.launch,
+            &self.registry,
+            &mut self.ce,
+            call,
+            algo,
+            &mut self.prepared,
+        )
     }
 
     /// Checks and enqueues one reduce-scatter (`call.send`: `shards.total` elements,

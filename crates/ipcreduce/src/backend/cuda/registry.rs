@@ -62,6 +62,9 @@ pub struct Registry {
     /// Sorted by `base`; never overlapping.
     regions: Vec<Region>,
     last_hit: Cell<usize>,
+    /// Changes so far (a buffer registered or freed): what was derived from the regions
+    /// before is stale when this moved (allreduce.rs keeps a call's across calls).
+    changes: u64,
 }
 
 impl Registry {
@@ -121,13 +124,20 @@ impl Registry {
         }
         let at = self.regions.partition_point(|r| r.base < region.base);
         self.regions.insert(at, region);
+        self.changes += 1;
         Ok(())
     }
 
     pub fn remove(&mut self, id: u64) -> Option<Region> {
         let i = self.regions.iter().position(|r| r.id == id)?;
         self.last_hit.set(0);
+        self.changes += 1;
         Some(self.regions.remove(i))
+    }
+
+    /// How many times the regions changed: equal counts, equal regions.
+    pub fn changes(&self) -> u64 {
+        self.changes
     }
 }
 
