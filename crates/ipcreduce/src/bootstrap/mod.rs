@@ -211,6 +211,12 @@ impl Bootstrap {
         self.abort.clone()
     }
 
+    /// [`Bootstrap::abort_state`] borrowed: what every call looks at, without the clone's two
+    /// atomic read-modify-writes of a count shared with the watcher.
+    pub fn abort(&self) -> &AbortState {
+        &self.abort
+    }
+
     /// The communicator's notices: what the backend tells every peer, and hears from them,
     /// outside the collectives (see notices.rs).
     pub fn notices(&self) -> Arc<Notices> {
