@@ -217,6 +217,39 @@ fn hot_path_timing() {
         timeout: std::time::Duration::from_secs(5),
         mode: 0,
     });
+    // The per-call build before the shared fields were kept (launcher.rs at b5670a5): the
+    // loop over the ranks' workspaces, the timeout's conversion, and a second encode for the
+    // digest. A reference for the line below it.
+    let bases = [0x10_0000u64; super::kernels::MAX_RANKS];
+    time("kernel args: old per-call build (ref)", |i| {
+        let id = CallIdentity {
+            count: black_box(4096 + (i & 1)),
+            ..id
+        };
+        let words = id.encode();
+        let world = black_box(2usize);
+        let mut a = KernelArgs::default();
+        for r in 0..world {
+            a.sig[r] = bases[r];
+            a.ll[r] = bases[r] + super::kernels::SIG_BYTES as u64;
+            a.data[r] = bases[r] + super::kernel_args::data_offset(world);
+        }
+        let timeout = black_box(std::time::Duration::from_secs(5));
+        black_box(KernelArgs {
+            send: 0xa0,
+            recv: 0xb0,
+            count: 4096,
+            counters: 0x900,
+            slot_bytes: 1 << 22,
+            timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
+            digest: id.digest(),
+            seq: i,
+            ident: words,
+            rank: 0,
+            world: world as i32,
+            ..a
+        });
+    });
     time("kernel args: encode + for_call", |i| {
         let words = CallIdentity {
             count: black_box(4096 + (i & 1)),
