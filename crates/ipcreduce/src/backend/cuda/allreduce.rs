@@ -70,9 +70,8 @@ pub(super) fn launch(
         algo,
         registry: registry.changes(),
     };
-    // Eager calls only: a captured call's identity holds its place in the graph, new each time.
     let eager = l.origin.is_none();
-    if let Some(p) = last.as_ref().filter(|p| eager && p.inputs == inputs) {
+    if let Some(p) = reusable(last.as_ref(), &inputs, eager) {
         return again(l, p, call);
     }
     let (send, recv, count) = (call.send, call.recv, call.count);
@@ -147,6 +146,12 @@ pub(super) fn launch(
     l.launch(k, &mut args, || what(path, call))
 }
 
+/// `last`, if a call of `inputs` may reuse it: eager calls only (a captured call's identity
+/// holds its place in the graph, new each time), of the very same inputs.
+fn reusable<'a>(last: Option<&'a Prepared>, inputs: &Inputs, eager: bool) -> Option<&'a Prepared> {
+    last.filter(|p| eager && p.inputs == *inputs)
+}
+
 /// The eager call `call`, whose inputs are those `p` was made from: as the full path would
 /// issue it (the path taken, the identity in the ledger, the arguments of this call number).
 fn again(l: &mut Launcher, p: &Prepared, call: &CallArgs) -> Result<()> {
@@ -174,4 +179,83 @@ fn what(path: CudaPath, call: &CallArgs) -> String {
         call.dtype,
         call.op
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inputs() -> Inputs {
+        Inputs {
+            send: 0x1000,
+            recv: 0x2000,
+            count: 4096,
+            dtype: DType::Bf16,
+            op: ReduceOp::Sum,
+            algo: Algorithm::OneShot,
+            registry: 0,
+        }
+    }
+
+    #[test]
+    fn only_an_eager_call_of_the_same_inputs_reuses_the_last() {
+        let ident = CallIdentity {
+            op: SgOp::AllReduce,
+            path: CudaPath::OneShotLl,
+            dtype: DType::Bf16,
+            reduce: ReduceOp::Sum,
+            count: 4096,
+            in_place: false,
+            send: None,
+            recv: None,
+            fused: None,
+            origin: None,
+        };
+        let p = Prepared {
+            inputs: inputs(),
+            path: CudaPath::OneShotLl,
+            f: KernelHandle(std::ptr::null_mut()),
+            grid: 1,
+            threads: 256,
+            args: KernelArgs::default(),
+            ident,
+            words: ident.encode(),
+        };
+        assert!(reusable(Some(&p), &inputs(), true).is_some());
+        assert!(reusable(Some(&p), &inputs(), false).is_none(), "captured");
+        assert!(reusable(None, &inputs(), true).is_none());
+        let other = inputs();
+        for changed in [
+            Inputs {
+                send: 0x1010,
+                ..other
+            },
+            Inputs {
+                recv: 0x1000,
+                ..other
+            },
+            Inputs {
+                count: 4097,
+                ..other
+            },
+            Inputs {
+                dtype: DType::F16,
+                ..other
+            },
+            Inputs {
+                op: ReduceOp::Max,
+                ..other
+            },
+            Inputs {
+                algo: Algorithm::TwoShot,
+                ..other
+            },
+            Inputs {
+                registry: 1,
+                ..other
+            },
+        ] {
+            assert!(reusable(Some(&p), &changed, true).is_none());
+        }
+    }
 }
