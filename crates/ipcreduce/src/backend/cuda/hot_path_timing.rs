@@ -229,10 +229,10 @@ fn hot_path_timing() {
         let words = id.encode();
         let world = black_box(2usize);
         let mut a = KernelArgs::default();
-        for r in 0..world {
-            a.sig[r] = bases[r];
-            a.ll[r] = bases[r] + super::kernels::SIG_BYTES as u64;
-            a.data[r] = bases[r] + super::kernel_args::data_offset(world);
+        for (r, base) in bases.iter().enumerate().take(world) {
+            a.sig[r] = *base;
+            a.ll[r] = base + super::kernels::SIG_BYTES as u64;
+            a.data[r] = base + super::kernel_args::data_offset(world);
         }
         let timeout = black_box(std::time::Duration::from_secs(5));
         black_box(KernelArgs {
