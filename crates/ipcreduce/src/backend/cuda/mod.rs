@@ -15,8 +15,9 @@
 //! | `init.rs` | start-up: the GPU, the agreed limits, workspaces, fabric, NCCL |
 //! | `ops.rs` | the entry points ([`crate::backend::BackendOps`]): bind, check buffers, stream order, dispatch |
 //! | `launcher.rs` | every call: its arguments, identity stamp, kernel launch, error record |
+//! | `kernel_args.rs` | the kernels' argument struct: the fields shared by every call, built once, and one call's |
 //! | `calls.rs` | the eager calls' identities on the host, and the peers' count-0 calls compared with them |
-//! | `allreduce.rs` | the all-reduce within a node: the path, its kernel |
+//! | `allreduce.rs` | the all-reduce within a node: the path, its kernel; the last eager call's, reused by a repeat |
 //! | `scatter_gather.rs` | reduce-scatter and all-gather |
 //! | `ce.rs` | the copy-engine all-reduce (two ranks, registered, large) |
 //! | `hier.rs` | jobs across nodes: the hierarchical all-reduce, NCCL between nodes |
@@ -32,6 +33,7 @@
 //! | `nccl.rs` | NCCL, as a baseline and between nodes |
 //! | `teardown.rs` | leaving a job: bounded waits, what is leaked rather than freed |
 //! | `testbufs.rs` | backend-owned buffers and timing for the benchmark (`test-support`) |
+//! | `hot_path_timing.rs` | (tests) CPU timings of an eager call's pure pieces, ignored by default |
 //!
 //! An operation is a function over the [`launcher::Launcher`] (and the registry where it reads
 //! registered buffers), never an `impl` of [`CudaComm`]: only `ops.rs` dispatches to them.
