@@ -30,7 +30,7 @@ pub(super) struct Prepared {
     f: KernelHandle,
     grid: u32,
     threads: u32,
-    /// The call's arguments, of call number 0 (set per call).
+    /// The call's arguments; the call number is set per call.
     args: KernelArgs,
     /// Its identity (eager) and words, for the ledger.
     ident: CallIdentity,
@@ -71,7 +71,7 @@ pub(super) fn launch(
         registry: registry.changes(),
     };
     let eager = l.origin.is_none();
-    if let Some(p) = reusable(last.as_ref(), &inputs, eager) {
+    if let Some(p) = reusable(last.as_mut(), &inputs, eager) {
         return again(l, p, call);
     }
     let (send, recv, count) = (call.send, call.recv, call.count);
@@ -148,26 +148,29 @@ pub(super) fn launch(
 
 /// `last`, if a call of `inputs` may reuse it: eager calls only (a captured call's identity
 /// holds its place in the graph, new each time), of the very same inputs.
-fn reusable<'a>(last: Option<&'a Prepared>, inputs: &Inputs, eager: bool) -> Option<&'a Prepared> {
+fn reusable<'a>(
+    last: Option<&'a mut Prepared>,
+    inputs: &Inputs,
+    eager: bool,
+) -> Option<&'a mut Prepared> {
     last.filter(|p| eager && p.inputs == *inputs)
 }
 
 /// The eager call `call`, whose inputs are those `p` was made from: as the full path would
 /// issue it (the path taken, the identity in the ledger, the arguments of this call number).
-fn again(l: &mut Launcher, p: &Prepared, call: &CallArgs) -> Result<()> {
+fn again(l: &mut Launcher, p: &mut Prepared, call: &CallArgs) -> Result<()> {
     l.took(p.path, p.grid);
     l.issued(&p.ident, &p.words);
-    let mut args = KernelArgs {
-        seq: l.seq,
-        ..p.args
-    };
+    // In place: the launch copies the arguments, and the kept ones differ only in this.
+    p.args.seq = l.seq;
     let k = Kernel {
         f: p.f.0,
         grid: p.grid,
         threads: p.threads,
         stream: call.stream,
     };
-    l.launch(k, &mut args, || what(p.path, call))
+    let path = p.path;
+    l.launch(k, &mut p.args, || what(path, call))
 }
 
 /// The launch in words, for its error.
@@ -211,7 +214,7 @@ mod tests {
             fused: None,
             origin: None,
         };
-        let p = Prepared {
+        let mut p = Prepared {
             inputs: inputs(),
             path: CudaPath::OneShotLl,
             f: KernelHandle(std::ptr::null_mut()),
@@ -221,8 +224,11 @@ mod tests {
             ident,
             words: ident.encode(),
         };
-        assert!(reusable(Some(&p), &inputs(), true).is_some());
-        assert!(reusable(Some(&p), &inputs(), false).is_none(), "captured");
+        assert!(reusable(Some(&mut p), &inputs(), true).is_some());
+        assert!(
+            reusable(Some(&mut p), &inputs(), false).is_none(),
+            "captured"
+        );
         assert!(reusable(None, &inputs(), true).is_none());
         let other = inputs();
         for changed in [
@@ -255,7 +261,7 @@ mod tests {
                 ..other
             },
         ] {
-            assert!(reusable(Some(&p), &changed, true).is_none());
+            assert!(reusable(Some(&mut p), &changed, true).is_none());
         }
     }
 }
