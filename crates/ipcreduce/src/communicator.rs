@@ -101,7 +101,7 @@ impl Communicator {
     /// Whether the communicator is aborted (here or on any rank that told us): every call
     /// then fails with [`Error::Aborted`]; only a new communicator can go on.
     pub fn is_aborted(&self) -> bool {
-        self.boot.abort().is_aborted()
+        self.boot.abort_state_ref().is_aborted()
     }
 
     /// Runs one call that peers take part in, under the rule that makes errors seen by every
@@ -131,7 +131,7 @@ impl Communicator {
     /// The error a call on an aborted communicator is refused with, if it is aborted.
     fn refusal(&self) -> Option<Error> {
         // The flag first: a healthy communicator's call takes no lock here.
-        let state = self.boot.abort();
+        let state = self.boot.abort_state_ref();
         let reason = state.is_aborted().then(|| state.reason()).flatten()?;
         Some(Error::Aborted {
             rank: self.rank(),
@@ -146,7 +146,7 @@ impl Communicator {
             // A failure the backend already turned into an abort (mismatch, timeout, a peer's
             // abort) keeps its first reason: this is a no-op then. Peers are told before the
             // flight record is written, and without its file (they name their own).
-            self.boot.abort().abort(e.to_string());
+            self.boot.abort_state_ref().abort(e.to_string());
             return Err(self.flight.note(e));
         }
         r

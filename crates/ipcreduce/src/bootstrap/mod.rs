@@ -213,7 +213,7 @@ impl Bootstrap {
 
     /// [`Bootstrap::abort_state`] borrowed: what every call looks at, without the clone's two
     /// atomic read-modify-writes of a count shared with the watcher.
-    pub fn abort(&self) -> &AbortState {
+    pub fn abort_state_ref(&self) -> &AbortState {
         &self.abort
     }
 
