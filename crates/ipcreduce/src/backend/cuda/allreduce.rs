@@ -10,8 +10,7 @@
 //! included, are a function of those inputs and of what is fixed for the communicator's life.
 
 use super::ce;
-use super::identity::IDENT_WORDS;
-use super::identity::{CallIdentity, RegionAt};
+use super::identity::{CallIdentity, RegionAt, IDENT_WORDS};
 use super::launcher::{CallArgs, Kernel, KernelArgs, KernelHandle, Launcher, THREADS};
 use super::paths::CudaPath;
 use super::registry::Registry;
@@ -52,7 +51,8 @@ struct Inputs {
 
 /// Enqueues the all-reduce `call` with algorithm `algo` (a begun call of at least one
 /// element, see [`Launcher::begin`]). `last`: what the last eager call came to, reused when
-/// this one has the same inputs and replaced when it has not.
+/// this one has the same inputs, else replaced by this one's (eager, a kernel of ours: the
+/// copy-engine path is not kept).
 pub(super) fn launch(
     l: &mut Launcher,
     registry: &Registry,
