@@ -65,6 +65,12 @@ impl Communicator {
             ),
             BackendKind::Cuda => Box::new(backend::cuda::CudaComm::new(&mut boot, &config)?),
         };
+        if let Some(c) = backend
+            .as_any_mut()
+            .downcast_mut::<backend::cuda::CudaComm>()
+        {
+            flight.attach_stamps(c.phase_stamps());
+        }
         phases.mark("backend");
         if kind == BackendKind::Cuda {
             // Its context is current on this thread now.

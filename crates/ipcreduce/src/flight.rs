@@ -22,9 +22,12 @@
 //! export` for a job that ran to its end.
 //!
 //! `IPCREDUCE_TIMELINE=1` (cuda) adds when each call ran on its stream ([`timeline`]), read
-//! back when the ring is written; `IPCREDUCE_NVTX=1` an NVTX range per call ([`nvtx`]).
+//! back when the ring is written; `IPCREDUCE_NVTX=1` an NVTX range per call ([`nvtx`]). With
+//! `IPCREDUCE_TRACE` the cuda kernels also stamp their phases per block ([`stamps`]), written
+//! into each call's line of the trace.
 
 pub mod nvtx;
+pub mod stamps;
 pub mod timeline;
 
 use crate::backend::SgOp;
@@ -172,6 +175,8 @@ pub struct Recorder {
     timeline: Option<Box<timeline::Timeline>>,
     /// `IPCREDUCE_NVTX=1`: a range per call.
     nvtx: Option<nvtx::Ranges>,
+    /// With `IPCREDUCE_TRACE` on cuda: the kernels' phase stamps.
+    stamps: Option<std::sync::Arc<dyn stamps::Source>>,
 }
 
 fn now_ns() -> u64 {
@@ -224,6 +229,7 @@ impl Recorder {
             timeline_wanted: false,
             timeline: None,
             nvtx: None,
+            stamps: None,
         }
     }
 
@@ -322,6 +328,11 @@ impl Recorder {
         }
     }
 
+    /// The kernels' phase stamps (the cuda backend's ring, while tracing).
+    pub fn attach_stamps(&mut self, source: Option<std::sync::Arc<dyn stamps::Source>>) {
+        self.stamps = source;
+    }
+
     /// Whether a device timeline is being recorded.
     pub fn has_timeline(&self) -> bool {
         self.timeline.is_some()
@@ -361,6 +372,9 @@ impl Recorder {
         };
         if let Some(t) = &mut self.timeline {
             t.begin(self.calls, id.stream);
+        }
+        if let Some(s) = &self.stamps {
+            s.set_call(self.calls);
         }
     }
 
@@ -534,6 +548,16 @@ impl Recorder {
             .unwrap_or_default()
     }
 
+    /// The phase stamps per flight call, as its trace line's `phases` field (a call made of
+    /// several kernel calls keeps its last).
+    fn phases(&self) -> std::collections::HashMap<u64, serde_json::Value> {
+        let Some(s) = &self.stamps else {
+            return Default::default();
+        };
+        let (calls, tick) = s.read();
+        calls.iter().map(|c| (c.seq, c.to_json(tick))).collect()
+    }
+
     /// At the communicator's end, while its context still lives: the trace (above), then the
     /// timeline's events go.
     pub fn close_all(&mut self) {
@@ -568,11 +592,20 @@ impl Recorder {
         });
         let mut text = header.to_string();
         text.push('\n');
+        let phases = self.phases();
         for mut e in self.entries().into_iter().filter(|e| e.seq > since) {
             if let Some(&(b, d)) = spans.get(&e.seq) {
                 (e.dev_start_ns, e.dev_end_ns) = (b, d);
             }
-            text.push_str(&e.to_json());
+            match phases.get(&e.seq) {
+                Some(p) => {
+                    let mut line: serde_json::Value =
+                        serde_json::from_str(&e.to_json()).expect("an entry's own JSON");
+                    line["phases"] = p.clone();
+                    text.push_str(&line.to_string());
+                }
+                None => text.push_str(&e.to_json()),
+            }
             text.push('\n');
         }
         if let Some(dir) = path.parent() {

@@ -161,8 +161,9 @@ fn reusable<'a>(
 fn again(l: &mut Launcher, p: &mut Prepared, call: &CallArgs) -> Result<()> {
     l.took(p.path, p.grid);
     l.issued(&p.ident, &p.words);
-    // In place: the launch copies the arguments, and the kept ones differ only in this.
+    // In place: the launch copies the arguments, and the kept ones differ only in these.
     p.args.seq = l.seq;
+    p.args.phases = l.phases_for_call();
     let k = Kernel {
         f: p.f.0,
         grid: p.grid,

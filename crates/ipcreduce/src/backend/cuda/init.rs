@@ -228,7 +228,17 @@ impl CudaComm {
             let_next_launch: pdl.trigger(config.pdl_trigger, sharing),
         };
         let calls = CallLedger::new(rank, abort.clone(), boot.notices());
-        let launch = Launcher::new(
+        // With tracing, the kernels stamp their phases (the traced variants, phase_ring.rs).
+        let ring = if crate::flight::stamps::wanted() {
+            Some(super::phase_ring::PhaseRing::new(
+                &gpu.ctx,
+                gpu.target(),
+                rank,
+            )?)
+        } else {
+            None
+        };
+        let mut launch = Launcher::new(
             (rank, world),
             gpu,
             bases,
@@ -236,6 +246,7 @@ impl CudaComm {
             (abort, calls),
             agreed,
         );
+        launch.phases = ring;
         let mut comm = CudaComm {
             inter: None,
             rank,

@@ -36,6 +36,8 @@ pub(super) struct KernelArgs {
     pub check: i32,
     pub mode: i32,
     pub chunk_bytes: u64,
+    /// The phase-stamp ring (0: not tracing); set per call (`Launcher::phases_for_call`).
+    pub phases: u64,
 }
 
 /// Where the data slots of a `world`-rank workspace start: after the signal and LL areas.

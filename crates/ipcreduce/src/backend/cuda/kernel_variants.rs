@@ -103,6 +103,18 @@ impl Group {
     }
 }
 
+impl CudaPath {
+    /// Whether the path's kernels stamp their phases when traced (prims.cuh): the all-reduce
+    /// kernels of ll.cu, staged.cu and zerocopy.cu. The others keep their plain variant while
+    /// tracing (their budgets were not measured with the stamps).
+    pub fn phase_stamped(self) -> bool {
+        matches!(
+            Group::of(self),
+            Group::Ll | Group::Ll12 | Group::Staged | Group::ZeroCopy | Group::ZeroCopyDeep
+        )
+    }
+}
+
 /// One compilation unit: a group's entry points for one dtype and (effective) op, at one
 /// world-size class ([`world_class`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -112,6 +124,9 @@ pub struct Variant {
     pub w: usize,
     pub dtype: DType,
     pub op: ReduceOp,
+    /// With the phase stamps (`-DIPCR_TRACE`, prims.cuh): compiled, cached and loaded apart
+    /// from the plain variant, and only while tracing.
+    pub trace: bool,
 }
 
 impl Variant {
@@ -122,7 +137,13 @@ impl Variant {
             w,
             dtype,
             op: path.effective_op(op),
+            trace: false,
         }
+    }
+
+    /// This variant with the phase stamps (`on`) or without.
+    pub fn traced(self, on: bool) -> Variant {
+        Variant { trace: on, ..self }
     }
 
     /// Every variant `auto` (or an explicit algorithm, registered or not, any operation) can
@@ -145,6 +166,7 @@ impl Variant {
                         w,
                         dtype,
                         op,
+                        trace: false,
                     });
                 }
             }
@@ -200,17 +222,21 @@ impl Variant {
         if self.op == ReduceOp::Sum {
             o.push("-DIPCR_SEL_GATHER".into());
         }
+        if self.trace {
+            o.push("-DIPCR_TRACE".into());
+        }
         o
     }
 
     /// For messages: "ll w2 f32 sum".
     pub fn label(self) -> String {
         format!(
-            "{} w{} {} {}",
+            "{} w{} {} {}{}",
             self.group.name(),
             self.w,
             self.dtype,
-            self.op.name()
+            self.op.name(),
+            if self.trace { " traced" } else { "" }
         )
     }
 }

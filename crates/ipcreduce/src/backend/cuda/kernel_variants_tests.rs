@@ -52,6 +52,7 @@ fn the_key_follows_the_variant_and_the_target() {
         ..v
     };
     for (what, k2) in [
+        ("tracing", key(v.traced(true), &t)),
         ("op", key(other_op, &t)),
         ("world class", key(other_w, &t)),
         ("group", key(other_group, &t)),
@@ -127,6 +128,7 @@ fn a_variant_compiles_to_a_cubin_with_its_entry_points_only() {
             w: 4,
             dtype: DType::F16,
             op: ReduceOp::Sum,
+            trace: false,
         };
         let cubin = compile_cubin(v, "sm_90").unwrap_or_else(|e| panic!("{e}"));
         for (_, name) in v.kernels() {

@@ -184,6 +184,11 @@ pub struct Resources {
 /// is read. Needs only NVRTC, no GPU (at load the driver reports the same registers, see
 /// `kernel_resources` in mod.rs). Takes seconds: for tests and diagnostics.
 pub fn resources(arch: &str, w: usize) -> Result<Vec<Resources>> {
+    resources_with(arch, w, &[])
+}
+
+/// [`resources`] with `extra` options (`-DIPCR_TRACE`: the traced kernels).
+pub fn resources_with(arch: &str, w: usize, extra: &[&str]) -> Result<Vec<Resources>> {
     use cudarc::nvrtc::result;
     require_nvrtc()?;
     let fail = |what: &str, detail: String| Error::Cuda {
@@ -195,8 +200,9 @@ pub fn resources(arch: &str, w: usize) -> Result<Vec<Resources>> {
         .map_err(|e| fail("source", e.to_string()))?;
     let prog = result::create_program(&source, Some(c"ipcreduce.cu"))
         .map_err(|e| fail("program creation", e.to_string()))?;
-    let extra = allreduce_options(w);
-    let mut opts: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let base = allreduce_options(w);
+    let mut opts: Vec<&str> = base.iter().map(String::as_str).collect();
+    opts.extend_from_slice(extra);
     opts.push("-Xptxas=-v");
     let opts = options(arch, &opts);
     // SAFETY: `prog` was just created and is destroyed once, below; `source` outlives it.
@@ -496,3 +502,7 @@ ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loa
         }
     }
 }
+
+#[cfg(test)]
+#[path = "kernels_trace_tests.rs"]
+mod trace_tests;

@@ -21,6 +21,7 @@ use super::kernels::{rec, ERR_MISMATCH, ERR_TIMEOUT, MAX_RANKS, SIG_BYTES, STATE
 use super::memory::{DeviceAlloc, MappedHostWords};
 use super::modules::Loaded;
 use super::paths::CudaPath;
+use super::phase_ring::PhaseRing;
 use crate::abort::AbortState;
 use crate::backend::SgOp;
 use crate::config::Pdl;
@@ -114,6 +115,8 @@ pub(super) struct Launcher {
     /// The kernels of the last few calls' kinds: a repeated call finds its kernel here,
     /// without the shared table's lock and hash (see [`Launcher::function`]).
     recent: [Option<(FnKey, KernelHandle)>; RECENT_KERNELS],
+    /// With `IPCREDUCE_TRACE`: the phase-stamp ring, and the kernels are the traced variants.
+    pub phases: Option<Arc<PhaseRing>>,
 }
 
 /// A loaded kernel's handle, kept across calls.
@@ -187,6 +190,7 @@ impl Launcher {
             origin: None,
             let_next_launch: agreed.let_next_launch,
             recent: [None; RECENT_KERNELS],
+            phases: None,
         }
     }
 
@@ -207,7 +211,8 @@ impl Launcher {
             self.recent[..=i].rotate_right(1);
             return Ok(f);
         }
-        let f = self.gpu.function(path, dtype, op, self.rank)?;
+        let traced = self.phases.is_some() && path.phase_stamped();
+        let f = self.gpu.function_of(path, dtype, op, traced, self.rank)?;
         self.recent.rotate_right(1);
         self.recent[0] = Some((key, KernelHandle(f)));
         Ok(f)
@@ -307,12 +312,21 @@ impl Launcher {
         let ident = &ident.issued(self.origin);
         let words = ident.encode();
         self.issued(ident, &words);
-        self.shared.for_call(
-            (call.send, call.recv, call.count),
-            &words,
-            self.seq,
-            zero_copy,
-        )
+        KernelArgs {
+            phases: self.phases_for_call(),
+            ..self.shared.for_call(
+                (call.send, call.recv, call.count),
+                &words,
+                self.seq,
+                zero_copy,
+            )
+        }
+    }
+
+    /// The phase-stamp ring for the current call's arguments (`Args::phases`; 0 when not
+    /// tracing), noted in the ring as this call's.
+    pub fn phases_for_call(&self) -> u64 {
+        self.phases.as_ref().map_or(0, |r| r.note(self.seq))
     }
 
     /// The current call (`self.seq`) is issued with identity `ident`, encoded as `words`: an

@@ -57,6 +57,7 @@ mod nccl;
 mod ops;
 pub mod paths;
 mod peers;
+mod phase_ring;
 mod pointers;
 mod regions;
 mod registry;

@@ -46,7 +46,9 @@ pub(super) struct Loaded {
 #[derive(Default)]
 struct State {
     modules: Vec<Arc<cs::CudaModule>>,
-    funcs: HashMap<(CudaPath, DType, ReduceOp), cs::CudaFunction>,
+    /// Keyed by path, dtype, op and whether traced (the phase-stamp variants, see
+    /// [`Variant::traced`]).
+    funcs: HashMap<(CudaPath, DType, ReduceOp, bool), cs::CudaFunction>,
 }
 
 impl Loaded {
@@ -90,12 +92,25 @@ impl Loaded {
         op: ReduceOp,
         rank: usize,
     ) -> Result<sys::CUfunction> {
-        let key = (path, dtype, path.effective_op(op));
+        self.function_of(path, dtype, op, false, rank)
+    }
+
+    /// [`Loaded::function`], of the variant with the phase stamps when `traced`.
+    pub(super) fn function_of(
+        &self,
+        path: CudaPath,
+        dtype: DType,
+        op: ReduceOp,
+        traced: bool,
+        rank: usize,
+    ) -> Result<sys::CUfunction> {
+        let key = (path, dtype, path.effective_op(op), traced);
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = state.funcs.get(&key) {
             return Ok(f.cu_function());
         }
-        self.load(&mut state, Variant::of(path, self.w, dtype, op), rank)?;
+        let v = Variant::of(path, self.w, dtype, op).traced(traced);
+        self.load(&mut state, v, rank)?;
         state
             .funcs
             .get(&key)
@@ -128,7 +143,7 @@ impl Loaded {
             // one must fit as many blocks per SM as they promised.
             residency::check_fits(path, f.cu_function(), &name, rank)?;
             regs.push(format!("{name} {}", kernel_resources(&f)));
-            state.funcs.insert((path, v.dtype, v.op), f);
+            state.funcs.insert((path, v.dtype, v.op, v.trace), f);
         }
         for name in v.extra_kernels() {
             let f = module
@@ -167,6 +182,11 @@ impl Loaded {
         })
     }
 
+    /// The architecture and tool versions kernels are compiled for here.
+    pub(super) fn target(&self) -> &Target {
+        &self.target
+    }
+
     /// The copy-engine path's barrier kernel (null until a copy-engine variant is loaded, which
     /// the copy-engine path's reduce-kernel lookup does before any barrier launch; a null
     /// function is refused by the launch, as an error naming the barrier).
@@ -182,7 +202,7 @@ impl Loaded {
         state
             .funcs
             .iter()
-            .map(|((p, _, _), f)| (*p, f.cu_function()))
+            .map(|((p, _, _, _), f)| (*p, f.cu_function()))
             .collect()
     }
 }

@@ -156,6 +156,9 @@ impl Drop for CudaComm {
                     ManuallyDrop::drop(&mut self.launch.state);
                 }
                 ManuallyDrop::drop(&mut self.launch.words);
+            } else if let Some(ring) = self.launch.phases.take() {
+                // Kernels that may still run stamp into it: never freed.
+                std::mem::forget(ring);
             }
         }
     }

@@ -140,6 +140,7 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args
     // Two ranks post the identity after the pushes (see begin_call); more ranks at once, which
     // frees the call number's registers before the reduce loop (invariant 5).
     const u64 call = begin_call(a, W > 2);
+    TRACE_PHASE(a, PH_START); // (after the closed-counter check: see CALL_CLOSED)
     const u32 flag = opaque(ll_flag(a.digest, call));
     const u32 parity = (u32)call & 1u;
     const u64 total = a.count * D::SIZE;
@@ -188,6 +189,8 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args
                     break;
                 }
                 theirs = make_uint4((u32)g0.x, (u32)g0.y, (u32)g1.x, (u32)g1.y);
+                // Thread 0's first pair is the block's first line from the peer.
+                TRACE_PEER(a, threadIdx.x == 0 && j == first, 1 - a.rank);
             }
             const uint4 r0 = a.rank == 0 ? mine : theirs;
             ll_accumulate<D, Op>(acc, 0, make_uint2(r0.x, r0.y), true);
@@ -218,6 +221,7 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args
                             break;
                         }
                         w = ll_data(got[r]);
+                        TRACE_PEER(a, threadIdx.x == 0 && j == first && h == 0, r);
                     }
                     ll_accumulate<D, Op>(acc, h, w, r == 0);
                 }
@@ -227,7 +231,9 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll(const Args
     }
     // Two ranks keep the call number in a register (a re-read of the counter would sit on the
     // kernel's last path); more ranks have none to spare and read it again (see current_call).
+    TRACE_BLOCK(a, PH_REDUCE);
     finish_call(a, W <= 2 ? call : current_call(a));
+    TRACE_PHASE(a, PH_END);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -287,6 +293,7 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll12(const Ar
     let_next_kernel_launch(a);
     const int N = 12 / D::SIZE;
     const u64 call = begin_call(a, false); // posted after the pushes (see begin_call)
+    TRACE_PHASE(a, PH_START); // (after the closed-counter check: see CALL_CLOSED)
     const u32 flag = ll_flag(a.digest, call);
     const u32 parity = (u32)call & 1u;
     const u64 total = a.count * D::SIZE;
@@ -327,6 +334,7 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll12(const Ar
                     break;
                 }
                 w = make_uint3(got[r].x, got[r].y, got[r].z);
+                TRACE_PEER(a, threadIdx.x == 0 && i == first, r);
             }
             const char *b = (const char *)&w;
 #pragma unroll
@@ -343,7 +351,9 @@ template <typename D, typename Op, int W> __device__ void one_shot_ll12(const Ar
             store_tri(a.recv, i, total, w);
         }
     }
+    TRACE_BLOCK(a, PH_REDUCE);
     finish_call(a, W <= 2 ? call : current_call(a)); // (see one_shot_ll)
+    TRACE_PHASE(a, PH_END);
 }
 
 // Entry points: ipcr_oneshotll_<dtype>_<op> (also the empty call's) and ipcr_oneshotll12_*

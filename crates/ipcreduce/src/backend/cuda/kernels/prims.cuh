@@ -132,6 +132,9 @@ struct Args {
     int mode;                    // staged and LL kernels: MODE_* bits (the same on every rank)
     u64 chunk_bytes;             // staged kernels: bytes per chunk (<= slot_bytes, multiple
                                  // of 256; the same on every rank for a call)
+    u64 *phases;                 // host-mapped phase-stamp ring (traced kernels only, see
+                                 // "Phase stamps"); last, so structs that start with Args keep
+                                 // their layout
 };
 
 // Args::check bits (copy-engine barrier kernels).
@@ -229,6 +232,56 @@ __device__ __forceinline__ u64 ld_volatile_u64(const u64 *p) {
     asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p));
     return v;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Phase stamps (-DIPCR_TRACE: a separate module the host loads only while tracing; without the
+// define every TRACE_* below expands to nothing, so the kernels are those of a build without
+// tracing). When on, the block's phase boundaries are stamped with %globaltimer into the ring
+// a.phases, host-mapped pinned memory the host reads at any time, without a CUDA call, even
+// while a kernel hangs (flight/stamps.rs decodes it).
+//
+// Layout: u64 words [PH_CALLS][MAX_BLOCKS][PH_SLOTS], indexed by (host call number mod
+// PH_CALLS, block, phase): each word has one writer per call, so no atomics. A word is
+// {call number mod 2^16 (high 16 bits), globaltimer mod 2^48 (low 48 bits, 78 hours)}: one
+// 64-bit store, which PTX makes single-copy atomic, so the host never reads half of a stamp and
+// tells a stale word (an older call's in the same slot) by its tag. The host restores the high
+// bits of the time from its own reading of the clock.
+#define PH_START 0  // the block starts (after wait_for_previous_kernel)
+#define PH_REDUCE 1 // the block's reduction done
+#define PH_GATHER 2 // the block's gather done (two-shot staged)
+#define PH_END 3    // the block's last access done (after finish_call)
+#define PH_PEER 4   // + p: the block first saw peer p (its first barrier, or LL line from p)
+#define PH_SLOTS (PH_PEER + MAX_RANKS)
+#define PH_CALLS 1024
+#define PH_TIME_MASK ((1ull << 48) - 1)
+#ifdef IPCR_TRACE
+__device__ __forceinline__ void phase_stamp(const Args &a, int slot) {
+    if (a.phases == 0) return;
+    u64 *e = a.phases + (((a.seq & (PH_CALLS - 1)) * MAX_BLOCKS + blockIdx.x) * PH_SLOTS + slot);
+    st_volatile_u64(e, (a.seq << 48) | (globaltimer() & PH_TIME_MASK));
+}
+// Thread 0 stamps `phase` (what the block's thread 0 has done, without waiting for the others).
+#define TRACE_PHASE(a, phase)                                                                 \
+    do {                                                                                      \
+        if (threadIdx.x == 0) phase_stamp(a, phase);                                          \
+    } while (0)
+// The whole block is past this point, then thread 0 stamps `phase` (a barrier of its own, in
+// the traced kernels only).
+#define TRACE_BLOCK(a, phase)                                                                 \
+    do {                                                                                      \
+        __syncthreads();                                                                      \
+        if (threadIdx.x == 0) phase_stamp(a, phase);                                          \
+    } while (0)
+// The calling thread, which waited for peer p, stamps when it saw it (when `cond`).
+#define TRACE_PEER(a, cond, p)                                                                \
+    do {                                                                                      \
+        if (cond) phase_stamp(a, PH_PEER + (p));                                              \
+    } while (0)
+#else
+#define TRACE_PHASE(a, phase)
+#define TRACE_BLOCK(a, phase)
+#define TRACE_PEER(a, cond, p)
+#endif
 
 // The other half of convert.cuh's wait_for_previous_kernel (MODE_LET_NEXT_LAUNCH, the LL
 // kernels only): once every block of ours has run this, the next kernel on the stream may
@@ -420,6 +473,7 @@ __device__ bool barrier_at(const Args &a, u32 &F, u64 call, bool check_stamp, in
                 break;
             }
         }
+        TRACE_PEER(a, !failed && check_stamp, t);
         if (!failed && check_stamp) {
             u64 theirs = *(volatile u64 *)stamp_slot(a, a.rank, F, b, t);
             if (theirs != a.digest) {

@@ -115,6 +115,7 @@ template <typename D, typename Op, int W> __device__ void one_shot(const Args &a
     u32 *ctr = a.counters + 2 * blockIdx.x;
     u32 *st = a.counters + STATE_CALL;
     const u64 call = begin_call(a);
+    TRACE_PHASE(a, PH_START); // (after the closed-counter check: see CALL_CLOSED)
     u32 F = ctr[0];
     const u32 L0 = *(volatile u32 *)&st[3];
     const u64 chunk = a.chunk_bytes / D::SIZE;
@@ -144,8 +145,10 @@ template <typename D, typename Op, int W> __device__ void one_shot(const Args &a
                                                                 a.world, s, e, true);
             });
     }
+    TRACE_BLOCK(a, PH_REDUCE); // the last chunk reduced
     if (threadIdx.x == 0) ctr[0] = F;
     finish_call(a, call, true, L0 + chunks);
+    TRACE_PHASE(a, PH_END);
 }
 
 // Two-shot: block b's piece of every shard of chunk `k` (but our own when `direct`) into our
@@ -166,6 +169,7 @@ template <typename D, typename Op, int W> __device__ void two_shot(const Args &a
     u32 *ctr = a.counters + 2 * blockIdx.x;
     u32 *st = a.counters + STATE_CALL;
     const u64 call = begin_call(a);
+    TRACE_PHASE(a, PH_START); // (after the closed-counter check: see CALL_CLOSED)
     u32 F = ctr[0];
     const u32 L0 = *(volatile u32 *)&st[3];
     const u64 chunk = a.chunk_bytes / D::SIZE;
@@ -189,6 +193,7 @@ template <typename D, typename Op, int W> __device__ void two_shot(const Args &a
         if (passes) // the same thread reads back what it stored above (same pack mapping)
             for (int p = 0; p + 1 < a.world; p++)
                 copy_range<D, COPY_UNROLL>(a.data[(a.rank + 1 + p) % a.world] + off, out, b, e);
+        TRACE_BLOCK(a, PH_REDUCE); // (the last chunk's stamp stays)
         if (!barrier(a, F, call)) break;
         // Every peer's reduced shard piece b of chunk k is now in our slot: gather it (reads
         // from host memory on the host-staged transport) beside chunk k+1's copy-in (writes),
@@ -209,9 +214,11 @@ template <typename D, typename Op, int W> __device__ void two_shot(const Args &a
                 [&](u64 x, u64 y) { copy_range<D, COPY_UNROLL>(next_slot, next_in, x, y); },
                 [&](u64 x, u64 y) { copy_range<D, COPY_UNROLL>(gathered, mine, x, y); });
         }
+        TRACE_BLOCK(a, PH_GATHER);
     }
     if (threadIdx.x == 0) ctr[0] = F;
     finish_call(a, call, true, L0 + chunks);
+    TRACE_PHASE(a, PH_END);
 }
 
 // Entry points: ipcr_{oneshot,twoshot}_w<W>_<dtype>_<op>.

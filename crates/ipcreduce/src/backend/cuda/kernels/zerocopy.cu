@@ -16,30 +16,36 @@ template <typename D, typename Op, int W, int LOADS> __device__ void one_shot_re
     u32 *ctr = a.counters + 2 * blockIdx.x;
     u32 F = ctr[0];
     const u64 call = begin_call(a);
+    TRACE_PHASE(a, PH_START); // (after the closed-counter check: see CALL_CLOSED)
     if (barrier(a, F, call, true)) { // inputs ready
         u64 b, e;
         piece<D>(0, a.count, gridDim.x, blockIdx.x, b, e);
         reduce_range<D, Op, W, LOADS>(SendSrc{a}, OwnDst{a.recv, aligned16(a.recv)}, a.world, b, e,
                                       (a.aligned & 1) != 0);
+        TRACE_BLOCK(a, PH_REDUCE);
         barrier(a, F, call); // done reading every send
     }
     if (threadIdx.x == 0) ctr[0] = F;
     finish_call(a, call);
+    TRACE_PHASE(a, PH_END);
 }
 
 template <typename D, typename Op, int W, int LOADS> __device__ void two_shot_reg(const Args &a) {
     u32 *ctr = a.counters + 2 * blockIdx.x;
     u32 F = ctr[0];
     const u64 call = begin_call(a);
+    TRACE_PHASE(a, PH_START); // (after the closed-counter check: see CALL_CLOSED)
     if (barrier(a, F, call, true)) { // inputs ready
         u64 b, e;
         shard_piece<D>(a.count, a.count, a.world, a.rank, b, e);
         // Reduce-scatter by loads from every rank, all-gather by stores into every rank's recv.
         reduce_range<D, Op, W, LOADS>(SendSrc{a}, AllRecvDst{a}, a.world, b, e, (a.aligned & 1) != 0);
+        TRACE_BLOCK(a, PH_REDUCE); // reduced and stored everywhere (the gather is the stores)
         barrier(a, F, call); // every shard stored everywhere, every send read
     }
     if (threadIdx.x == 0) ctr[0] = F;
     finish_call(a, call);
+    TRACE_PHASE(a, PH_END);
 }
 
 // Entry points: ipcr_{oneshotreg,twoshotreg,oneshotreg16,twoshotreg16}_w<W>_<dtype>_<op> (the
