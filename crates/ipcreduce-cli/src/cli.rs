@@ -17,6 +17,11 @@ pub struct RankArgs {
     /// 4). More ranks than GPUs share GPUs round-robin (run MPS for that).
     #[arg(long)]
     pub ranks: Option<usize>,
+    /// Trace every rank's calls into DIR (`IPCREDUCE_TRACE=DIR` for the ranks): one file per
+    /// rank at its close, with the kernels' phase stamps on cuda; `ipcreduce trace export`,
+    /// `summarize` and `plot` read them.
+    #[arg(long, value_name = "DIR")]
+    pub trace: Option<std::path::PathBuf>,
 }
 
 fn parse_backend(s: &str) -> Result<BackendChoice, String> {
@@ -162,10 +167,13 @@ pub fn relaunch_with_progress(args: &RankArgs, progress: bool) -> Option<i32> {
     };
     let rest: Vec<_> = std::env::args_os().skip(1).collect();
     let bar = crate::progress::wanted(progress).then(crate::progress::Bar::new);
-    let env: Vec<(String, String)> = bar
+    let mut env: Vec<(String, String)> = bar
         .iter()
         .map(|_| (crate::progress::ENV.to_string(), "1".to_string()))
         .collect();
+    if let Some(dir) = &args.trace {
+        env.push(("IPCREDUCE_TRACE".into(), dir.display().to_string()));
+    }
     let output = launch::Output {
         progress: bar,
         ..launch::Output::default()

@@ -7,6 +7,7 @@
 //! `ipcreduce trace plot` a window of them into a PNG timeline (plot.rs).
 
 mod export;
+mod phases;
 mod plot;
 mod records;
 mod waits;
@@ -134,6 +135,9 @@ struct JobSummary {
     stragglers: Vec<Straggler>,
     /// How long each rank waited for each other over the calls compared (one host only).
     waits: Option<waits::Waits>,
+    /// The kernels' phases per path and each rank's wait per peer per call, from the phase
+    /// stamps (each rank's own clock: any hosts).
+    phases: Option<phases::Summary>,
     same_host: bool,
     errors: Vec<RankError>,
 }
@@ -185,7 +189,9 @@ fn summarize_job(dumps: Vec<Dump>) -> JobSummary {
     let waits = same_host
         .then(|| waits::waits(&dumps, first_seq, last_seq))
         .flatten();
+    let phases = phases::summary(&dumps, first_seq, last_seq);
     JobSummary {
+        phases,
         job: dumps[0].header.job.clone(),
         world,
         ranks,
@@ -460,6 +466,9 @@ fn text(s: &JobSummary) -> String {
     }
     if let Some(w) = &s.waits {
         o.push_str(&waits::text(w));
+    }
+    if let Some(p) = &s.phases {
+        o.push_str(&phases::text(p));
     }
     if s.errors.is_empty() {
         let _ = writeln!(o, "errors: none");

@@ -1,7 +1,9 @@
 """Checks a trace written by `ipcreduce trace export` of a cuda run with IPCREDUCE_TIMELINE=1
 (used by scripts/device/flight.sh): two ranks, each with host call slices and device slices,
 each device span starting no earlier than its host call (the call enqueues it) and the device
-spans in order; prints per slice name of rank 0 the median host and device time.
+spans in order; with the kernels' phase stamps (IPCREDUCE_TRACE), every rank has block
+tracks whose phase slices lie within their call's device span (20 us of slack) and are in
+order per block; prints per slice name of rank 0 the median host and device time.
 Usage: python3 trace_check.py TRACE.json   (exit 0: PASS)"""
 
 import collections
@@ -12,9 +14,10 @@ import sys
 t = json.load(open(sys.argv[1]))
 host = collections.defaultdict(list)
 dev = collections.defaultdict(list)
+phase = collections.defaultdict(list)
 for e in t["traceEvents"]:
     if e.get("ph") == "X":
-        (host if e["cat"] == "call" else dev)[e["pid"]].append(e)
+        {"call": host, "device": dev, "phase": phase}[e["cat"]][e["pid"]].append(e)
 ranks = sorted(host)
 ok = len(ranks) == 2 and all(dev.get(p) for p in ranks)
 print(f"ranks {ranks}: host slices {[len(host[p]) for p in ranks]}, "
@@ -28,6 +31,21 @@ for p in ranks:
     if early or not ordered:
         ok = False
         print(f"rank {p}: {len(early)} device spans before their host call; in order: {ordered}")
+for p in ranks:
+    span = {e["args"]["seq"]: (e["ts"], e["ts"] + e["dur"]) for e in dev.get(p, [])}
+    ph = phase.get(p, [])
+    outside = [e for e in ph if e["args"]["seq"] in span
+               and not (span[e["args"]["seq"]][0] - 20 <= e["ts"]
+                        and e["ts"] + e["dur"] <= span[e["args"]["seq"]][1] + 20)]
+    per_block = collections.defaultdict(list)
+    for e in ph:
+        per_block[(e["args"]["seq"], e["tid"])].append(e)
+    unordered = sum(1 for v in per_block.values()
+                    if any(a["ts"] + a["dur"] > b["ts"] + 0.001 for a, b in zip(v, v[1:])))
+    print(f"rank {p}: {len(ph)} phase slices on {len({e['tid'] for e in ph})} block tracks, "
+          f"{len(outside)} outside their call's device span, {unordered} blocks out of order")
+    if not ph or outside or unordered:
+        ok = False
 names = collections.defaultdict(lambda: ([], []))
 for e in host.get(0, []):
     names[e["name"]][0].append(e["dur"])

@@ -245,6 +245,7 @@ pub fn run(args: TopoArgs) -> i32 {
     let ranks = RankArgs {
         backend: BackendChoice::Cuda,
         ranks: args.ranks,
+        trace: None,
     };
     if !crate::launch::in_rank() {
         if let Err(e) = ipcreduce::backend::cuda::usable() {

@@ -2,7 +2,8 @@
 //! (the format chrome://tracing and Perfetto's UI open): each rank a process, its host calls
 //! one track of slices (`X` events: the call from its host start to its return, with its
 //! identity in `args`), its device spans another track when the records have them
-//! (`IPCREDUCE_TIMELINE`), and instant events where a rank waited for the last one to arrive,
+//! (`IPCREDUCE_TIMELINE`), a track per kernel block with its phases when the kernels stamped
+//! them (`IPCREDUCE_TRACE` on cuda, phases.rs), and instant events where a rank waited for the last one to arrive,
 //! where a call failed and where the ranks' records part.
 //!
 //! Clocks: ranks of one host stamp calls with that host's wall clock (see `ipcreduce::flight`),
@@ -212,6 +213,7 @@ pub(super) fn trace(jobs: &[Vec<Dump>]) -> Value {
                 json!({"name": "calls (host)"}),
             ));
             let mut device_named = false;
+            let mut blocks_named = std::collections::BTreeSet::new();
             let mut error_told = false;
             for r in d.recs.values() {
                 let Some(start) = r.start_ns else { continue };
@@ -249,6 +251,8 @@ pub(super) fn trace(jobs: &[Vec<Dump>]) -> Value {
                     "name": name(r), "cat": "call", "ph": "X", "ts": ts(start),
                     "dur": (end - start) as f64 / 1e3, "pid": pid, "tid": HOST_TID, "args": args,
                 }));
+                let bytes = r.count * dtype_bytes(&r.dtype);
+                events.extend(super::phases::events(pid, r, bytes, &ts, &mut blocks_named));
                 if r.state != "ok" {
                     let error = match (&d.header.error, error_told) {
                         (Some(e), false) => e.clone(),

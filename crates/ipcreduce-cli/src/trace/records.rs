@@ -40,6 +40,30 @@ pub(super) struct Rec {
     pub dev_start_ns: Option<u64>,
     #[serde(default)]
     pub dev_end_ns: Option<u64>,
+    /// The kernels' phase stamps (cuda, `IPCREDUCE_TRACE`), see phases.rs.
+    #[serde(default)]
+    pub phases: Option<Phases>,
+}
+
+/// A call's `phases` field: the kernels' stamps per block (host ns), read by phases.rs.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub(super) struct Phases {
+    pub kseq: u64,
+    #[serde(default)]
+    pub tick_ns: u64,
+    pub blocks: Vec<Block>,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub(super) struct Block {
+    pub block: usize,
+    pub start_ns: Option<u64>,
+    /// (peer, first seen), host ns.
+    #[serde(default)]
+    pub peers: Vec<(usize, u64)>,
+    pub reduce_ns: Option<u64>,
+    pub gather_ns: Option<u64>,
+    pub end_ns: Option<u64>,
 }
 
 /// What ranks must agree on: everything but the times and the stream.
@@ -196,6 +220,7 @@ pub(super) mod made_up {
             state: "ok".into(),
             dev_start_ns: dev.map(|d| d.0),
             dev_end_ns: dev.map(|d| d.1),
+            phases: None,
         }
     }
 
