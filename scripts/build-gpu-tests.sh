@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -p ipcreduce-cli
 mkdir -p target/gpu-tests
-for t in gpu gpu_fused; do
+for t in gpu gpu_fused gpu_trace; do
   log=$(cargo test --release -p ipcreduce --features gpu --test "$t" --no-run 2>&1) || {
     echo "$log" >&2
     exit 1

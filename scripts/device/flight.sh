@@ -9,7 +9,9 @@
 #      name call #1 and rank 3 -> faults-*.log, summary-*.txt, summary-*.json.
 #   3. trace: a cuda bench at 2 ranks with IPCREDUCE_TRACE and IPCREDUCE_TIMELINE=1, exported
 #      as a Chrome/Perfetto trace with a device track, checked (every rank has host and device
-#      slices, each device span after its host call's start, in order), summarized and drawn
+#      slices, each device span after its host call's start, in order; the kernels' phase
+#      slices on block tracks, in order per block, inside their call's device span), summarized
+#      (with the phase breakdown and waits per peer) and drawn
 #      (`trace plot`, its last 16 calls) -> trace.json, trace-check.txt, trace-summary.txt,
 #      trace-bench.png; then `overlap` (2 ranks, 64 MiB of gradients in 16 MiB buckets, 20
 #      steps) traced the same way -> trace-overlap.json, trace-overlap-summary.txt,

@@ -1,0 +1,258 @@
+//! The kernels' phase stamps on a real GPU (feature `gpu`): ranks are processes of this test
+//! binary sharing one GPU under MPS, traced (`IPCREDUCE_TRACE`, with the event timeline
+//! `IPCREDUCE_TIMELINE=1`). A few calls on each path (LL, staged one-shot and two-shot,
+//! registered one-shot and two-shot); one call of each is made late on purpose by the last
+//! rank. In the trace files every block of every call has start and end stamps, its stamps in
+//! order, within the call's event span; and in the late call every other rank's longest wait
+//! is for the late rank, and about as long as the delay.
+
+mod common;
+
+use common::{say, Job, Rank, Spawn};
+use ipcreduce::backend::cuda::memory::DeviceAlloc;
+use ipcreduce::{Algorithm, BackendChoice, Communicator, Config, DType, ReduceOp};
+use serde_json::Value;
+use std::ffi::c_void;
+use std::io::Write;
+use std::time::Duration;
+
+const ROLE: &str = "IPCREDUCE_GPU_TRACE_ROLE";
+const T: Duration = Duration::from_secs(300);
+/// How late the last rank makes one call of each path.
+const DELAY: Duration = Duration::from_millis(30);
+/// Calls per path; the one at index LATE is the late one.
+const CALLS: usize = 4;
+const LATE: usize = 2;
+/// Stamps against the event spans: both are put on the host clock through anchors a few
+/// microseconds off, and the events bracket the launch, not the first block.
+const SLACK_NS: u64 = 100_000;
+
+fn play_rank_if_child() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let code = match role.as_str() {
+        "phases" => rank_phases(),
+        other => panic!("unknown role {other}"),
+    };
+    let _ = std::io::stdout().flush();
+    std::process::exit(code);
+}
+
+/// Each path's calls; one of each late on the last rank (after every rank's stream is idle, so
+/// the others' kernels wait for it). Says `LATE <seq>` per late call, then `DONE <calls>`.
+fn rank_phases() -> i32 {
+    let config = Config {
+        backend: BackendChoice::Cuda,
+        workspace_bytes: Some(4 << 20),
+        ..Config::default()
+    };
+    let mut c = Communicator::init(&config).expect("cuda communicator");
+    let (rank, world) = (c.rank(), c.world());
+    let bytes = 8 << 20;
+    let (send, recv) = (
+        DeviceAlloc::new(bytes, rank).unwrap(),
+        DeviceAlloc::new(bytes, rank).unwrap(),
+    );
+    let (rs, rr) = (c.alloc(bytes).unwrap(), c.alloc(bytes).unwrap());
+    // (count of f32, algorithm, registered): LL, staged one-shot (several chunks), staged
+    // two-shot, registered one-shot and two-shot.
+    let cases = [
+        (1000usize, Algorithm::OneShot, false),
+        (1 << 20, Algorithm::OneShot, false),
+        (1 << 20, Algorithm::TwoShot, false),
+        (100_003, Algorithm::OneShot, true),
+        (1 << 20, Algorithm::TwoShot, true),
+    ];
+    let mut made = 0;
+    for &(count, algo, registered) in &cases {
+        let (s, r) = if registered {
+            (rs.ptr(), rr.ptr())
+        } else {
+            (send.ptr, recv.ptr)
+        };
+        for i in 0..CALLS {
+            if i == LATE {
+                c.synchronize().unwrap();
+                c.bootstrap().all_gather(&[0u8]).unwrap();
+                if rank == world - 1 {
+                    std::thread::sleep(DELAY);
+                }
+            }
+            // SAFETY: device buffers of this rank's GPU of `bytes` >= count * 4.
+            unsafe {
+                c.all_reduce_raw(
+                    s as *const c_void,
+                    r as *mut c_void,
+                    count,
+                    DType::F32,
+                    ReduceOp::Sum,
+                    algo,
+                    std::ptr::null_mut(),
+                )
+            }
+            .unwrap_or_else(|e| panic!("{count} x f32 {algo}: {e}"));
+            made += 1;
+            if i == LATE {
+                say(format!("LATE {}", c.traced_calls()));
+            }
+        }
+    }
+    c.synchronize().unwrap();
+    drop(c); // writes the trace (IPCREDUCE_TRACE)
+    say(format!("DONE {made}"));
+    0
+}
+
+/// The calls of one rank's trace file, by flight seq.
+fn calls_of(file: &std::path::Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(file).unwrap();
+    text.lines()
+        .skip(1)
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn ns(v: &Value) -> Option<u64> {
+    v.as_u64()
+}
+
+/// Checks one call's phases; returns the rank's longest wait per peer (ns).
+fn check_call(rank: usize, call: &Value) -> Vec<(usize, u64)> {
+    let seq = call["seq"].as_u64().unwrap();
+    let what = format!("rank {rank} call #{seq} ({})", call["path"]);
+    let p = &call["phases"];
+    let blocks = p["blocks"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{what}: no phases"));
+    assert!(!blocks.is_empty(), "{what}: no block stamped");
+    let dev = (ns(&call["dev_start_ns"]), ns(&call["dev_end_ns"]));
+    let mut waits: std::collections::BTreeMap<usize, u64> = Default::default();
+    for b in blocks {
+        let start = ns(&b["start_ns"]).unwrap_or_else(|| panic!("{what}: {b} has no start"));
+        let end = ns(&b["end_ns"]).unwrap_or_else(|| panic!("{what}: {b} has no end"));
+        let mut order = vec![start];
+        let peers: Vec<(usize, u64)> = b["peers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| (x[0].as_u64().unwrap() as usize, x[1].as_u64().unwrap()))
+            .collect();
+        let last_peer = peers.iter().map(|x| x.1).max();
+        order.extend(last_peer);
+        order.extend(ns(&b["reduce_ns"]));
+        order.extend(ns(&b["gather_ns"]));
+        order.push(end);
+        // One tick of the globaltimer (1 us on some GPUs) between the block's threads.
+        let tick = p["tick_ns"].as_u64().unwrap_or(0).max(1_000);
+        assert!(
+            order.windows(2).all(|w| w[0] <= w[1] + tick),
+            "{what}: block stamps out of order: {b}"
+        );
+        assert!(
+            peers.iter().all(|&(_, t)| t + tick >= start),
+            "{what}: a peer seen before the start: {b}"
+        );
+        if let (Some(ds), Some(de)) = dev {
+            assert!(
+                start + SLACK_NS >= ds && end <= de + SLACK_NS,
+                "{what}: block {start}..{end} outside the event span {ds}..{de}: {b}"
+            );
+        }
+        for (peer, t) in peers {
+            let w = waits.entry(peer).or_default();
+            *w = (*w).max(t.saturating_sub(start));
+        }
+    }
+    waits.into_iter().collect()
+}
+
+#[test]
+fn phase_stamps_per_block_and_a_late_rank() {
+    play_rank_if_child();
+    for world in [2usize, 3] {
+        let job = Job::new("gputrace", &format!("phases{world}"));
+        let dir = std::env::temp_dir().join(format!(
+            "ipcreduce-gpu-trace-{}-{world}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let dir_s = dir.display().to_string();
+        let extra = [
+            ("IPCREDUCE_TRACE", dir_s.as_str()),
+            ("IPCREDUCE_TIMELINE", "1"),
+        ];
+        let spec = Spawn {
+            test: "phase_stamps_per_block_and_a_late_rank",
+            role_var: ROLE,
+            role: "phases",
+            world,
+            extra: &extra,
+            hold: false,
+        };
+        let mut ranks: Vec<Rank> = common::spawn_world(&spec, &job);
+        let mut late = Vec::new();
+        for (i, r) in ranks.iter_mut().enumerate() {
+            loop {
+                let m = r.next(T);
+                if let Some(s) = m.strip_prefix("LATE ") {
+                    if i == 0 {
+                        late.push(s.parse::<u64>().unwrap());
+                    }
+                } else {
+                    assert_eq!(m, format!("DONE {}", 5 * CALLS), "rank {i}");
+                    break;
+                }
+            }
+        }
+        for r in &mut ranks {
+            r.wait_ok(T);
+        }
+        assert_eq!(late.len(), 5, "{late:?}");
+        let late_rank = world - 1;
+        let mut files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
+            .collect();
+        files.sort();
+        assert_eq!(files.len(), world, "{files:?}");
+        for file in &files {
+            let name = file.file_name().unwrap().to_string_lossy().to_string();
+            let rank: usize = name
+                .rsplit("rank")
+                .next()
+                .and_then(|s| s.strip_suffix(".jsonl"))
+                .and_then(|s| s.parse().ok())
+                .unwrap_or_else(|| panic!("{name}"));
+            let calls = calls_of(file);
+            assert_eq!(calls.len(), 5 * CALLS, "{name}");
+            for call in &calls {
+                let waits = check_call(rank, call);
+                let seq = call["seq"].as_u64().unwrap();
+                if !late.contains(&seq) {
+                    continue;
+                }
+                let delay = DELAY.as_nanos() as u64;
+                let longest = waits.iter().max_by_key(|w| w.1).copied();
+                if rank == late_rank {
+                    // The late rank found everyone there already.
+                    assert!(
+                        waits.iter().all(|w| w.1 < delay / 2),
+                        "rank {rank} #{seq}: the late rank waited: {waits:?}"
+                    );
+                } else {
+                    let (peer, w) = longest.unwrap_or_else(|| panic!("#{seq}: no waits"));
+                    assert_eq!(peer, late_rank, "rank {rank} #{seq}: {waits:?}");
+                    assert!(
+                        w >= delay * 8 / 10 && w <= delay * 3,
+                        "rank {rank} #{seq}: waited {w} ns for a {delay} ns delay: {waits:?}"
+                    );
+                }
+            }
+        }
+        eprintln!("world {world}: {} calls per rank checked", 5 * CALLS);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
