@@ -619,6 +619,10 @@ impl Recorder {
 }
 
 #[cfg(test)]
+#[path = "flight/stamps_tests.rs"]
+mod stamps_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
