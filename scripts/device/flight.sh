@@ -144,7 +144,8 @@ trace_run() {
   rm -rf "$dir"; mkdir -p "$dir"
   budget_fits 120 40 || { echo "SKIP trace: out of time" | tee -a "$SUMMARY"; status=1; return; }
   echo "== [$SECONDS s] trace: cuda bench, 2 ranks, IPCREDUCE_TRACE + IPCREDUCE_TIMELINE=1"
-  IPCREDUCE_TRACE=$dir IPCREDUCE_TIMELINE=1 IPCREDUCE_FLIGHT=4096 timeout "$T" "$BIN" bench \
+  # --trace DIR: IPCREDUCE_TRACE=DIR for the ranks (and the kernels' phase stamps).
+  IPCREDUCE_TIMELINE=1 IPCREDUCE_FLIGHT=4096 timeout "$T" "$BIN" bench --trace "$dir" \
     --backend cuda --ranks 2 -b 8 -e 16M -f 4 -a auto,oneshot,twoshot -n 10 -w 3 \
     --json "$OUT/trace-bench.json" >"$OUT/trace-bench.log" 2>&1 \
     || echo "trace bench failed (exit $?): $(tail -n 2 "$OUT/trace-bench.log")"
