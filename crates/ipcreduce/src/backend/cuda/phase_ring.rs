@@ -246,3 +246,17 @@ impl super::CudaComm {
         Some(ring)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_clock_kernel_compiles() {
+        if !super::super::kernels::nvrtc_for_tests() {
+            return;
+        }
+        let ptx = super::super::kernels::compile_source("clock", super::CLOCK_SOURCE, "sm_90", &[])
+            .unwrap_or_else(|e| panic!("{e}"))
+            .to_src();
+        assert!(ptx.contains("ipcr_phase_clock") && ptx.contains("%globaltimer"));
+    }
+}
