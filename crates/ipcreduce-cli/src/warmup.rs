@@ -100,10 +100,17 @@ pub fn run(args: WarmupArgs) -> i32 {
             nvrtc: nvrtc.clone(),
             driver,
         };
+        // While tracing (IPCREDUCE_TRACE), the phase-stamped variants too: they are what the
+        // traced jobs load.
+        let traced = ipcreduce::flight::stamps::wanted();
         for w in Variant::classes(args.world) {
             for v in Variant::every(w) {
                 if groups.contains(&v.group) {
                     work.push((target.clone(), v));
+                    let stamped = v.group.paths().any(|p| p.phase_stamped());
+                    if traced && stamped {
+                        work.push((target.clone(), v.traced(true)));
+                    }
                 }
             }
         }
