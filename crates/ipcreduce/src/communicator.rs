@@ -376,19 +376,19 @@ impl Communicator {
             let shape = crate::fused::check(c.rank(), args)?;
             let algo = match algo {
                 Algorithm::Auto | Algorithm::OneShot | Algorithm::TwoShot => {
-                    let bytes = shape.count() * args.dtype.size();
-                    match c.resolve(algo, bytes) {
-                        // An environment or tuned NCCL choice does not apply to the fused op.
-                        Algorithm::Nccl | Algorithm::Auto => plan::choose(
-                            Algorithm::Auto,
-                            None,
-                            c.backend(),
-                            c.backend.fabric(),
-                            c.world(),
-                            bytes,
-                        ),
-                        a => a,
-                    }
+                    // IPCREDUCE_ALGO applies as to the all-reduce, but nccl has no fused form.
+                    let requested = match (algo, c.algo_env) {
+                        (Algorithm::Auto, Some(e)) if e != Algorithm::Nccl => e,
+                        (a, _) => a,
+                    };
+                    crate::fused::choose(
+                        requested,
+                        c.backend(),
+                        c.backend.fabric(),
+                        c.world(),
+                        &shape,
+                        args.dtype.size(),
+                    )
                 }
                 other => {
                     return Err(Error::invalid(

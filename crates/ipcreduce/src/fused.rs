@@ -19,6 +19,10 @@
 //! Rounding is to nearest even. Since every step is defined, the fused call equals the unfused
 //! sequence (all-reduce, then the reference add + norm with the same tree) bit for bit.
 //!
+//! `residual`, `weight` and the fp8 scale are expected to be the same on every rank (tensor
+//! parallelism replicates them): a two-shot call normalises each row on one rank, with that
+//! rank's, and every rank gets the result.
+//!
 //! # Arguments
 //! Pointers are aligned at least to their element (fp8: 1 byte, scale: 4 bytes); the cuda
 //! kernels pick the widest vector every pointer and the row stride allow. `tokens` 0 is a call
@@ -28,7 +32,8 @@
 //! rows of `out` and `residual_out` while they still read theirs).
 
 use crate::error::{Error, Result};
-use crate::types::DType;
+use crate::plan::{self, Fabric};
+use crate::types::{Algorithm, BackendKind, DType};
 use std::ffi::c_void;
 
 /// One fused call's tensors: rows = tokens, each `hidden` elements of `dtype` (bf16/f16/f32).
@@ -122,6 +127,51 @@ impl Shape {
             }
         }
         d
+    }
+}
+
+/// The cuda backend's largest fused call (bytes of one [tokens, hidden] tensor) that `Auto`
+/// runs one-shot, at 2, 3-4 and 5+ ranks; two-shot above. A first guess that awaits
+/// measurement (`ipcreduce fused-bench` prints the path of every row; `IPCREDUCE_FUSED_PATH`
+/// forces one): every rank of a one-shot call reads and normalises every row, so its work
+/// grows with the ranks, while two-shot normalises each row once but adds a barrier and the
+/// push and gather of the outputs. The unfused all-reduce's one-shot limits at 4 and 8 ranks
+/// (their reasoning is [`plan::oneshot_max_bytes`]'s); at 2 ranks, where the one-shot kernel
+/// kept up with the unfused sequence up to 4 MiB at 128 tokens but not at 512, 2 MiB.
+pub const CUDA_ONESHOT_MAX: [usize; 3] = [2 << 20, 256 << 10, 128 << 10];
+
+/// Rows of a pair each rank of a two-shot call needs at least (a pair per rank: the kernel's
+/// two half-blocks take one row each); below that `Auto` stays one-shot.
+pub const TWO_SHOT_MIN_ROWS_PER_RANK: usize = 2;
+
+/// The algorithm a fused call of shape `s` (elements of `size` bytes) runs: `requested` unless
+/// it is `Auto`, which the host backend resolves as it does the all-reduce (the same
+/// all-reduce runs inside), and the cuda backend by [`CUDA_ONESHOT_MAX`] and the rows. Every
+/// input is part of the call's identity or agreed at init, so every rank chooses alike.
+pub fn choose(
+    requested: Algorithm,
+    backend: BackendKind,
+    fabric: Fabric,
+    world: usize,
+    s: &Shape,
+    size: usize,
+) -> Algorithm {
+    let bytes = s.count() * size;
+    match (requested, backend) {
+        (Algorithm::Auto, BackendKind::Cuda) => {
+            let max = match world {
+                0..=2 => CUDA_ONESHOT_MAX[0],
+                3..=4 => CUDA_ONESHOT_MAX[1],
+                _ => CUDA_ONESHOT_MAX[2],
+            };
+            if world > 1 && bytes > max && s.tokens >= TWO_SHOT_MIN_ROWS_PER_RANK * world {
+                Algorithm::TwoShot
+            } else {
+                Algorithm::OneShot
+            }
+        }
+        (Algorithm::Auto, _) => plan::choose(Algorithm::Auto, None, backend, fabric, world, bytes),
+        (other, _) => other,
     }
 }
 
@@ -307,6 +357,66 @@ mod tests {
             assert_eq!(e4m3_satfinite(v), code, "{v}");
             assert_eq!(e4m3_satfinite(-v), code | 0x80, "-{v}");
         }
+    }
+
+    #[test]
+    fn auto_takes_two_shot_above_the_crossover_with_rows_for_every_rank() {
+        let shape = |tokens, hidden| Shape {
+            tokens,
+            hidden,
+            eps_bits: 0,
+            fp8: false,
+            out_in_place: false,
+            residual_in_place: false,
+        };
+        let cuda = |world, s: &Shape| {
+            choose(
+                Algorithm::Auto,
+                BackendKind::Cuda,
+                Fabric::Peer,
+                world,
+                s,
+                2,
+            )
+        };
+        // 2 ranks: 128 x 8192 bf16 is 2 MiB (one-shot), 512 x 4096 is 4 MiB (two-shot).
+        assert_eq!(cuda(2, &shape(128, 8192)), Algorithm::OneShot);
+        assert_eq!(cuda(2, &shape(512, 4096)), Algorithm::TwoShot);
+        assert_eq!(cuda(4, &shape(32, 4096)), Algorithm::OneShot);
+        assert_eq!(cuda(4, &shape(33, 4096)), Algorithm::TwoShot);
+        assert_eq!(cuda(8, &shape(32, 4096)), Algorithm::TwoShot);
+        // Too few rows to give every rank a pair: one-shot at any size.
+        assert_eq!(cuda(8, &shape(15, 1 << 20)), Algorithm::OneShot);
+        assert_eq!(cuda(1, &shape(4096, 4096)), Algorithm::OneShot);
+        // Requested algorithms stay; the host backend follows the all-reduce's rule.
+        for a in [Algorithm::OneShot, Algorithm::TwoShot] {
+            assert_eq!(
+                choose(a, BackendKind::Cuda, Fabric::Peer, 2, &shape(1, 8), 2),
+                a
+            );
+        }
+        let host = |world, s: &Shape| {
+            choose(
+                Algorithm::Auto,
+                BackendKind::Host,
+                Fabric::Peer,
+                world,
+                s,
+                2,
+            )
+        };
+        let s = shape(512, 4096);
+        assert_eq!(
+            host(2, &s),
+            plan::choose(
+                Algorithm::Auto,
+                None,
+                BackendKind::Host,
+                Fabric::Peer,
+                2,
+                4 << 20
+            )
+        );
     }
 
     #[test]

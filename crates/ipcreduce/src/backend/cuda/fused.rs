@@ -1,24 +1,28 @@
 //! The fused all-reduce + residual add + RMSNorm on the cuda backend (numerics:
 //! [`crate::fused`]; kernels, layout and ordering: kernels/fused.cu).
 //!
-//! One kernel per call ([`CudaPath::FusedOneShot`]): the input staged through the workspace
-//! in chunks of whole rows, every rank's rows summed in rank order, each row normalised in the
-//! same kernel. Its identity carries the shape, the eps bits and the outputs
+//! One kernel per call: [`FusedOneShot`](super::paths::CudaPath::FusedOneShot) (the input staged through the workspace in
+//! chunks of whole rows, every rank's rows summed in rank order, each row normalised in the
+//! same kernel) or [`FusedTwoShot`](super::paths::CudaPath::FusedTwoShot) (rows dealt to ranks, each normalised once by
+//! its owner and its outputs pushed to every peer); which one and how the rows lie in a slot:
+//! fused_path.rs. Its identity carries the path, the shape, the eps bits and the outputs
 //! ([`FusedShape`]), so ranks that differ in any of them fail with a mismatch on every rank.
-//! The reference kernel ([`CudaPath::FusedReference`]) runs the same epilogue on an
+//! The reference kernel ([`FusedReference`](super::paths::CudaPath::FusedReference)) runs the same epilogue on an
 //! already all-reduced buffer, for the tests' bitwise comparison.
 //!
-//! Not yet here: a two-shot kernel (two-shot calls run the one-shot kernel), the LL variant,
-//! and reading registered buffers in place (registered buffers are staged like any other).
+//! Not yet here: the LL variant, and reading registered buffers in place (registered buffers
+//! are staged like any other).
 
+use super::fused_path::{self, Layout};
 use super::identity::{CallIdentity, FusedShape};
 use super::kernels::MAX_BLOCKS;
 use super::launcher::{CallArgs, Kernel, KernelArgs, Launcher, THREADS};
+#[cfg(any(test, feature = "test-support"))]
 use super::paths::CudaPath;
 use crate::backend::SgOp;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::fused::{self, AddRmsNorm, Shape};
-use crate::types::ReduceOp;
+use crate::types::{Algorithm, ReduceOp};
 use cudarc::driver::sys;
 
 /// `struct FusedArgs` in kernels/fused.cu, field by field.
@@ -34,14 +38,15 @@ struct FusedKernelArgs {
     tokens: u64,
     hidden: u64,
     rows_per_chunk: u64,
+    slot_stride: u64,
     eps: f32,
     pad: u32,
 }
 
 /// Rows each block pass takes (the kernel's two halves of 256 lanes).
-const ROWS_PER_PASS: usize = 2;
+pub(super) const ROWS_PER_PASS: usize = 2;
 
-fn kernel_args(a: KernelArgs, args: &AddRmsNorm, rows_per_chunk: usize) -> FusedKernelArgs {
+fn kernel_args(a: KernelArgs, args: &AddRmsNorm, layout: &Layout) -> FusedKernelArgs {
     FusedKernelArgs {
         a,
         residual: args.residual as u64,
@@ -51,47 +56,31 @@ fn kernel_args(a: KernelArgs, args: &AddRmsNorm, rows_per_chunk: usize) -> Fused
         fp8_scale: args.fp8_scale as u64,
         tokens: args.tokens as u64,
         hidden: args.hidden as u64,
-        rows_per_chunk: rows_per_chunk as u64,
+        rows_per_chunk: layout.rows_per_chunk as u64,
+        slot_stride: layout.stride as u64,
         eps: args.eps,
         pad: 0,
     }
 }
 
-/// Rows per chunk: as many whole rows as a slot holds, at most the call's.
-fn rows_per_chunk(rank: usize, slot_bytes: usize, s: &Shape, size: usize) -> Result<usize> {
-    let row = s.hidden * size;
-    match slot_bytes / row {
-        0 => Err(Error::invalid(
-            rank,
-            fused::NAME,
-            format!(
-                "a row of {row} bytes is larger than the workspace slot ({slot_bytes} bytes): \
-                 raise IPCREDUCE_WORKSPACE_BYTES"
-            ),
-        )),
-        n => Ok(n.min(s.tokens)),
-    }
-}
-
-/// Enqueues one fused call (a begun call: [`Launcher::begin`]) on `stream`. The arguments were
-/// checked ([`fused::check`]) and the buffers are device memory of our GPU.
+/// Enqueues one fused call (a begun call: [`Launcher::begin`]) on `stream` with `algo`
+/// (`OneShot` or `TwoShot`, chosen: [`fused::choose`]). The arguments were checked
+/// ([`fused::check`]) and the buffers are device memory of our GPU.
 pub(super) fn launch(
     l: &mut Launcher,
     args: &AddRmsNorm,
     s: &Shape,
+    algo: Algorithm,
     stream: sys::CUstream,
 ) -> Result<()> {
     let dtype = args.dtype;
     if s.tokens == 0 {
         return l.empty(SgOp::AddRmsNorm, dtype, ReduceOp::Sum, stream);
     }
-    let path = CudaPath::FusedOneShot;
-    let rpc = rows_per_chunk(l.rank, l.slot_bytes, s, dtype.size())?;
-    // Every rank derives the grid from the identity (rows, slot) and the agreed cap.
-    let grid = rpc
-        .div_ceil(ROWS_PER_PASS)
-        .min(l.limits.cap)
-        .clamp(1, MAX_BLOCKS) as u32;
+    let layout = fused_path::layout(l.rank, l.fused_forced, algo, l.slot_bytes, s, dtype.size())?;
+    let path = layout.path;
+    // Every rank derives the grid from the identity (path, rows, slot) and the agreed cap.
+    let grid = fused_path::grid(&layout, l.world, l.limits.cap, MAX_BLOCKS);
     let f = l.function(path, dtype, ReduceOp::Sum)?;
     l.took(path, grid);
     let ident = CallIdentity {
@@ -112,7 +101,7 @@ pub(super) fn launch(
         origin: None,
     };
     let call = call_args(args, s, stream);
-    let mut k = kernel_args(l.kernel_args(&call, &ident, None), args, rpc);
+    let mut k = kernel_args(l.kernel_args(&call, &ident, None), args, &layout);
     let kernel = Kernel {
         f,
         grid,
@@ -165,7 +154,12 @@ pub(super) fn reference(l: &Launcher, args: &AddRmsNorm, stream: sys::CUstream) 
         origin: None,
     };
     let call = call_args(args, &s, stream);
-    let mut k = kernel_args(l.kernel_args(&call, &ident, None), args, s.tokens);
+    let all = Layout {
+        path,
+        rows_per_chunk: s.tokens,
+        stride: s.hidden * dtype.size(),
+    };
+    let mut k = kernel_args(l.kernel_args(&call, &ident, None), args, &all);
     let grid = s.tokens.div_ceil(ROWS_PER_PASS).min(1 << 16) as u32;
     let kernel = Kernel {
         f,
@@ -196,25 +190,6 @@ mod tests {
         assert_eq!(THREADS as usize, ROWS_PER_PASS * fused::SS_LANES);
     }
 
-    #[test]
-    fn chunks_hold_whole_rows() {
-        let s = |tokens, hidden| Shape {
-            tokens,
-            hidden,
-            eps_bits: 0,
-            fp8: false,
-            out_in_place: false,
-            residual_in_place: false,
-        };
-        assert_eq!(rows_per_chunk(0, 1 << 20, &s(512, 4096), 2).unwrap(), 128);
-        assert_eq!(rows_per_chunk(0, 1 << 20, &s(3, 4096), 2).unwrap(), 3);
-        assert_eq!(rows_per_chunk(0, 8190, &s(3, 4095), 2).unwrap(), 1);
-        let e = rows_per_chunk(3, 8188, &s(3, 4095), 2)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("rank 3") && e.contains("8190 bytes"), "{e}");
-    }
-
     /// The fused kernels compile with NVRTC (no GPU) for Ampere (software e4m3) and Hopper
     /// (the cvt instruction), every entry point present with the argument size of
     /// [`FusedKernelArgs`], and within the budget of the kernels they share the GPU with (two
@@ -227,8 +202,12 @@ mod tests {
         let size = std::mem::size_of::<FusedKernelArgs>();
         let names = |w| {
             DType::ALL.into_iter().flat_map(move |d| {
-                [CudaPath::FusedOneShot, CudaPath::FusedReference]
-                    .map(|p| p.kernel_name(w, d, ReduceOp::Sum))
+                [
+                    CudaPath::FusedOneShot,
+                    CudaPath::FusedTwoShot,
+                    CudaPath::FusedReference,
+                ]
+                .map(|p| p.kernel_name(w, d, ReduceOp::Sum))
             })
         };
         for w in [2, 8] {
@@ -260,6 +239,7 @@ mod tests {
             .unwrap_or_else(|e| panic!("{e}"))
             .to_src();
         assert!(ptx.contains(".entry ipcr_fusedoneshot_w2_bf16("));
+        assert!(ptx.contains(".entry ipcr_fusedtwoshot_w2_bf16("));
         assert!(!ptx.contains("e4m3x2"), "sm_80 has no e4m3 conversion");
     }
 }

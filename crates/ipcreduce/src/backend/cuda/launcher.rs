@@ -112,6 +112,8 @@ pub(super) struct Launcher {
     pub origin: Option<identity::Captured>,
     /// The LL kernels let the next kernel launch early (MODE_LET_NEXT_LAUNCH).
     pub let_next_launch: bool,
+    /// The fused path every fused call takes, if forced (see fused_path.rs).
+    pub fused_forced: Option<CudaPath>,
     /// The kernels of the last few calls' kinds: a repeated call finds its kernel here,
     /// without the shared table's lock and hash (see [`Launcher::function`]).
     recent: [Option<(FnKey, KernelHandle)>; RECENT_KERNELS],
@@ -140,6 +142,8 @@ pub(super) struct Agreed {
     pub timeout: Duration,
     pub pdl: Pdl,
     pub let_next_launch: bool,
+    /// The fused path every fused call takes (`IPCREDUCE_FUSED_PATH`), if forced.
+    pub fused_forced: Option<CudaPath>,
 }
 
 impl Launcher {
@@ -189,6 +193,7 @@ impl Launcher {
             launch_pdl: false,
             origin: None,
             let_next_launch: agreed.let_next_launch,
+            fused_forced: agreed.fused_forced,
             recent: [None; RECENT_KERNELS],
             phases: None,
         }

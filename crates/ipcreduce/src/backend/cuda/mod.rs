@@ -20,6 +20,7 @@
 //! | `allreduce.rs` | the all-reduce within a node: the path, its kernel; the last eager call's, reused by a repeat |
 //! | `scatter_gather.rs` | reduce-scatter and all-gather |
 //! | `ce.rs` | the copy-engine all-reduce (two ranks, registered, large) |
+//! | `fused.rs`, `fused_path.rs` | the fused all-reduce + add + RMSNorm: its kernels' launch; which path, the rows' layout |
 //! | `hier.rs` | jobs across nodes: the hierarchical all-reduce, NCCL between nodes |
 //! | `paths.rs`, `identity.rs` | the path table; a call's identity and its words |
 //! | `modules.rs`, `kernels.rs`, `kernels/` | NVRTC kernels, loaded per GPU |
@@ -44,6 +45,7 @@ mod captures;
 mod ce;
 pub mod driver;
 mod fused;
+mod fused_path;
 mod hier;
 #[cfg(test)]
 mod hot_path_timing;

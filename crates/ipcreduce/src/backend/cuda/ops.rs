@@ -90,12 +90,10 @@ impl BackendOps for CudaComm {
                 }
             }
         }
-        // One kernel serves both algorithms until the two-shot one exists (fused.rs).
-        let _ = algo;
         let stream = stream as sys::CUstream;
         self.in_stream_order(stream, |c| {
             c.launch.begin()?;
-            super::fused::launch(&mut c.launch, args, &shape, stream)
+            super::fused::launch(&mut c.launch, args, &shape, algo, stream)
         })
         .map_err(|e| self.in_job(e))
     }

@@ -45,6 +45,10 @@ pub enum CudaPath {
     /// The reference add + RMSNorm of an already all-reduced buffer (a local kernel, no peers:
     /// what the tests compare the fused kernels with).
     FusedReference,
+    /// All-reduce + residual add + RMSNorm, rows dealt to ranks: each rank reduces and
+    /// normalises its rows, pushes their outputs into every peer's workspace, and copies the
+    /// peers' rows' outputs from its own (kernels/fused.cu).
+    FusedTwoShot,
 }
 
 /// How a path's kernel is named: `ipcr_<stem>[_w<W>]_<dtype>[_<op>]`.
@@ -105,7 +109,7 @@ const FU: Option<SgOp> = Some(SgOp::AddRmsNorm);
 
 /// Every path, in the order of [`CudaPath`] (row `i` is the path of code `i + 1`).
 #[rustfmt::skip]
-pub const TABLE: [PathRow; 16] = [
+pub const TABLE: [PathRow; 17] = [
     row(CudaPath::OneShotLl, 1, "oneshot-ll", "IPCR_PATH_ONESHOT_LL", AR, false, ("oneshotll", false, true)),
     row(CudaPath::OneShotLl12, 2, "oneshot-ll12", "IPCR_PATH_ONESHOT_LL12", AR, false, ("oneshotll12", false, true)),
     row(CudaPath::OneShotStaged, 3, "oneshot-staged", "IPCR_PATH_ONESHOT_STAGED", AR, false, ("oneshot", true, true)),
@@ -123,6 +127,7 @@ pub const TABLE: [PathRow; 16] = [
     row(CudaPath::Empty, 14, "empty", "IPCR_PATH_EMPTY", None, false, ("oneshotll", false, true)),
     row(CudaPath::FusedOneShot, 15, "fused-oneshot", "IPCR_PATH_FUSED_ONESHOT", FU, false, ("fusedoneshot", true, false)),
     row(CudaPath::FusedReference, 16, "fused-reference", "IPCR_PATH_FUSED_REFERENCE", FU, false, ("fusedref", false, false)),
+    row(CudaPath::FusedTwoShot, 17, "fused-twoshot", "IPCR_PATH_FUSED_TWOSHOT", FU, false, ("fusedtwoshot", true, false)),
 ];
 
 /// The copy-engine path's barrier kernel (one block, any dtype).
@@ -130,8 +135,8 @@ pub const CE_BARRIER_KERNEL: &str = "ipcr_ce_barrier";
 
 impl CudaPath {
     /// Every path, [`TABLE`]'s order.
-    pub const ALL: [CudaPath; 16] = {
-        let mut all = [CudaPath::Empty; 16];
+    pub const ALL: [CudaPath; 17] = {
+        let mut all = [CudaPath::Empty; 17];
         let mut i = 0;
         while i < TABLE.len() {
             all[i] = TABLE[i].path;
@@ -272,6 +277,7 @@ mod tests {
             (CudaPath::AllGatherReg, "all-gather-reg"),
             (CudaPath::FusedOneShot, "fused-oneshot"),
             (CudaPath::FusedReference, "fused-reference"),
+            (CudaPath::FusedTwoShot, "fused-twoshot"),
         ];
         for (p, name) in want {
             assert_eq!(p.name(), name);
@@ -319,7 +325,15 @@ mod tests {
             CudaPath::FusedReference.kernel_name(8, DType::F16, ReduceOp::Sum),
             "ipcr_fusedref_f16"
         );
-        for p in [CudaPath::FusedOneShot, CudaPath::FusedReference] {
+        assert_eq!(
+            CudaPath::FusedTwoShot.kernel_name(2, DType::F32, ReduceOp::Sum),
+            "ipcr_fusedtwoshot_w2_f32"
+        );
+        for p in [
+            CudaPath::FusedOneShot,
+            CudaPath::FusedTwoShot,
+            CudaPath::FusedReference,
+        ] {
             assert_eq!(p.row().op, Some(SgOp::AddRmsNorm));
             assert_eq!(p.effective_op(ReduceOp::Max), ReduceOp::Sum);
         }

@@ -1,6 +1,7 @@
 // ipcreduce fused all-reduce + residual add + RMSNorm (sum only), after staged.cu (its slots):
-// the one-shot kernel, and the reference kernel (add + norm of an already all-reduced buffer)
-// the tests compare it with, bit for bit. Built on prims.cuh (its invariants are numbered there).
+// the one-shot and two-shot kernels, and the reference kernel (add + norm of an already
+// all-reduced buffer) the tests compare them with, bit for bit. Built on prims.cuh (its
+// invariants are numbered there); the two-shot kernel's layout and ordering are at it, below.
 //
 // Numerics (crate::fused, docs/fused.md), per row: s = round(x_0 + ... + x_{W-1}) (rank order,
 // f32); residual_out = round(s + residual); ss = sum of squares of f32(residual_out) over a
@@ -44,7 +45,8 @@ struct FusedArgs {
     const float *fp8_scale;  // null, or one f32
     u64 tokens;
     u64 hidden;
-    u64 rows_per_chunk;      // one-shot: rows per chunk (a chunk fits a slot)
+    u64 rows_per_chunk;      // rows per chunk (a chunk fits a slot)
+    u64 slot_stride;         // two-shot: bytes per row in a slot (16-byte multiple)
     float eps;
     u32 pad;
 };
@@ -105,12 +107,21 @@ struct FusedOneSrc {
     __device__ const char *operator()(int) const { return row; }
 };
 
+// Where a row's outputs go besides our own buffers: nowhere (one-shot, reference), or every
+// the row's place in our slot (two-shot, FusedKeep below). Called by the thread that stored
+// the element.
+struct FusedNoPush {
+    __device__ void res(u64, float) const {}
+    __device__ void out(u64, float) const {}
+    __device__ void fp8(u64, unsigned char) const {}
+};
+
 // One row's sum and epilogue, by one half of the block (`lanes`: its FUSED_LANES floats of
 // shared memory). Every thread of the block calls it together (barriers); a half without a row
 // (`active` false) only takes part in them.
-template <typename D, int W, typename Src>
-__device__ void fused_row(const FusedArgs &f, const Src &src, int world, u64 row, bool active,
-                          float *lanes) {
+template <typename D, int W, typename Src, typename Push>
+__device__ void fused_row(const FusedArgs &f, const Src &src, const Push &push, int world, u64 row,
+                          bool active, float *lanes) {
     const u32 j = threadIdx.x % FUSED_LANES;
     const u64 H = f.hidden;
     const u64 o = row * H * D::SIZE;
@@ -124,6 +135,7 @@ __device__ void fused_row(const FusedArgs &f, const Src &src, int world, u64 row
             s = fused_round<D>(s);
             const float v = fused_round<D>(__fadd_rn(s, D::load(f.residual + o + i * D::SIZE)));
             D::store(f.residual_out + o + i * D::SIZE, v);
+            push.res(i, v);
             acc = __fmaf_rn(v, v, acc);
         }
     }
@@ -144,7 +156,12 @@ __device__ void fused_row(const FusedArgs &f, const Src &src, int world, u64 row
             const float r = D::load(f.residual_out + o + i * D::SIZE);
             const float y = __fmul_rn(__fmul_rn(r, rstd), D::load(f.weight + i * D::SIZE));
             D::store(f.a.recv + o + i * D::SIZE, y);
-            if (f.fp8_out) f.fp8_out[row * H + i] = fused_e4m3(__fdiv_rn(y, scale));
+            push.out(i, y);
+            if (f.fp8_out) {
+                const unsigned char q = fused_e4m3(__fdiv_rn(y, scale));
+                f.fp8_out[row * H + i] = q;
+                push.fp8(i, q);
+            }
         }
     }
     // lanes[0] was read by every thread: the next row's lanes wait for all of them.
@@ -198,8 +215,152 @@ template <typename D, int W> __device__ void fused_one_shot(const FusedArgs &f) 
             const bool active = lr < n;
             const u64 lrc = active ? lr : 0;
             fused_row<D, W>(f, FusedSrc{a, off + lrc * row_bytes, a.send + (r0 + lrc) * row_bytes},
-                            a.world, r0 + lrc, active, lanes[half]);
+                            FusedNoPush{}, a.world, r0 + lrc, active, lanes[half]);
         }
+    }
+    if (threadIdx.x == 0) ctr[0] = F;
+    finish_call(a, call, true, L0 + chunks);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Two-shot: rows dealt to ranks. Each rank reduces and normalises its share of the rows once and
+// leaves their outputs in its slot, from where every peer copies them into its own outputs:
+// every rank reads and normalises 1/W of the rows instead of all of them.
+//
+// Layout. Chunk k (rows_per_chunk rows, so that a chunk fits a slot) lives in slot parity
+// (L0 + k) & 1 of every rank's data area, as in the one-shot kernel, but local row lr at
+// lr * slot_stride bytes: room for the row's outputs, out at +0 (hidden elements), residual_out
+// at +hidden * size, the fp8 row at +2 * hidden * size. A peer-owned row's place holds our input
+// row (at +0) for its owner; an own row's place holds the row's outputs for the peers. Local
+// rows go in pairs (the block's two halves): pair p = lr / 2 is owned by rank p mod W and handled
+// by block (p / W) mod grid on every rank (the grid and rows_per_chunk follow from the identity).
+// So block b of every rank touches the same rows of every slot, and in the short last chunk a
+// subset of them.
+//
+// One block, per chunk k: (1) copy-in: our input rows of block b's pairs that a peer owns, into
+// our slot; (2) barrier A_k with block b of every peer; (3) reduce: each row of a pair we own,
+// summed in rank order from the owners' copies in every peer's slot and our input, normalised by
+// fused_row (the one-shot's numerics and tree, so the outputs are bitwise the one-shot's), stored
+// into our outputs and into the row's place in our slot; (4) barrier B_k; (5) gather: every row
+// of block b's pairs owned by a peer, from the owner's slot into our outputs; then copy-in (1)
+// of chunk k+1.
+//
+// Reuse of the slots. Our slot's rows of block b in chunk k are written by us only, in (1)
+// (peers' rows, before A_k) and (3) (ours, between A_k and B_k); they are read by the owners in
+// (3) (between A_k and B_k, the peers' rows) and by every peer in (5) (after B_k and before the
+// peer enters A_{k+1}, our rows), so neither write races a read of the same chunk. The next
+// write of that parity, chunk k+2's copy-in, follows B_{k+1}, which every peer enters only after
+// its gather (5) of chunk k; our own gather of k precedes it in program order (barriers begin
+// with __syncthreads). Across calls: peers may still be gathering the last chunk from our slot
+// when the call ends (no end barrier), exactly as peers of staged.cu's one-shot kernel may still
+// read it; the next call's first chunk takes the other parity (the rank-wide chunk counter), and
+// nothing writes the last chunk's parity before the next call's first barriers, which a peer
+// enters only after this call completed. So staged.cu's argument holds unchanged.
+//
+// Aliasing. Our input is read only by us: (1), and (3) for our own rows; with out == input the
+// gather (5) writes rows that (1) of the same chunk read before A_k, and never a row (3) reads.
+// residual is read only for our own rows in (3), by the thread that then writes residual_out
+// there (as in the one-shot kernel); residual_out of a peer's row is written in (5) only.
+//
+// The owner's residual, weight and fp8 scale make the row's outputs on every rank: equal to the
+// one-shot's and the reference's when every rank passes the same ones (tensor parallelism
+// replicates them; crate::fused documents it).
+
+// The unsigned integer of an element's size (copies move bits, converting nothing).
+template <int S> struct FusedUnit;
+template <> struct FusedUnit<4> { typedef unsigned int T; };
+template <> struct FusedUnit<2> { typedef unsigned short T; };
+template <> struct FusedUnit<1> { typedef unsigned char T; };
+
+// `n` units of T from `src` (memory peers write: .cg loads) to `dst` by the whole block, 16
+// bytes at a time where both addresses and the length allow.
+template <typename T> __device__ __forceinline__ void fused_copy(char *dst, const char *src, u64 n) {
+    const u64 bytes = n * sizeof(T);
+    if ((((u64)dst | (u64)src | bytes) & 15) == 0) {
+        for (u64 b = threadIdx.x * 16; b < bytes; b += blockDim.x * 16)
+            *(uint4 *)(dst + b) = ld_cg16(src + b);
+    } else {
+        for (u64 i = threadIdx.x; i < n; i += blockDim.x) ((T *)dst)[i] = __ldcg((const T *)src + i);
+    }
+}
+
+// A row we own: every element's outputs also into the row's place in our slot (`row`), where
+// the peers' gathers read them, by the thread that stored it in our outputs.
+template <typename D> struct FusedKeep {
+    char *row;
+    u64 hidden;
+    __device__ void out(u64 i, float y) const { D::store(row + i * D::SIZE, y); }
+    __device__ void res(u64 i, float v) const { D::store(row + (hidden + i) * D::SIZE, v); }
+    __device__ void fp8(u64 i, unsigned char q) const { *(unsigned char *)(row + 2 * hidden * D::SIZE + i) = q; }
+};
+
+// (1): our input rows of block b's pairs a peer owns, of the chunk at row r0 (n rows), into our
+// slot of chunk counter L.
+template <typename D> __device__ void fused_two_copy_in(const FusedArgs &f, u32 L, u64 r0, u64 n) {
+    const Args &a = f.a;
+    const u64 row_bytes = f.hidden * D::SIZE;
+    char *slot = a.data[a.rank] + slot_offset(a, L);
+    for (u64 q = blockIdx.x; 2 * q * a.world < n; q += gridDim.x)
+        for (int r = 0; r < a.world; r++) {
+            const u64 p = q * a.world + r;
+            if (r == a.rank) continue;
+            for (u64 lr = 2 * p; lr < min(2 * p + 2, n); lr++)
+                fused_copy<typename FusedUnit<D::SIZE>::T>(slot + lr * f.slot_stride, a.send + (r0 + lr) * row_bytes, f.hidden);
+        }
+}
+
+// (5): the outputs of block b's pairs a peer owns, from the owner's slot at `off` into our
+// outputs.
+template <typename D> __device__ void fused_gather(const FusedArgs &f, u64 off, u64 r0, u64 n) {
+    const Args &a = f.a;
+    const u64 H = f.hidden, row_bytes = H * D::SIZE;
+    for (u64 q = blockIdx.x; 2 * q * a.world < n; q += gridDim.x)
+        for (int r = 0; r < a.world; r++) {
+            const u64 p = q * a.world + r;
+            if (r == a.rank) continue;
+            for (u64 lr = 2 * p; lr < min(2 * p + 2, n); lr++) {
+                const char *s = a.data[r] + off + lr * f.slot_stride;
+                const u64 row = r0 + lr;
+                fused_copy<typename FusedUnit<D::SIZE>::T>(a.recv + row * row_bytes, s, H);
+                fused_copy<typename FusedUnit<D::SIZE>::T>(f.residual_out + row * row_bytes, s + row_bytes, H);
+                if (f.fp8_out) fused_copy<unsigned char>((char *)f.fp8_out + row * H, s + 2 * row_bytes, H);
+            }
+        }
+}
+
+template <typename D, int W> __device__ void fused_two_shot(const FusedArgs &f) {
+    __shared__ float lanes[2][FUSED_LANES];
+    const Args &a = f.a;
+    u32 *ctr = a.counters + 2 * blockIdx.x;
+    u32 *st = a.counters + STATE_CALL;
+    const u64 call = begin_call(a);
+    u32 F = ctr[0];
+    const u32 L0 = *(volatile u32 *)&st[3];
+    const u64 rpc = f.rows_per_chunk;
+    const u32 chunks = (u32)((f.tokens + rpc - 1) / rpc);
+    const u64 row_bytes = f.hidden * D::SIZE;
+    const int half = threadIdx.x / FUSED_LANES;
+    fused_two_copy_in<D>(f, L0, 0, min(rpc, f.tokens));
+    for (u32 k = 0; k < chunks; k++) {
+        const u64 r0 = (u64)k * rpc;
+        const u64 n = min(rpc, f.tokens - r0);
+        const u64 off = slot_offset(a, L0 + k);
+        if (!barrier(a, F, call, k == 0)) break;
+        // Our pairs of block b: pair q * W + rank for q = b, b + grid, ... (block-uniform).
+        for (u64 q = blockIdx.x;; q += gridDim.x) {
+            const u64 p = q * a.world + a.rank;
+            if (2 * p >= n) break;
+            const u64 lr = 2 * p + half;
+            const bool active = lr < n;
+            const u64 lrc = active ? lr : 2 * p;
+            const u64 srow = off + lrc * f.slot_stride;
+            fused_row<D, W>(f, FusedSrc{a, srow, a.send + (r0 + lrc) * row_bytes},
+                            FusedKeep<D>{a.data[a.rank] + srow, f.hidden}, a.world, r0 + lrc, active,
+                            lanes[half]);
+        }
+        if (!barrier(a, F, call)) break;
+        fused_gather<D>(f, off, r0, n);
+        if (k + 1 < chunks) fused_two_copy_in<D>(f, L0 + k + 1, r0 + rpc, min(rpc, f.tokens - r0 - rpc));
     }
     if (threadIdx.x == 0) ctr[0] = F;
     finish_call(a, call, true, L0 + chunks);
@@ -214,11 +375,12 @@ template <typename D> __device__ void fused_reference(const FusedArgs &f) {
         const u64 row = 2 * p + half;
         const bool active = row < f.tokens;
         const u64 rc = active ? row : 0;
-        fused_row<D, 1>(f, FusedOneSrc{f.a.send + rc * row_bytes}, 1, rc, active, lanes[half]);
+        fused_row<D, 1>(f, FusedOneSrc{f.a.send + rc * row_bytes}, FusedNoPush{}, 1, rc, active,
+                        lanes[half]);
     }
 }
 
-// Entry points: ipcr_fusedoneshot_w<W>_<dtype> and ipcr_fusedref_<dtype> (sum only: emitted in
+// Entry points: ipcr_fused{oneshot,twoshot}_w<W>_<dtype> and ipcr_fusedref_<dtype> (sum only: emitted in
 // the sum variant, IPCR_SEL_GATHER, like the all-gather kernels).
 #define FUSED_ENTRY(NAME, CALL)                                                               \
     extern "C" __global__ void __launch_bounds__(512, 2) NAME(const FusedArgs f) {            \
@@ -227,6 +389,7 @@ template <typename D> __device__ void fused_reference(const FusedArgs &f) {
     }
 #define FUSED_KERNELS_W(DT, D, W)                                                             \
     FUSED_ENTRY(ipcr_fusedoneshot_w##W##_##DT, (fused_one_shot<D, W>(f)))                     \
+    FUSED_ENTRY(ipcr_fusedtwoshot_w##W##_##DT, (fused_two_shot<D, W>(f)))                     \
     FUSED_ENTRY(ipcr_fusedref_##DT, (fused_reference<D>(f)))
 #define FUSED_KERNELS_FOR(DT, D, W) FUSED_KERNELS_W(DT, D, W)
 #define FUSED_KERNELS(DT, D) FUSED_KERNELS_FOR(DT, D, IPCR_W)
