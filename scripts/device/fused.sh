@@ -2,15 +2,20 @@
 # The fused all-reduce + residual add + RMSNorm on one GPU (ranks under MPS):
 #   gputests  its GPU tests (crates/ipcreduce/tests/gpu_fused.rs: fused == all-reduce +
 #             reference kernel bit for bit and == the CPU reference, worlds 2/4/8, plain and
-#             registered, in place, FP8, graph replays, shape mismatches) through gpu-tests.sh;
+#             registered, in place, FP8, each path forced, graph replays, mismatches) through
+#             gpu-tests.sh;
 #   bench     `ipcreduce fused-bench` at worlds 2 and 4: hidden 4096/8192/16384 x tokens
 #             1/8/32/128/512, bf16, graph replay, fused vs all-reduce + reference kernel,
-#             every result checked; the tables go to bench-w<W>.txt (and .json).
+#             every result checked, each row naming its path; the tables go to
+#             bench-w<W>.txt (and .json), or bench-w<W>-<path>.txt for a forced path.
 # Builds nothing: run scripts/build-gpu-tests.sh here first (it leaves target/gpu-tests/gpu,
 # target/gpu-tests/gpu_fused and target/release/ipcreduce).
 # Usage: scripts/device/fused.sh OUT_DIR
 # summary.txt: one line per step. Knobs: PHASES="gputests bench", BUDGET=145 (seconds),
-# GPU_FUSED_CASES (random shapes per world, default 6), WORLDS="2 4".
+# GPUTESTS_S=65 (the tests step's limit: every test of gpu_fused, both paths forced, takes
+# more, so raise it with BUDGET, or pick tests with GPU_TESTS_FILTER), GPU_FUSED_CASES
+# (random shapes per world, default 6), WORLDS="2 4", FUSED_PATHS="auto" (the bench once per
+# word: auto, oneshot, twoshot; IPCREDUCE_FUSED_PATH for the run, to measure the crossover).
 set -u
 # shellcheck source=lib/steps.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib/steps.sh" || exit 2
@@ -19,6 +24,8 @@ BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
 BUDGET=${BUDGET:-145}
 PHASES=${PHASES:-gputests bench}
 WORLDS=${WORLDS:-2 4}
+GPUTESTS_S=${GPUTESTS_S:-65}
+FUSED_PATHS=${FUSED_PATHS:-auto}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -37,19 +44,24 @@ if has gputests; then
   # The kernel groups the tests use, every world class, compiled in parallel into the cache.
   step warmup 40 "$BIN" warmup --world 8 --only ll,staged,zerocopy16,fused
   # gpu-tests.sh starts and stops MPS itself.
-  step gputests 65 env GPU_TESTS_BINS=target/gpu-tests/gpu_fused \
+  step gputests "$GPUTESTS_S" env GPU_TESTS_BINS=target/gpu-tests/gpu_fused \
     "$(dirname "$0")/gpu-tests.sh" "$OUT/gpu-tests"
   grep -E "^(ok|FAILED|skip|ignore) |passed,|BAD" "$OUT/gputests.log" 2>/dev/null | head -n 20
 fi
 if has bench; then
   if mps_on; then
-    for w in $WORLDS; do
-      step "bench-w$w" 18 "$BIN" fused-bench --backend cuda --ranks "$w" \
-        --hidden 4096,8192,16384 --tokens 1,8,32,128,512 --dtype bf16 -G 20 --rounds 3 \
-        --json "$OUT/bench-w$w.json"
-      cp "$OUT/bench-w$w.log" "$OUT/bench-w$w.txt" 2>/dev/null
-      echo "== fused-bench world $w"
-      grep -v "^#   rank" "$OUT/bench-w$w.log" | head -n 24
+    for p in $FUSED_PATHS; do
+      sfx=""
+      [ "$p" = auto ] || sfx="-$p"
+      for w in $WORLDS; do
+        name="bench-w$w$sfx"
+        step "$name" 18 env IPCREDUCE_FUSED_PATH="$p" "$BIN" fused-bench --backend cuda \
+          --ranks "$w" --hidden 4096,8192,16384 --tokens 1,8,32,128,512 --dtype bf16 -G 20 \
+          --rounds 3 --json "$OUT/$name.json"
+        cp "$OUT/$name.log" "$OUT/$name.txt" 2>/dev/null
+        echo "== fused-bench world $w, path $p"
+        grep -v "^#   rank" "$OUT/$name.log" | head -n 24
+      done
     done
     mps_off
   else

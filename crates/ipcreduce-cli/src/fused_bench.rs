@@ -3,7 +3,9 @@
 //! CUDA-graph replay, side by side per (hidden, tokens). Every result is checked: before timing
 //! and after it, the fused outputs must equal the unfused ones bit for bit on every rank.
 //! Times are the median of `--rounds` rounds (each the mean of `--iters` calls), with the
-//! rounds' spread (min-max); the ratio is unfused / fused (above 1: fused is faster).
+//! rounds' spread (min-max); the ratio is unfused / fused (above 1: fused is faster). Each row
+//! names the fused call's path and the unfused all-reduce's (`IPCREDUCE_FUSED_PATH` forces
+//! the fused one).
 
 use crate::gpu::{comm_context, cu, driver, Memory};
 use cudarc::driver::{result, sys};
@@ -109,14 +111,16 @@ fn body(args: &FusedBenchArgs) -> Result<usize> {
             }
         );
         println!(
-            "{:>7} {:>7} {:>10} {:>22} {:>22} {:>7} {:>6}",
+            "{:>7} {:>7} {:>10} {:>22} {:>22} {:>7} {:>6} {:>14} {:>14}",
             "hidden",
             "tokens",
             "bytes/rank",
             "fused us (min-max)",
             "unfused us (min-max)",
             "ratio",
-            "wrong"
+            "wrong",
+            "fused path",
+            "all-reduce"
         );
     }
     let mut wrong_total = 0;
@@ -163,8 +167,13 @@ fn body(args: &FusedBenchArgs) -> Result<usize> {
                     c.add_rms_norm_reference_raw(&unfused, sp)
                 }
             };
+            // The paths the two calls take (the reference kernel records none: the unfused
+            // sequence's is its all-reduce's). Every call of the row takes the same.
+            let path = |c: &Communicator| c.last_path().map_or("?", |p| p.name);
             fused_call(&mut comm)?;
+            let fused_path = path(&comm);
             unfused_call(&mut comm)?;
+            let unfused_path = path(&comm);
             let mut wrong = check(&mut comm, &bufs, bytes, stream.cu_stream())?;
             let (mut tf, mut tu) = (Vec::new(), Vec::new());
             let ft = Timer::new(&ctx, &stream, &mut comm, args.graph, &mut fused_call)?;
@@ -178,7 +187,8 @@ fn body(args: &FusedBenchArgs) -> Result<usize> {
             let (f, u) = (spread(&mut tf), spread(&mut tu));
             if rank == 0 {
                 println!(
-                    "{hidden:>7} {tokens:>7} {bytes:>10} {:>22} {:>22} {:>7.2} {wrong:>6}",
+                    "{hidden:>7} {tokens:>7} {bytes:>10} {:>22} {:>22} {:>7.2} {wrong:>6} \
+                     {fused_path:>14} {unfused_path:>14}",
                     format!("{:.2} ({:.2}-{:.2})", f.0, f.1, f.2),
                     format!("{:.2} ({:.2}-{:.2})", u.0, u.1, u.2),
                     u.0 / f.0
@@ -189,6 +199,7 @@ fn body(args: &FusedBenchArgs) -> Result<usize> {
                     "fused_us": f.0, "fused_min_us": f.1, "fused_max_us": f.2,
                     "unfused_us": u.0, "unfused_min_us": u.1, "unfused_max_us": u.2,
                     "ratio": u.0 / f.0, "wrong": wrong,
+                    "fused_path": fused_path, "unfused_path": unfused_path,
                 }));
             }
             drop(ft);

@@ -6,22 +6,29 @@
 //!   and not, with and without the FP8 output: the fused call equals `all_reduce_raw` followed
 //!   by the reference kernel bit for bit, equals the independent CPU reference
 //!   (tests/common/fused_ref.rs) bit for bit, and every rank's outputs are the same;
-//! - CUDA graph replays of the fused call with inputs that change between replays;
-//! - ranks that pass another shape, eps or outputs: a mismatch on every rank, promptly.
+//! - the same sweep with each path forced (`IPCREDUCE_FUSED_PATH=oneshot|twoshot`), every
+//!   call checked to have taken it;
+//! - CUDA graph replays of the fused call with inputs that change between replays (auto, and
+//!   two-shot forced);
+//! - ranks that pass another shape, eps, outputs or algorithm (so another path): a mismatch on
+//!   every rank, promptly.
 
+#[path = "gpu_fused/bufs.rs"]
+mod bufs;
 mod common;
 
+use bufs::{alloc, ck, differences, download, fused_args, unfused_sequence, upload, Bufs, Stream};
 use common::fused_ref::{Case, Tensor};
 use common::{say, Job, Rank, Spawn, SECRET};
 use cudarc::driver::sys;
-use ipcreduce::backend::cuda::memory::DeviceAlloc;
-use ipcreduce::{AddRmsNorm, Algorithm, BackendChoice, Communicator, Config, DType, ReduceOp};
-use std::ffi::c_void;
+use ipcreduce::{Algorithm, BackendChoice, Communicator, Config, DType};
 use std::io::Write;
 use std::time::{Duration, Instant};
 
 const ROLE: &str = "IPCREDUCE_GPU_FUSED_ROLE";
 const CASE: &str = "GPU_FUSED_CASE";
+/// The knob that forces the fused path (backend/cuda/fused_path.rs).
+const FUSED_PATH: &str = "IPCREDUCE_FUSED_PATH";
 const T: Duration = Duration::from_secs(600);
 /// How soon every rank must see a mismatch (the kernels' timeout is 8 s).
 const PROMPT: Duration = Duration::from_secs(2);
@@ -40,10 +47,6 @@ fn play_rank_if_child() {
     std::process::exit(code);
 }
 
-fn ck(res: sys::CUresult, what: &str) {
-    assert_eq!(res, sys::CUresult::CUDA_SUCCESS, "{what}");
-}
-
 fn join(timeout: Option<Duration>) -> Communicator {
     let cfg = Config {
         backend: BackendChoice::Cuda,
@@ -53,237 +56,6 @@ fn join(timeout: Option<Duration>) -> Communicator {
         ..Config::default()
     };
     Communicator::init(&cfg).expect("cuda communicator")
-}
-
-struct Stream(sys::CUstream);
-
-impl Stream {
-    fn new() -> Stream {
-        let mut s = std::ptr::null_mut();
-        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
-        // SAFETY: creates one stream, destroyed in Drop.
-        ck(
-            unsafe { sys::cuStreamCreate(&mut s, flags) },
-            "cuStreamCreate",
-        );
-        Stream(s)
-    }
-    fn ptr(&self) -> *mut c_void {
-        self.0.cast()
-    }
-    fn sync(&self) {
-        // SAFETY: a live stream.
-        ck(
-            unsafe { sys::cuStreamSynchronize(self.0) },
-            "cuStreamSynchronize",
-        );
-    }
-}
-
-impl Drop for Stream {
-    fn drop(&mut self) {
-        // SAFETY: ours, destroyed once.
-        unsafe { sys::cuStreamDestroy_v2(self.0) };
-    }
-}
-
-/// Device memory of the test: a plain allocation, or part of a registered buffer.
-enum Mem {
-    Plain(DeviceAlloc),
-    At(u64),
-}
-
-impl Mem {
-    fn ptr(&self) -> u64 {
-        match self {
-            Mem::Plain(d) => d.ptr,
-            Mem::At(p) => *p,
-        }
-    }
-}
-
-/// One case's device tensors.
-struct Bufs {
-    input: Mem,
-    residual: Mem,
-    weight: Mem,
-    out: Mem,
-    residual_out: Mem,
-    fp8: Mem,
-    scale: Mem,
-    /// The unfused sequence's outputs.
-    sum: Mem,
-    ref_out: Mem,
-    ref_residual_out: Mem,
-    ref_fp8: Mem,
-}
-
-fn upload(dst: u64, data: &[u8], s: &Stream) {
-    // SAFETY: in bounds (the caller sized the buffer); synchronized before `data` can go away.
-    ck(
-        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, data.as_ptr().cast(), data.len(), s.0) },
-        "upload",
-    );
-    s.sync();
-}
-
-fn download(src: u64, n: usize, s: &Stream) -> Vec<u8> {
-    let mut out = vec![0u8; n];
-    // SAFETY: the caller passes a live device range of n bytes.
-    ck(
-        unsafe { sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), src, n, s.0) },
-        "download",
-    );
-    s.sync();
-    out
-}
-
-/// Allocates the case's tensors: plain allocations, or slices of one registered buffer every
-/// rank allocates alike (`reg`, at the same offsets everywhere).
-fn alloc(
-    c: &mut Communicator,
-    bytes: usize,
-    hidden_bytes: usize,
-    elems: usize,
-    reg: bool,
-) -> (Bufs, Option<ipcreduce::RegisteredBuffer>) {
-    let rank = c.rank();
-    let sizes = [
-        bytes,
-        bytes,
-        hidden_bytes,
-        bytes,
-        bytes,
-        elems,
-        4,
-        bytes,
-        bytes,
-        bytes,
-        elems,
-    ];
-    let (mems, buf) = if reg {
-        let padded: Vec<usize> = sizes.iter().map(|b| b.div_ceil(256) * 256).collect();
-        let buf = c.alloc(padded.iter().sum()).expect("registered buffer");
-        let mut at = buf.ptr();
-        let mut v = Vec::new();
-        for p in padded {
-            v.push(Mem::At(at));
-            at += p as u64;
-        }
-        (v, Some(buf))
-    } else {
-        let v = sizes
-            .iter()
-            .map(|b| Mem::Plain(DeviceAlloc::new((*b).max(16), rank).unwrap()))
-            .collect();
-        (v, None)
-    };
-    let mut it = mems.into_iter();
-    let mut next = || it.next().unwrap();
-    let b = Bufs {
-        input: next(),
-        residual: next(),
-        weight: next(),
-        out: next(),
-        residual_out: next(),
-        fp8: next(),
-        scale: next(),
-        sum: next(),
-        ref_out: next(),
-        ref_residual_out: next(),
-        ref_fp8: next(),
-    };
-    (b, buf)
-}
-
-/// The fused call's (or the reference's) arguments over `b`.
-fn fused_args(
-    case: &Case,
-    input: u64,
-    out: u64,
-    residual: u64,
-    residual_out: u64,
-    fp8: u64,
-    b: &Bufs,
-) -> AddRmsNorm {
-    AddRmsNorm {
-        input: input as *const c_void,
-        residual: residual as *const c_void,
-        weight: b.weight.ptr() as *const c_void,
-        out: out as *mut c_void,
-        residual_out: residual_out as *mut c_void,
-        fp8_out: if case.scale.is_some() {
-            fp8 as *mut c_void
-        } else {
-            std::ptr::null_mut()
-        },
-        fp8_scale: if case.scale.is_some() {
-            b.scale.ptr() as *const c_void
-        } else {
-            std::ptr::null()
-        },
-        tokens: case.tokens,
-        hidden: case.hidden,
-        dtype: case.dtype,
-        eps: case.eps,
-    }
-}
-
-/// Bitwise comparison of two tensors of `dtype` (NaNs of any payload equal each other: the
-/// CPU and the GPU make different NaN bits), the first few differences in words.
-fn differences(what: &str, dtype: DType, got: &[u8], want: &[u8]) -> Vec<String> {
-    let size = dtype.size();
-    let mut bad = Vec::new();
-    for (i, (g, w)) in got.chunks(size).zip(want.chunks(size)).enumerate() {
-        let nan = |b: &[u8]| {
-            let mut t = Tensor::new(dtype, &[0.0]);
-            t.bytes().copy_from_slice(b);
-            t.get(0).is_nan()
-        };
-        if g != w && !(size > 1 && nan(g) && nan(w)) {
-            bad.push(format!("{what}[{i}] {g:02x?} want {w:02x?}"));
-        }
-    }
-    bad.truncate(3);
-    bad
-}
-
-/// The unfused sequence: the all-reduce of the input into `sum`, then the reference kernel.
-///
-/// # Safety
-/// Every buffer of `b` holds its tensor (device memory of this rank's GPU).
-unsafe fn unfused_sequence(
-    c: &mut Communicator,
-    case: &Case,
-    b: &Bufs,
-    algo: Algorithm,
-    stream: *mut c_void,
-) {
-    let (d, n) = (case.dtype, case.tokens * case.hidden);
-    // SAFETY: forwarded contract.
-    unsafe {
-        c.all_reduce_raw(
-            b.input.ptr() as *const c_void,
-            b.sum.ptr() as *mut c_void,
-            n,
-            d,
-            ReduceOp::Sum,
-            algo,
-            stream,
-        )
-        .unwrap_or_else(|e| panic!("all-reduce: {e}"));
-        let r = fused_args(
-            case,
-            b.sum.ptr(),
-            b.ref_out.ptr(),
-            b.residual.ptr(),
-            b.ref_residual_out.ptr(),
-            b.ref_fp8.ptr(),
-            b,
-        );
-        c.add_rms_norm_reference_raw(&r, stream)
-            .unwrap_or_else(|e| panic!("reference: {e}"));
-    }
 }
 
 /// Runs one case: the fused call and the unfused sequence on `s`, then compares both with each
@@ -339,6 +111,13 @@ fn run_case(
     if let Err(e) = r {
         return vec![format!("fused call failed: {e}")];
     }
+    let mut bad = Vec::new();
+    if let Some(want) = forced_path() {
+        let took = c.last_path().map(|p| p.name);
+        if took != Some(want) {
+            bad.push(format!("took {took:?}, forced {want}"));
+        }
+    }
     s.sync();
     if let Err(e) = c.synchronize() {
         return vec![format!("after the fused call: {e}")];
@@ -348,7 +127,6 @@ fn run_case(
     let mut cpu_res = Tensor::new(d, &want.residual_out);
     let got_out = download(out, bytes, s);
     let got_res = download(res_out, bytes, s);
-    let mut bad = Vec::new();
     if unfused {
         let (o, r) = (b.ref_out.ptr(), b.ref_residual_out.ptr());
         bad.extend(differences(
@@ -402,6 +180,15 @@ fn run_case(
     bad
 }
 
+/// The path name `IPCREDUCE_FUSED_PATH` forces on every fused call, if it does.
+fn forced_path() -> Option<&'static str> {
+    match std::env::var(FUSED_PATH).ok()?.as_str() {
+        "oneshot" => Some("fused-oneshot"),
+        "twoshot" => Some("fused-twoshot"),
+        _ => None,
+    }
+}
+
 /// FP8 bytes widened to 16-bit words (NaN-agnostic comparison does not apply: e4m3 has one
 /// NaN code per sign, which both sides produce alike).
 fn pair(b: &[u8]) -> Vec<u8> {
@@ -431,11 +218,21 @@ fn rank_sweep() -> i32 {
     let mut shapes: Vec<Case> = (0..cases)
         .map(|k| Case::random(5000 + k as u64, world))
         .collect();
-    // Decode sizes, a row wider than the 256 lanes many times over, and more rows than a
-    // 2 MiB slot holds (several chunks).
-    for (i, (tokens, hidden)) in [(1, 4096), (8, 8192), (32, 16384), (129, 4099)]
-        .into_iter()
-        .enumerate()
+    // Decode sizes, a row wider than the 256 lanes many times over, more rows than a 2 MiB
+    // slot holds (several chunks, on either path), fewer rows than ranks (two-shot ranks that
+    // own none), an odd width below one 16-byte pack, and a prefill size above the two-shot
+    // crossover at every world.
+    for (i, (tokens, hidden)) in [
+        (1, 4096),
+        (8, 8192),
+        (32, 16384),
+        (129, 4099),
+        (3, 4095),
+        (1, 7),
+        (512, 4096),
+    ]
+    .into_iter()
+    .enumerate()
     {
         for dtype in DType::ALL {
             shapes.push(Case::with(
@@ -502,6 +299,9 @@ fn rank_graph() -> i32 {
         // SAFETY: buffers hold the shape; captured, run at each replay.
         unsafe { c.all_reduce_add_rms_norm_raw(&args, Algorithm::Auto, s.ptr()) }
             .unwrap_or_else(|e| panic!("capture: {e}"));
+        if let Some(want) = forced_path() {
+            assert_eq!(c.last_path().map(|p| p.name), Some(want), "captured");
+        }
         let mut graph = std::ptr::null_mut();
         // SAFETY: ends our capture.
         ck(
@@ -580,6 +380,11 @@ fn rank_mismatch() -> i32 {
     let odd = c.rank() + 1 == world;
     let what = std::env::var(CASE).unwrap();
     let good = Case::with(3, world, 4, 64, DType::Bf16, 1e-6, None);
+    // "algo": the last rank asks for two-shot, the others one-shot: another path.
+    let algo = match (what.as_str(), odd) {
+        ("algo", true) => Algorithm::TwoShot,
+        _ => Algorithm::OneShot,
+    };
     assert!(run_case(&mut c, &s, &good, Algorithm::OneShot, false, false, true).is_empty());
     let (mut tokens, mut hidden, mut eps, mut scale) = (4, 64, 1e-6f32, None);
     if odd {
@@ -589,13 +394,14 @@ fn rank_mismatch() -> i32 {
             "transposed" => (tokens, hidden) = (64, 4),
             "eps" => eps = 1e-5,
             "fp8" => scale = Some(1.0),
+            "algo" => {}
             other => panic!("unknown case {other}"),
         }
     }
     let case = Case::with(3, world, tokens, hidden, DType::Bf16, eps, scale);
     let t0 = Instant::now();
     // The fused call alone: an all-reduce first would fail on the count already.
-    let bad = run_case(&mut c, &s, &case, Algorithm::OneShot, false, false, false);
+    let bad = run_case(&mut c, &s, &case, algo, false, false, false);
     let ms = t0.elapsed().as_millis();
     say(format!("RESULT {ms} {}", bad.join("; ")));
     0
@@ -655,6 +461,35 @@ fn fused_equals_all_reduce_plus_reference_at_worlds_2_4_8() {
     }
 }
 
+/// Each path forced for every call (so `Auto`, `OneShot` and `TwoShot` all run it): the same
+/// sweep (GPU_FUSED_CASES random shapes and the fixed ones), every call checked to have taken
+/// the path.
+#[test]
+fn fused_paths_forced_by_the_knob_equal_the_reference_at_worlds_2_4_8() {
+    play_rank_if_child();
+    let test = "fused_paths_forced_by_the_knob_equal_the_reference_at_worlds_2_4_8";
+    for path in ["twoshot", "oneshot"] {
+        for world in [2, 4, 8] {
+            expect_done(
+                &run_role(test, "sweep", world, &[(FUSED_PATH, path)]),
+                &format!("{path} sweep world {world}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn fused_two_shot_graph_replays_with_changing_inputs() {
+    play_rank_if_child();
+    let test = "fused_two_shot_graph_replays_with_changing_inputs";
+    for world in [2, 4, 8] {
+        expect_done(
+            &run_role(test, "graph", world, &[(FUSED_PATH, "twoshot")]),
+            &format!("two-shot graph world {world}"),
+        );
+    }
+}
+
 #[test]
 fn fused_graph_replays_with_changing_inputs() {
     play_rank_if_child();
@@ -677,6 +512,7 @@ fn fused_shape_mismatch_fails_on_every_rank() {
         ("transposed", 2, "hidden"),
         ("eps", 2, "eps"),
         ("fp8", 4, "outputs"),
+        ("algo", 2, "path"),
     ] {
         for (rank, line) in run_role(test, "mismatch", world, &[(CASE, case)]) {
             let rest = line
