@@ -15,9 +15,10 @@
 //
 // Work split. 512 threads per block (prims.cuh's ENTRY bounds, so the CTA caps hold): the two
 // halves of the block take one row each, thread j of a half being lane j of its row. Rows are
-// dealt to blocks in pairs: local row 2p + h of a chunk goes to half h of block p mod grid.
+// dealt to blocks in pairs: in the one-shot kernel local row 2p + h of a chunk goes to half h of
+// block p mod grid (the two-shot kernel deals the pairs to ranks first, see there).
 //
-// Layout and ordering: staged.cu's, with chunks of whole rows. Chunk k (rows_per_chunk rows,
+// One-shot layout and ordering: staged.cu's, with chunks of whole rows. Chunk k (rows_per_chunk rows,
 // set by the host so that a chunk fits a slot; the same on every rank) lives in slot parity
 // (L0 + k) & 1 of every rank's data area, local row lr at lr * hidden elements. Block b copies
 // in exactly the rows it reduces (the same on every rank: the grid and rows_per_chunk follow
@@ -29,8 +30,8 @@
 // read (residual, input) and written (residual_out, out) by the one thread of its lane, so
 // residual_out == residual and out == input are safe; peers only read our slot.
 //
-// No early trigger of the next kernel (programmatic dependent launch): the dependent launch
-// happens at completion, after every output is written.
+// No early trigger of the next kernel (programmatic dependent launch), on either path: the
+// dependent launch happens at completion, after every output is written.
 
 #define FUSED_LANES 256
 
