@@ -146,7 +146,8 @@ pub const TWO_SHOT_MIN_ROWS_PER_RANK: usize = 2;
 
 /// The algorithm a fused call of shape `s` (elements of `size` bytes) runs: `requested` unless
 /// it is `Auto`, which the host backend resolves as it does the all-reduce (the same
-/// all-reduce runs inside), and the cuda backend by [`CUDA_ONESHOT_MAX`] and the rows. Every
+/// all-reduce runs inside), and the cuda backend by [`CUDA_ONESHOT_MAX`] and the rows (whose
+/// `OneShot` then runs the LL kernel where the call fits it, as the all-reduce does). Every
 /// input is part of the call's identity or agreed at init, so every rank chooses alike.
 pub fn choose(
     requested: Algorithm,

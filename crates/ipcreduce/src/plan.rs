@@ -394,7 +394,10 @@ pub fn default_ctas(path: CudaPath, bytes: usize) -> usize {
         CudaPath::Empty => 1,
         // The fused kernels deal rows to blocks: their grid follows the rows
         // (backend/cuda/fused.rs), not the bytes.
-        CudaPath::FusedOneShot | CudaPath::FusedTwoShot | CudaPath::FusedReference => 1,
+        CudaPath::FusedOneShot
+        | CudaPath::FusedTwoShot
+        | CudaPath::FusedLl
+        | CudaPath::FusedReference => 1,
     }
 }
 

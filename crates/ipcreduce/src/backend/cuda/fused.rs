@@ -4,14 +4,16 @@
 //! One kernel per call: [`FusedOneShot`](super::paths::CudaPath::FusedOneShot) (the input staged through the workspace in
 //! chunks of whole rows, every rank's rows summed in rank order, each row normalised in the
 //! same kernel) or [`FusedTwoShot`](super::paths::CudaPath::FusedTwoShot) (rows dealt to ranks, each normalised once by
-//! its owner and its outputs pushed to every peer); which one and how the rows lie in a slot:
+//! its owner and its outputs gathered by every peer) or, for small calls,
+//! [`FusedLl`](super::paths::CudaPath::FusedLl) (the rows' lines pushed into every peer's LL
+//! area, no barrier); which one and how the rows lie in a slot:
 //! fused_path.rs. Its identity carries the path, the shape, the eps bits and the outputs
 //! ([`FusedShape`]), so ranks that differ in any of them fail with a mismatch on every rank.
 //! The reference kernel ([`FusedReference`](super::paths::CudaPath::FusedReference)) runs the same epilogue on an
 //! already all-reduced buffer, for the tests' bitwise comparison.
 //!
-//! Not yet here: the LL variant, and reading registered buffers in place (registered buffers
-//! are staged like any other).
+//! Not yet here: reading registered buffers in place (registered buffers are staged like any
+//! other).
 
 use super::fused_path::{self, Layout};
 use super::identity::{CallIdentity, FusedShape};
@@ -77,7 +79,11 @@ pub(super) fn launch(
     if s.tokens == 0 {
         return l.empty(SgOp::AddRmsNorm, dtype, ReduceOp::Sum, stream);
     }
-    let layout = fused_path::layout(l.rank, l.fused_forced, algo, l.slot_bytes, s, dtype.size())?;
+    let room = fused_path::Room {
+        slot_bytes: l.slot_bytes,
+        ll_max: l.limits.ll_max,
+    };
+    let layout = fused_path::layout(l.rank, l.fused_forced, algo, room, s, dtype.size())?;
     let path = layout.path;
     // Every rank derives the grid from the identity (path, rows, slot) and the agreed cap.
     let grid = fused_path::grid(&layout, l.world, l.limits.cap, MAX_BLOCKS);
@@ -205,6 +211,7 @@ mod tests {
                 [
                     CudaPath::FusedOneShot,
                     CudaPath::FusedTwoShot,
+                    CudaPath::FusedLl,
                     CudaPath::FusedReference,
                 ]
                 .map(|p| p.kernel_name(w, d, ReduceOp::Sum))
@@ -240,6 +247,7 @@ mod tests {
             .to_src();
         assert!(ptx.contains(".entry ipcr_fusedoneshot_w2_bf16("));
         assert!(ptx.contains(".entry ipcr_fusedtwoshot_w2_bf16("));
+        assert!(ptx.contains(".entry ipcr_fusedll_w2_bf16("));
         assert!(!ptx.contains("e4m3x2"), "sm_80 has no e4m3 conversion");
     }
 }

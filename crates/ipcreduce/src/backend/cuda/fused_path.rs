@@ -1,10 +1,12 @@
 //! Which fused kernel a call runs, and how its chunks lie in the workspace slots.
 //!
 //! The algorithm comes chosen ([`crate::fused::choose`]: `OneShot` or `TwoShot`, by size for
-//! `Auto`); `IPCREDUCE_FUSED_PATH` (read once at init, for the tests and the benchmark) forces a
-//! path for every call instead. The path is part of the call's identity, so ranks that force
+//! `Auto`); `OneShot` takes the LL kernel where the call fits it (as the all-reduce does: up to
+//! the agreed LL limit), the staged one-shot kernel above. `IPCREDUCE_FUSED_PATH` (read once at
+//! init, for the tests and the benchmark) forces a path for every call instead. The path is part of the call's identity, so ranks that force
 //! different ones fail with a mismatch instead of pairing two kernels.
 
+use super::kernels::LL_MAX_BYTES;
 use super::paths::CudaPath;
 use crate::error::{Error, Result};
 use crate::fused::{self, Shape};
@@ -13,8 +15,8 @@ use crate::types::Algorithm;
 /// The environment variable that forces the fused path.
 pub const FUSED_PATH_VAR: &str = "IPCREDUCE_FUSED_PATH";
 
-/// `IPCREDUCE_FUSED_PATH`'s value: `oneshot`, `twoshot`, or `auto` (or unset, or empty: the
-/// algorithm decides). Anything else is a configuration error naming the words.
+/// `IPCREDUCE_FUSED_PATH`'s value: `oneshot` (staged), `twoshot`, `ll`, or `auto` (or unset,
+/// or empty: the algorithm decides). Anything else is a configuration error naming the words.
 pub fn parse_forced(value: Option<&str>) -> Result<Option<CudaPath>> {
     let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
         return Ok(None);
@@ -23,8 +25,9 @@ pub fn parse_forced(value: Option<&str>) -> Result<Option<CudaPath>> {
         "auto" => Ok(None),
         "oneshot" | "one-shot" => Ok(Some(CudaPath::FusedOneShot)),
         "twoshot" | "two-shot" => Ok(Some(CudaPath::FusedTwoShot)),
+        "ll" => Ok(Some(CudaPath::FusedLl)),
         _ => Err(Error::Config(format!(
-            "{FUSED_PATH_VAR}={v}: expected oneshot, twoshot or auto"
+            "{FUSED_PATH_VAR}={v}: expected oneshot, twoshot, ll or auto"
         ))),
     }
 }
@@ -55,6 +58,22 @@ pub fn row_stride(path: CudaPath, s: &Shape, size: usize) -> usize {
     }
 }
 
+/// What the agreed workspace offers a call: the bytes of a slot, and the LL limit of `OneShot`
+/// calls (the all-reduce's, [`crate::plan::GridLimits::ll_max`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Room {
+    pub slot_bytes: usize,
+    pub ll_max: usize,
+}
+
+/// Whether a call can run on the LL kernel with at most `max` bytes per rank: every row a whole
+/// number of 8-byte lines (so no line holds two rows, which two blocks would clear), and the
+/// call within the LL area.
+pub fn ll_fits(s: &Shape, size: usize, max: usize) -> bool {
+    let bytes = s.count() * size;
+    (s.hidden * size).is_multiple_of(8) && bytes <= max.min(LL_MAX_BYTES)
+}
+
 /// The path and layout of a call: `forced` if set, else the algorithm's kernel. A two-shot
 /// call whose row outputs do not fit a slot runs one-shot when its input row does (the slot
 /// size is agreed, so every rank falls back alike); a row that fits neither is an error.
@@ -62,14 +81,35 @@ pub fn layout(
     rank: usize,
     forced: Option<CudaPath>,
     algo: Algorithm,
-    slot_bytes: usize,
+    room: Room,
     s: &Shape,
     size: usize,
 ) -> Result<Layout> {
     let path = forced.unwrap_or(match algo {
         Algorithm::TwoShot => CudaPath::FusedTwoShot,
+        _ if ll_fits(s, size, room.ll_max) => CudaPath::FusedLl,
         _ => CudaPath::FusedOneShot,
     });
+    if path == CudaPath::FusedLl {
+        if !ll_fits(s, size, LL_MAX_BYTES) {
+            return Err(Error::invalid(
+                rank,
+                fused::NAME,
+                format!(
+                    "fused-ll takes rows of a multiple of 8 bytes and at most {LL_MAX_BYTES} \
+                     bytes per rank, not {} x {} of {size} bytes",
+                    s.tokens, s.hidden
+                ),
+            ));
+        }
+        // No slot: the whole call at once, rows back to back in the LL area.
+        return Ok(Layout {
+            path,
+            rows_per_chunk: s.tokens,
+            stride: s.hidden * size,
+        });
+    }
+    let slot_bytes = room.slot_bytes;
     let fit = |path| {
         let stride = row_stride(path, s, size);
         (slot_bytes / stride > 0).then(|| Layout {
@@ -134,75 +174,108 @@ mod tests {
             parse_forced(Some("TwoShot")).unwrap(),
             Some(CudaPath::FusedTwoShot)
         );
-        let e = parse_forced(Some("ll")).unwrap_err().to_string();
+        assert_eq!(parse_forced(Some("ll")).unwrap(), Some(CudaPath::FusedLl));
+        let e = parse_forced(Some("nccl")).unwrap_err().to_string();
         assert!(
-            e.contains(FUSED_PATH_VAR) && e.contains("oneshot, twoshot or auto"),
+            e.contains(FUSED_PATH_VAR) && e.contains("oneshot, twoshot, ll or auto"),
             "{e}"
         );
     }
 
+    /// A slot of `slot_bytes`, LL off (as `IPCREDUCE_LL_MAX=0`).
+    fn room(slot_bytes: usize) -> Room {
+        Room {
+            slot_bytes,
+            ll_max: 0,
+        }
+    }
+
     #[test]
     fn rows_lie_back_to_back_one_shot_and_with_their_outputs_two_shot() {
-        let one = layout(
-            0,
-            None,
-            Algorithm::OneShot,
-            1 << 20,
-            &s(512, 4096, false),
-            2,
-        )
-        .unwrap();
+        let bf16 =
+            |algo, tokens, fp8| layout(0, None, algo, room(1 << 20), &s(tokens, 4096, fp8), 2);
+        let one = bf16(Algorithm::OneShot, 512, false).unwrap();
         assert_eq!(
             (one.path, one.rows_per_chunk, one.stride),
             (CudaPath::FusedOneShot, 128, 8192)
         );
-        let two = layout(0, None, Algorithm::TwoShot, 1 << 20, &s(512, 4096, true), 2).unwrap();
+        let two = bf16(Algorithm::TwoShot, 512, true).unwrap();
         assert_eq!(two.path, CudaPath::FusedTwoShot);
         assert_eq!((two.rows_per_chunk, two.stride), (51, 2 * 8192 + 4096));
         // Odd widths: a 16-byte stride.
-        assert_eq!(
-            row_stride(CudaPath::FusedTwoShot, &s(3, 4095, true), 2),
-            20480
-        );
-        assert_eq!(
-            row_stride(CudaPath::FusedTwoShot, &s(3, 4095, false), 2),
-            16384
-        );
+        let stride = |fp8| row_stride(CudaPath::FusedTwoShot, &s(3, 4095, fp8), 2);
+        assert_eq!((stride(true), stride(false)), (20480, 16384));
         // The knob wins over the algorithm.
         let forced = Some(CudaPath::FusedTwoShot);
         let l = layout(
             0,
             forced,
             Algorithm::OneShot,
-            1 << 20,
+            room(1 << 20),
             &s(3, 4096, false),
             2,
-        )
-        .unwrap();
-        assert_eq!((l.path, l.rows_per_chunk), (CudaPath::FusedTwoShot, 3));
+        );
+        assert_eq!(
+            l.map(|l| (l.path, l.rows_per_chunk)).unwrap(),
+            (CudaPath::FusedTwoShot, 3)
+        );
+    }
+
+    #[test]
+    fn one_shot_calls_within_the_ll_limit_take_ll_when_their_rows_are_whole_lines() {
+        let ll = Room {
+            slot_bytes: 1 << 20,
+            ll_max: 256 << 10,
+        };
+        let path = |algo, tokens, hidden| layout(0, None, algo, ll, &s(tokens, hidden, false), 2);
+        let l = path(Algorithm::OneShot, 32, 4096).unwrap();
+        assert_eq!((l.path, l.rows_per_chunk), (CudaPath::FusedLl, 32));
+        assert_eq!(
+            path(Algorithm::OneShot, 33, 4096).unwrap().path,
+            CudaPath::FusedOneShot
+        );
+        // A row of 4095 bf16 ends inside a line.
+        assert_eq!(
+            path(Algorithm::OneShot, 1, 4095).unwrap().path,
+            CudaPath::FusedOneShot
+        );
+        assert_eq!(
+            path(Algorithm::TwoShot, 1, 4096).unwrap().path,
+            CudaPath::FusedTwoShot
+        );
+        // Forced, the LL area is the only bound; a row that is no whole line is refused.
+        let forced = |tokens, hidden| {
+            layout(
+                3,
+                Some(CudaPath::FusedLl),
+                Algorithm::TwoShot,
+                room(1 << 20),
+                &s(tokens, hidden, false),
+                2,
+            )
+        };
+        assert_eq!(forced(128, 4096).unwrap().path, CudaPath::FusedLl);
+        for (tokens, hidden) in [(129, 4096), (1, 7)] {
+            let e = forced(tokens, hidden).unwrap_err().to_string();
+            assert!(e.contains("rank 3") && e.contains("fused-ll"), "{e}");
+        }
     }
 
     #[test]
     fn a_two_shot_row_too_wide_for_the_slot_falls_back_unless_forced() {
         // 4096 bf16 = 8192 bytes: fits a 10000-byte slot alone, not with its outputs.
         let shape = s(4, 4096, false);
-        let l = layout(0, None, Algorithm::TwoShot, 10_000, &shape, 2).unwrap();
+        let l = layout(0, None, Algorithm::TwoShot, room(10_000), &shape, 2).unwrap();
         assert_eq!((l.path, l.rows_per_chunk), (CudaPath::FusedOneShot, 1));
-        let e = layout(
-            2,
-            Some(CudaPath::FusedTwoShot),
-            Algorithm::Auto,
-            10_000,
-            &shape,
-            2,
-        )
-        .unwrap_err()
-        .to_string();
+        let forced = Some(CudaPath::FusedTwoShot);
+        let e = layout(2, forced, Algorithm::Auto, room(10_000), &shape, 2)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("rank 2") && e.contains("16384 bytes") && e.contains("fused-twoshot"),
             "{e}"
         );
-        let e = layout(0, None, Algorithm::OneShot, 8000, &shape, 2)
+        let e = layout(0, None, Algorithm::OneShot, room(8000), &shape, 2)
             .unwrap_err()
             .to_string();
         assert!(e.contains("8192 bytes"), "{e}");

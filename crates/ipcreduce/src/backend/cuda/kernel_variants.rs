@@ -64,7 +64,7 @@ impl Group {
             ReduceScatterStaged | ReduceScatterReg | AllGatherStaged | AllGatherReg => {
                 Group::ScatterGather
             }
-            FusedOneShot | FusedTwoShot | FusedReference => Group::Fused,
+            FusedOneShot | FusedTwoShot | FusedLl | FusedReference => Group::Fused,
         }
     }
 

@@ -19,7 +19,7 @@ pub mod variants;
 pub const PRIMS_SOURCE: &str = include_str!("kernels/prims.cuh");
 /// The protocols' sources, in the order they are concatenated for NVRTC (each uses only what
 /// comes before it: scatter_gather.cu uses staged.cu's slots).
-pub const KERNEL_SOURCES: [(&str, &str); 7] = [
+pub const KERNEL_SOURCES: [(&str, &str); 8] = [
     ("prims.cuh", PRIMS_SOURCE),
     ("ll.cu", include_str!("kernels/ll.cu")),
     ("staged.cu", include_str!("kernels/staged.cu")),
@@ -30,6 +30,7 @@ pub const KERNEL_SOURCES: [(&str, &str); 7] = [
         include_str!("kernels/scatter_gather.cu"),
     ),
     ("fused.cu", include_str!("kernels/fused.cu")),
+    ("fused_ll.cu", include_str!("kernels/fused_ll.cu")),
 ];
 /// Integer names and f16/bf16 conversions, prepended to every source [`compile_source`] builds.
 pub const CONVERT_SOURCE: &str = include_str!("kernels/convert.cuh");

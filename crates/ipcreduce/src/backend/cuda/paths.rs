@@ -49,6 +49,10 @@ pub enum CudaPath {
     /// normalises its rows, pushes their outputs into every peer's workspace, and copies the
     /// peers' rows' outputs from its own (kernels/fused.cu).
     FusedTwoShot,
+    /// All-reduce + residual add + RMSNorm for small calls: every row's lines pushed into every
+    /// peer's LL area with their flags, each row summed and normalised by the block that owns
+    /// it on every rank, no barrier (kernels/fused_ll.cu).
+    FusedLl,
 }
 
 /// How a path's kernel is named: `ipcr_<stem>[_w<W>]_<dtype>[_<op>]`.
@@ -109,7 +113,7 @@ const FU: Option<SgOp> = Some(SgOp::AddRmsNorm);
 
 /// Every path, in the order of [`CudaPath`] (row `i` is the path of code `i + 1`).
 #[rustfmt::skip]
-pub const TABLE: [PathRow; 17] = [
+pub const TABLE: [PathRow; 18] = [
     row(CudaPath::OneShotLl, 1, "oneshot-ll", "IPCR_PATH_ONESHOT_LL", AR, false, ("oneshotll", false, true)),
     row(CudaPath::OneShotLl12, 2, "oneshot-ll12", "IPCR_PATH_ONESHOT_LL12", AR, false, ("oneshotll12", false, true)),
     row(CudaPath::OneShotStaged, 3, "oneshot-staged", "IPCR_PATH_ONESHOT_STAGED", AR, false, ("oneshot", true, true)),
@@ -128,6 +132,7 @@ pub const TABLE: [PathRow; 17] = [
     row(CudaPath::FusedOneShot, 15, "fused-oneshot", "IPCR_PATH_FUSED_ONESHOT", FU, false, ("fusedoneshot", true, false)),
     row(CudaPath::FusedReference, 16, "fused-reference", "IPCR_PATH_FUSED_REFERENCE", FU, false, ("fusedref", false, false)),
     row(CudaPath::FusedTwoShot, 17, "fused-twoshot", "IPCR_PATH_FUSED_TWOSHOT", FU, false, ("fusedtwoshot", true, false)),
+    row(CudaPath::FusedLl, 18, "fused-ll", "IPCR_PATH_FUSED_LL", FU, false, ("fusedll", true, false)),
 ];
 
 /// The copy-engine path's barrier kernel (one block, any dtype).
@@ -135,8 +140,8 @@ pub const CE_BARRIER_KERNEL: &str = "ipcr_ce_barrier";
 
 impl CudaPath {
     /// Every path, [`TABLE`]'s order.
-    pub const ALL: [CudaPath; 17] = {
-        let mut all = [CudaPath::Empty; 17];
+    pub const ALL: [CudaPath; 18] = {
+        let mut all = [CudaPath::Empty; 18];
         let mut i = 0;
         while i < TABLE.len() {
             all[i] = TABLE[i].path;
@@ -278,6 +283,7 @@ mod tests {
             (CudaPath::FusedOneShot, "fused-oneshot"),
             (CudaPath::FusedReference, "fused-reference"),
             (CudaPath::FusedTwoShot, "fused-twoshot"),
+            (CudaPath::FusedLl, "fused-ll"),
         ];
         for (p, name) in want {
             assert_eq!(p.name(), name);
@@ -332,6 +338,7 @@ mod tests {
         for p in [
             CudaPath::FusedOneShot,
             CudaPath::FusedTwoShot,
+            CudaPath::FusedLl,
             CudaPath::FusedReference,
         ] {
             assert_eq!(p.row().op, Some(SgOp::AddRmsNorm));

@@ -1,5 +1,5 @@
 // ipcreduce fused all-reduce + residual add + RMSNorm (sum only), after staged.cu (its slots):
-// the one-shot and two-shot kernels, and the reference kernel (add + norm of an already
+// the one-shot and two-shot kernels (the LL one is fused_ll.cu), and the reference kernel (add + norm of an already
 // all-reduced buffer) the tests compare them with, bit for bit. Built on prims.cuh (its
 // invariants are numbered there); the two-shot kernel's layout and ordering are at it, below.
 //
@@ -93,19 +93,19 @@ template <typename D> __device__ __forceinline__ float fused_load_cg(const char 
     return D::load(b);
 }
 
-// Rank r's row: peers' from their slot, ours from our input.
+// Element i of rank r's row: peers' from their slot, ours from our input.
 struct FusedSrc {
     const Args &a;
     u64 slot_row; // byte offset of the row in a slot
     const char *own;
-    __device__ const char *operator()(int r) const {
-        return r == a.rank ? own : a.data[r] + slot_row;
+    template <typename D> __device__ float load(int r, u64 i) const {
+        return fused_load_cg<D>((r == a.rank ? own : a.data[r] + slot_row) + i * D::SIZE);
     }
 };
 // The reference kernel's only source: the all-reduced row.
 struct FusedOneSrc {
     const char *row;
-    __device__ const char *operator()(int) const { return row; }
+    template <typename D> __device__ float load(int, u64 i) const { return fused_load_cg<D>(row + i * D::SIZE); }
 };
 
 // Where a row's outputs go besides our own buffers: nowhere (one-shot, reference), or every
@@ -129,10 +129,10 @@ __device__ void fused_row(const FusedArgs &f, const Src &src, const Push &push, 
     float acc = 0.0f;
     if (active) {
         for (u64 i = j; i < H; i += FUSED_LANES) {
-            float s = fused_load_cg<D>(src(0) + i * D::SIZE);
+            float s = src.template load<D>(0, i);
 #pragma unroll
             for (int r = 1; r < W; r++)
-                if (r < world) s = __fadd_rn(s, fused_load_cg<D>(src(r) + i * D::SIZE));
+                if (r < world) s = __fadd_rn(s, src.template load<D>(r, i));
             s = fused_round<D>(s);
             const float v = fused_round<D>(__fadd_rn(s, D::load(f.residual + o + i * D::SIZE)));
             D::store(f.residual_out + o + i * D::SIZE, v);
