@@ -15,7 +15,9 @@
 # GPUTESTS_S=65 (the tests step's limit: every test of gpu_fused, both paths forced, takes
 # more, so raise it with BUDGET, or pick tests with GPU_TESTS_FILTER), GPU_FUSED_CASES
 # (random shapes per world, default 6), WORLDS="2 4", FUSED_PATHS="auto" (the bench once per
-# word: auto, oneshot, twoshot; IPCREDUCE_FUSED_PATH for the run, to measure the crossover).
+# word: auto, oneshot, twoshot, ll; IPCREDUCE_FUSED_PATH for the run, to measure the
+# crossovers; ll runs the tokens 1/8/32 only: it takes at most 1 MiB per rank, and a call it
+# cannot take is an argument error, which ends the run).
 set -u
 # shellcheck source=lib/steps.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib/steps.sh" || exit 2
@@ -53,10 +55,12 @@ if has bench; then
     for p in $FUSED_PATHS; do
       sfx=""
       [ "$p" = auto ] || sfx="-$p"
+      tokens=1,8,32,128,512
+      [ "$p" = ll ] && tokens=1,8,32
       for w in $WORLDS; do
         name="bench-w$w$sfx"
         step "$name" 18 env IPCREDUCE_FUSED_PATH="$p" "$BIN" fused-bench --backend cuda \
-          --ranks "$w" --hidden 4096,8192,16384 --tokens 1,8,32,128,512 --dtype bf16 -G 20 \
+          --ranks "$w" --hidden 4096,8192,16384 --tokens "$tokens" --dtype bf16 -G 20 \
           --rounds 3 --json "$OUT/$name.json"
         cp "$OUT/$name.log" "$OUT/$name.txt" 2>/dev/null
         echo "== fused-bench world $w, path $p"

@@ -6,10 +6,10 @@
 //!   and not, with and without the FP8 output: the fused call equals `all_reduce_raw` followed
 //!   by the reference kernel bit for bit, equals the independent CPU reference
 //!   (tests/common/fused_ref.rs) bit for bit, and every rank's outputs are the same;
-//! - the same sweep with each path forced (`IPCREDUCE_FUSED_PATH=oneshot|twoshot`), every
-//!   call checked to have taken it;
+//! - the same sweep with each path forced (`IPCREDUCE_FUSED_PATH=oneshot|twoshot|ll`; LL
+//!   only for the shapes it takes), every call checked to have taken it;
 //! - CUDA graph replays of the fused call with inputs that change between replays (auto, and
-//!   two-shot forced);
+//!   two-shot and LL forced);
 //! - ranks that pass another shape, eps, outputs or algorithm (so another path): a mismatch on
 //!   every rank, promptly.
 
@@ -17,7 +17,10 @@
 mod bufs;
 mod common;
 
-use bufs::{alloc, ck, differences, download, fused_args, unfused_sequence, upload, Bufs, Stream};
+use bufs::{
+    alloc, ck, differences, download, fingerprint, forced_path, forced_takes, fused_args, pair,
+    unfused_sequence, upload, Bufs, Stream, FUSED_PATH,
+};
 use common::fused_ref::{Case, Tensor};
 use common::{say, Job, Rank, Spawn, SECRET};
 use cudarc::driver::sys;
@@ -27,8 +30,6 @@ use std::time::{Duration, Instant};
 
 const ROLE: &str = "IPCREDUCE_GPU_FUSED_ROLE";
 const CASE: &str = "GPU_FUSED_CASE";
-/// The knob that forces the fused path (backend/cuda/fused_path.rs).
-const FUSED_PATH: &str = "IPCREDUCE_FUSED_PATH";
 const T: Duration = Duration::from_secs(600);
 /// How soon every rank must see a mismatch (the kernels' timeout is 8 s).
 const PROMPT: Duration = Duration::from_secs(2);
@@ -180,32 +181,6 @@ fn run_case(
     bad
 }
 
-/// The path name `IPCREDUCE_FUSED_PATH` forces on every fused call, if it does.
-fn forced_path() -> Option<&'static str> {
-    match std::env::var(FUSED_PATH).ok()?.as_str() {
-        "oneshot" => Some("fused-oneshot"),
-        "twoshot" => Some("fused-twoshot"),
-        _ => None,
-    }
-}
-
-/// FP8 bytes widened to 16-bit words (NaN-agnostic comparison does not apply: e4m3 has one
-/// NaN code per sign, which both sides produce alike).
-fn pair(b: &[u8]) -> Vec<u8> {
-    b.iter().flat_map(|x| [*x, 0]).collect()
-}
-
-fn fingerprint(parts: &[&[u8]]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for p in parts {
-        for x in p.iter() {
-            h ^= *x as u64;
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-    h
-}
-
 fn rank_sweep() -> i32 {
     let mut c = join(None);
     let world = c.world();
@@ -247,6 +222,9 @@ fn rank_sweep() -> i32 {
         }
     }
     for (k, case) in shapes.iter().enumerate() {
+        if !forced_takes(case.tokens, case.hidden, case.dtype) {
+            continue;
+        }
         let algo = [Algorithm::Auto, Algorithm::OneShot, Algorithm::TwoShot][k % 3];
         for (in_place, reg) in [(false, false), (true, false), (false, true), (true, true)] {
             let bad = run_case(&mut c, &s, case, algo, in_place, reg, true);
@@ -276,6 +254,9 @@ fn rank_graph() -> i32 {
         (16, 8191, DType::F16),
         (64, 2048, DType::F32),
     ] {
+        if !forced_takes(tokens, hidden, dtype) {
+            continue;
+        }
         let first = Case::with(1, world, tokens, hidden, dtype, 1e-6, Some(0.05));
         let n = tokens * hidden;
         let bytes = n * dtype.size();
@@ -468,7 +449,7 @@ fn fused_equals_all_reduce_plus_reference_at_worlds_2_4_8() {
 fn fused_paths_forced_by_the_knob_equal_the_reference_at_worlds_2_4_8() {
     play_rank_if_child();
     let test = "fused_paths_forced_by_the_knob_equal_the_reference_at_worlds_2_4_8";
-    for path in ["twoshot", "oneshot"] {
+    for path in ["twoshot", "ll", "oneshot"] {
         for world in [2, 4, 8] {
             expect_done(
                 &run_role(test, "sweep", world, &[(FUSED_PATH, path)]),
@@ -479,14 +460,16 @@ fn fused_paths_forced_by_the_knob_equal_the_reference_at_worlds_2_4_8() {
 }
 
 #[test]
-fn fused_two_shot_graph_replays_with_changing_inputs() {
+fn fused_forced_paths_graph_replays_with_changing_inputs() {
     play_rank_if_child();
-    let test = "fused_two_shot_graph_replays_with_changing_inputs";
-    for world in [2, 4, 8] {
-        expect_done(
-            &run_role(test, "graph", world, &[(FUSED_PATH, "twoshot")]),
-            &format!("two-shot graph world {world}"),
-        );
+    let test = "fused_forced_paths_graph_replays_with_changing_inputs";
+    for path in ["twoshot", "ll"] {
+        for world in [2, 4, 8] {
+            expect_done(
+                &run_role(test, "graph", world, &[(FUSED_PATH, path)]),
+                &format!("{path} graph world {world}"),
+            );
+        }
     }
 }
 

@@ -1,6 +1,6 @@
 //! The fused GPU tests' device side: a stream, the case's tensors (plain or in a registered
 //! buffer), copies to and from them, the call's arguments, the bitwise comparison and the
-//! unfused sequence the fused call is compared with.
+//! unfused sequence the fused call is compared with; the path the knob forces.
 
 use super::common::fused_ref::{Case, Tensor};
 use cudarc::driver::sys;
@@ -241,4 +241,46 @@ pub unsafe fn unfused_sequence(
         c.add_rms_norm_reference_raw(&r, stream)
             .unwrap_or_else(|e| panic!("reference: {e}"));
     }
+}
+
+/// The knob that forces the fused path (backend/cuda/fused_path.rs).
+pub const FUSED_PATH: &str = "IPCREDUCE_FUSED_PATH";
+
+/// The path name `IPCREDUCE_FUSED_PATH` forces on every fused call, if it does.
+pub fn forced_path() -> Option<&'static str> {
+    match std::env::var(FUSED_PATH).ok()?.as_str() {
+        "oneshot" => Some("fused-oneshot"),
+        "twoshot" => Some("fused-twoshot"),
+        "ll" => Some("fused-ll"),
+        _ => None,
+    }
+}
+
+/// Whether `case` can run on the LL path (backend/cuda/fused_path.rs `ll_fits`): rows of whole
+/// 8-byte lines, at most the LL area's 1 MiB per rank. Forced LL refuses the others, so the
+/// forced sweep leaves them out.
+pub fn ll_fits(tokens: usize, hidden: usize, dtype: DType) -> bool {
+    (hidden * dtype.size()).is_multiple_of(8) && tokens * hidden * dtype.size() <= 1 << 20
+}
+
+/// Whether the forced path (if any) takes this shape.
+pub fn forced_takes(tokens: usize, hidden: usize, dtype: DType) -> bool {
+    forced_path() != Some("fused-ll") || ll_fits(tokens, hidden, dtype)
+}
+
+/// FP8 bytes widened to 16-bit words (NaN-agnostic comparison does not apply: e4m3 has one
+/// NaN code per sign, which both sides produce alike).
+pub fn pair(b: &[u8]) -> Vec<u8> {
+    b.iter().flat_map(|x| [*x, 0]).collect()
+}
+
+pub fn fingerprint(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for x in p.iter() {
+            h ^= *x as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
 }
