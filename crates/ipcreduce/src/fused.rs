@@ -1,7 +1,7 @@
 //! All-reduce + residual add + RMSNorm (+ optional FP8 output) in one call: the end of every
 //! tensor-parallel decoder layer.
 //!
-//! # Numerics (every backend, every path: bitwise the same on every rank)
+//! # Numerics (every backend, every path: bitwise the same)
 //! Per element `i` of row `t` (`x_q` = rank q's input, `r` = residual, `w` = weight):
 //! 1. `s = round(x_0 + x_1 + ... + x_{W-1})`: the sum in rank order 0..W-1 in f32, rounded
 //!    once to the dtype (exactly the all-reduce's result);
@@ -19,17 +19,19 @@
 //! Rounding is to nearest even. Since every step is defined, the fused call equals the unfused
 //! sequence (all-reduce, then the reference add + norm with the same tree) bit for bit.
 //!
-//! `residual`, `weight` and the fp8 scale are expected to be the same on every rank (tensor
-//! parallelism replicates them): a two-shot call normalises each row on one rank, with that
-//! rank's, and every rank gets the result.
+//! Each rank's `residual`, `weight` and fp8 scale are its own and need not match the other
+//! ranks' (the shape, the eps bits and the outputs are what ranks must agree on): on every path a
+//! rank's outputs are the all-reduced sum followed by the add + norm with its own. The
+//! two-shot path moves the sums of each rank's rows once (each row summed by one rank, its sum
+//! read by every rank) and every rank normalises every row.
 //!
 //! # Arguments
 //! Pointers are aligned at least to their element (fp8: 1 byte, scale: 4 bytes); the cuda
 //! kernels pick the widest vector every pointer and the row stride allow. `tokens` 0 is a call
 //! like any other (its identity is compared; no buffer is touched). Aliasing: `out` may equal
 //! `input` and `residual_out` may equal `residual` (in place, as inference servers call it);
-//! any other overlap between the six buffers is refused (a two-shot rank writes other ranks'
-//! rows of `out` and `residual_out` while they still read theirs).
+//! any other overlap between the six buffers is refused (the kernels read a row's input and
+//! residual and write its outputs in an order only those exact aliases survive).
 
 use crate::error::{Error, Result};
 use crate::plan::{self, Fabric};
@@ -134,8 +136,8 @@ impl Shape {
 /// runs one-shot, at 2, 3-4 and 5+ ranks; two-shot above. A first guess that awaits
 /// measurement (`ipcreduce fused-bench` prints the path of every row; `IPCREDUCE_FUSED_PATH`
 /// forces one): every rank of a one-shot call reads and normalises every row, so its work
-/// grows with the ranks, while two-shot normalises each row once but adds a barrier and the
-/// push and gather of the outputs. The unfused all-reduce's one-shot limits at 4 and 8 ranks
+/// grows with the ranks, while two-shot reads each peer's rows once, in a share, and the sums
+/// once, at the cost of a second barrier. The unfused all-reduce's one-shot limits at 4 and 8 ranks
 /// (their reasoning is [`plan::oneshot_max_bytes`]'s); at 2 ranks, where the one-shot kernel
 /// kept up with the unfused sequence up to 4 MiB at 128 tokens but not at 512, 2 MiB.
 pub const CUDA_ONESHOT_MAX: [usize; 3] = [2 << 20, 256 << 10, 128 << 10];

@@ -3,8 +3,9 @@
 //!
 //! One kernel per call: [`FusedOneShot`](super::paths::CudaPath::FusedOneShot) (the input staged through the workspace in
 //! chunks of whole rows, every rank's rows summed in rank order, each row normalised in the
-//! same kernel) or [`FusedTwoShot`](super::paths::CudaPath::FusedTwoShot) (rows dealt to ranks, each normalised once by
-//! its owner and its outputs gathered by every peer) or, for small calls,
+//! same kernel) or [`FusedTwoShot`](super::paths::CudaPath::FusedTwoShot) (rows dealt to ranks, each summed once by
+//! its owner, every row's sum read by every rank and normalised there with its own residual
+//! and weight) or, for small calls,
 //! [`FusedLl`](super::paths::CudaPath::FusedLl) (the rows' lines pushed into every peer's LL
 //! area, no barrier); which one and how the rows lie in a slot:
 //! fused_path.rs. Its identity carries the path, the shape, the eps bits and the outputs
@@ -230,7 +231,7 @@ mod tests {
             }
             assert!(ptx.contains("cvt.rn.satfinite.e4m3x2.f32"));
         }
-        for w in [2, 4] {
+        for w in [2, 4, 8] {
             let all = kernels::resources("sm_90", w).unwrap_or_else(|e| panic!("{e}"));
             for name in names(w) {
                 let k = all.iter().find(|k| k.kernel == name).unwrap();

@@ -48,12 +48,13 @@ pub struct Layout {
 
 /// Bytes a row takes in a slot on `path`: the one-shot kernel stages the input rows back to back
 /// (it copies pairs of rows at once); in the two-shot kernel a row's place holds either the
-/// input row (for its owner) or the owner's outputs of it (out, residual_out, fp8, for the
-/// peers), on a 16-byte stride (kernels/fused.cu).
+/// input row (for its owner) or the owner's sum of it (for every rank), one row of the dtype
+/// either way, on a 16-byte stride so that rows copy 16 bytes at a time (kernels/fused.cu).
+/// The slot is a multiple of 16 bytes, so a two-shot row fits wherever a one-shot row does.
 pub fn row_stride(path: CudaPath, s: &Shape, size: usize) -> usize {
     let row = s.hidden * size;
     match path {
-        CudaPath::FusedTwoShot => (2 * row + if s.fp8 { s.hidden } else { 0 }).next_multiple_of(16),
+        CudaPath::FusedTwoShot => row.next_multiple_of(16),
         _ => row,
     }
 }
@@ -74,9 +75,8 @@ pub fn ll_fits(s: &Shape, size: usize, max: usize) -> bool {
     (s.hidden * size).is_multiple_of(8) && bytes <= max.min(LL_MAX_BYTES)
 }
 
-/// The path and layout of a call: `forced` if set, else the algorithm's kernel. A two-shot
-/// call whose row outputs do not fit a slot runs one-shot when its input row does (the slot
-/// size is agreed, so every rank falls back alike); a row that fits neither is an error.
+/// The path and layout of a call: `forced` if set, else the algorithm's kernel. A row that does
+/// not fit a slot is an error (on either staged path the same: see [`row_stride`]).
 pub fn layout(
     rank: usize,
     forced: Option<CudaPath>,
@@ -110,29 +110,25 @@ pub fn layout(
         });
     }
     let slot_bytes = room.slot_bytes;
-    let fit = |path| {
-        let stride = row_stride(path, s, size);
-        (slot_bytes / stride > 0).then(|| Layout {
+    let stride = row_stride(path, s, size);
+    (slot_bytes / stride > 0)
+        .then(|| Layout {
             path,
             rows_per_chunk: (slot_bytes / stride).min(s.tokens),
             stride,
         })
-    };
-    let fallback = (forced.is_none() && path == CudaPath::FusedTwoShot)
-        .then(|| fit(CudaPath::FusedOneShot))
-        .flatten();
-    fit(path).or(fallback).ok_or_else(|| {
-        let need = row_stride(path, s, size);
-        Error::invalid(
-            rank,
-            fused::NAME,
-            format!(
-                "a row takes {need} bytes of the workspace slot on {} but the slot has \
+        .ok_or_else(|| {
+            let need = stride;
+            Error::invalid(
+                rank,
+                fused::NAME,
+                format!(
+                    "a row takes {need} bytes of the workspace slot on {} but the slot has \
                  {slot_bytes}: raise IPCREDUCE_WORKSPACE_BYTES",
-                path.name()
-            ),
-        )
-    })
+                    path.name()
+                ),
+            )
+        })
 }
 
 /// CTAs of a call, from the identity (rows, slot, world) and the agreed cap: one per pair of
@@ -191,7 +187,7 @@ mod tests {
     }
 
     #[test]
-    fn rows_lie_back_to_back_one_shot_and_with_their_outputs_two_shot() {
+    fn rows_lie_back_to_back_one_shot_and_on_a_16_byte_stride_two_shot() {
         let bf16 =
             |algo, tokens, fp8| layout(0, None, algo, room(1 << 20), &s(tokens, 4096, fp8), 2);
         let one = bf16(Algorithm::OneShot, 512, false).unwrap();
@@ -201,10 +197,11 @@ mod tests {
         );
         let two = bf16(Algorithm::TwoShot, 512, true).unwrap();
         assert_eq!(two.path, CudaPath::FusedTwoShot);
-        assert_eq!((two.rows_per_chunk, two.stride), (51, 2 * 8192 + 4096));
+        // The sums, not the outputs: one row of the dtype, with or without fp8.
+        assert_eq!((two.rows_per_chunk, two.stride), (128, 8192));
         // Odd widths: a 16-byte stride.
         let stride = |fp8| row_stride(CudaPath::FusedTwoShot, &s(3, 4095, fp8), 2);
-        assert_eq!((stride(true), stride(false)), (20480, 16384));
+        assert_eq!((stride(true), stride(false)), (8192, 8192));
         // The knob wins over the algorithm.
         let forced = Some(CudaPath::FusedTwoShot);
         let l = layout(
@@ -262,17 +259,17 @@ mod tests {
     }
 
     #[test]
-    fn a_two_shot_row_too_wide_for_the_slot_falls_back_unless_forced() {
-        // 4096 bf16 = 8192 bytes: fits a 10000-byte slot alone, not with its outputs.
-        let shape = s(4, 4096, false);
-        let l = layout(0, None, Algorithm::TwoShot, room(10_000), &shape, 2).unwrap();
-        assert_eq!((l.path, l.rows_per_chunk), (CudaPath::FusedOneShot, 1));
+    fn a_row_too_wide_for_the_slot_is_an_error_naming_the_path() {
+        // 4096 bf16 = 8192 bytes: two-shot no longer needs room for the outputs.
+        let shape = s(4, 4096, true);
+        let l = layout(0, None, Algorithm::TwoShot, room(8192), &shape, 2).unwrap();
+        assert_eq!((l.path, l.rows_per_chunk), (CudaPath::FusedTwoShot, 1));
         let forced = Some(CudaPath::FusedTwoShot);
-        let e = layout(2, forced, Algorithm::Auto, room(10_000), &shape, 2)
+        let e = layout(2, forced, Algorithm::Auto, room(8176), &shape, 2)
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("rank 2") && e.contains("16384 bytes") && e.contains("fused-twoshot"),
+            e.contains("rank 2") && e.contains("8192 bytes") && e.contains("fused-twoshot"),
             "{e}"
         );
         let e = layout(0, None, Algorithm::OneShot, room(8000), &shape, 2)

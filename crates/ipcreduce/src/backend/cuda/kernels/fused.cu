@@ -10,8 +10,9 @@
 // (IEEE division and square root); y = (f32(residual_out) * rstd) * f32(weight); out = round(y);
 // fp8 = e4m3 satfinite of y / scale. Every step is written with its _rn intrinsic, so neither
 // contraction nor a fast approximation can change a rounding. The tree does not depend on the
-// grid, the chunking or the rank: every rank's outputs are bitwise the same, and equal to the
-// all-reduce followed by the reference kernel.
+// grid, the chunking or the path: a rank's outputs are bitwise the same on every path, and equal
+// to the all-reduce followed by the reference kernel with that rank's residual, weight and scale
+// (each rank may pass its own).
 //
 // Work split. 512 threads per block (prims.cuh's ENTRY bounds, so the CTA caps hold): the two
 // halves of the block take one row each, thread j of a half being lane j of its row. Rows are
@@ -108,20 +109,11 @@ struct FusedOneSrc {
     template <typename D> __device__ float load(int, u64 i) const { return fused_load_cg<D>(row + i * D::SIZE); }
 };
 
-// Where a row's outputs go besides our own buffers: nowhere (one-shot, reference), or every
-// the row's place in our slot (two-shot, FusedKeep below). Called by the thread that stored
-// the element.
-struct FusedNoPush {
-    __device__ void res(u64, float) const {}
-    __device__ void out(u64, float) const {}
-    __device__ void fp8(u64, unsigned char) const {}
-};
-
 // One row's sum and epilogue, by one half of the block (`lanes`: its FUSED_LANES floats of
 // shared memory). Every thread of the block calls it together (barriers); a half without a row
 // (`active` false) only takes part in them.
-template <typename D, int W, typename Src, typename Push>
-__device__ void fused_row(const FusedArgs &f, const Src &src, const Push &push, int world, u64 row,
+template <typename D, int W, typename Src>
+__device__ void fused_row(const FusedArgs &f, const Src &src, int world, u64 row,
                           bool active, float *lanes) {
     const u32 j = threadIdx.x % FUSED_LANES;
     const u64 H = f.hidden;
@@ -136,7 +128,6 @@ __device__ void fused_row(const FusedArgs &f, const Src &src, const Push &push, 
             s = fused_round<D>(s);
             const float v = fused_round<D>(__fadd_rn(s, D::load(f.residual + o + i * D::SIZE)));
             D::store(f.residual_out + o + i * D::SIZE, v);
-            push.res(i, v);
             acc = __fmaf_rn(v, v, acc);
         }
     }
@@ -157,12 +148,7 @@ __device__ void fused_row(const FusedArgs &f, const Src &src, const Push &push, 
             const float r = D::load(f.residual_out + o + i * D::SIZE);
             const float y = __fmul_rn(__fmul_rn(r, rstd), D::load(f.weight + i * D::SIZE));
             D::store(f.a.recv + o + i * D::SIZE, y);
-            push.out(i, y);
-            if (f.fp8_out) {
-                const unsigned char q = fused_e4m3(__fdiv_rn(y, scale));
-                f.fp8_out[row * H + i] = q;
-                push.fp8(i, q);
-            }
+            if (f.fp8_out) f.fp8_out[row * H + i] = fused_e4m3(__fdiv_rn(y, scale));
         }
     }
     // lanes[0] was read by every thread: the next row's lanes wait for all of them.
@@ -216,7 +202,7 @@ template <typename D, int W> __device__ void fused_one_shot(const FusedArgs &f) 
             const bool active = lr < n;
             const u64 lrc = active ? lr : 0;
             fused_row<D, W>(f, FusedSrc{a, off + lrc * row_bytes, a.send + (r0 + lrc) * row_bytes},
-                            FusedNoPush{}, a.world, r0 + lrc, active, lanes[half]);
+                            a.world, r0 + lrc, active, lanes[half]);
         }
     }
     if (threadIdx.x == 0) ctr[0] = F;
@@ -224,48 +210,50 @@ template <typename D, int W> __device__ void fused_one_shot(const FusedArgs &f) 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Two-shot: rows dealt to ranks. Each rank reduces and normalises its share of the rows once and
-// leaves their outputs in its slot, from where every peer copies them into its own outputs:
-// every rank reads and normalises 1/W of the rows instead of all of them.
+// Two-shot: rows dealt to ranks. Each rank sums its share of the rows once (reduce-scatter) and
+// leaves the rounded sums in its slot, from where every rank reads every row's sum and runs the
+// epilogue with its own residual, weight, eps and fp8 scale (all-gather of the sums): every rank
+// reads 1/W of the peers' input rows instead of all of them, and its outputs are bitwise the
+// one-shot's and the reference's whatever the other ranks' residual and weight are.
 //
 // Layout. Chunk k (rows_per_chunk rows, so that a chunk fits a slot) lives in slot parity
-// (L0 + k) & 1 of every rank's data area, as in the one-shot kernel, but local row lr at
-// lr * slot_stride bytes: room for the row's outputs, out at +0 (hidden elements), residual_out
-// at +hidden * size, the fp8 row at +2 * hidden * size. A peer-owned row's place holds our input
-// row (at +0) for its owner; an own row's place holds the row's outputs for the peers. Local
-// rows go in pairs (the block's two halves): pair p = lr / 2 is owned by rank p mod W and handled
-// by block (p / W) mod grid on every rank (the grid and rows_per_chunk follow from the identity).
-// So block b of every rank touches the same rows of every slot, and in the short last chunk a
-// subset of them.
+// (L0 + k) & 1 of every rank's data area, as in the one-shot kernel, local row lr at
+// lr * slot_stride bytes (hidden elements, on a 16-byte stride). The place of a row a peer owns
+// holds our input row, for its owner; the place of a row we own (which no copy-in writes: our
+// own rows are read from our input) holds the row's sum s = round(x_0 + ... + x_{W-1}), for
+// every rank. Local rows go in pairs (the block's two halves): pair p = lr / 2 is owned by rank
+// p mod W and handled by block (p / W) mod grid on every rank (the grid and rows_per_chunk
+// follow from the identity). So block b of every rank touches the same rows of every slot, in
+// both phases, and in the short last chunk a subset of them.
 //
 // One block, per chunk k: (1) copy-in: our input rows of block b's pairs that a peer owns, into
 // our slot; (2) barrier A_k with block b of every peer; (3) reduce: each row of a pair we own,
-// summed in rank order from the owners' copies in every peer's slot and our input, normalised by
-// fused_row (the one-shot's numerics and tree, so the outputs are bitwise the one-shot's), stored
-// into our outputs and into the row's place in our slot; (4) barrier B_k; (5) gather: every row
-// of block b's pairs owned by a peer, from the owner's slot into our outputs; then copy-in (1)
+// summed in rank order in f32 from the peers' copies in their slots and our input, rounded to
+// the dtype (the one-shot's first step), stored at the row's place in our slot; (4) barrier B_k
+// with block b of every peer; (5) epilogue: every row of block b's pairs, its sum read from the
+// owner's slot (ours for our rows) and normalised by fused_row with our residual, weight and
+// scale (the one-shot's numerics and tree: s is the one-shot's s, bit for bit); then copy-in (1)
 // of chunk k+1.
 //
 // Reuse of the slots. Our slot's rows of block b in chunk k are written by us only, in (1)
-// (peers' rows, before A_k) and (3) (ours, between A_k and B_k); they are read by the owners in
-// (3) (between A_k and B_k, the peers' rows) and by every peer in (5) (after B_k and before the
-// peer enters A_{k+1}, our rows), so neither write races a read of the same chunk. The next
-// write of that parity, chunk k+2's copy-in, follows B_{k+1}, which every peer enters only after
-// its gather (5) of chunk k; our own gather of k precedes it in program order (barriers begin
-// with __syncthreads). Across calls: peers may still be gathering the last chunk from our slot
-// when the call ends (no end barrier), exactly as peers of staged.cu's one-shot kernel may still
-// read it; the next call's first chunk takes the other parity (the rank-wide chunk counter), and
-// nothing writes the last chunk's parity before the next call's first barriers, which a peer
-// enters only after this call completed. So staged.cu's argument holds unchanged.
+// (peers' rows, before A_k) and (3) (ours, between A_k and B_k, at places (1) never writes);
+// they are read by the owners in (3) (between A_k and B_k, the peers' rows) and by every rank in
+// (5) (after B_k and before it enters A_{k+1}, our rows), so no write races a read of the same
+// chunk. The next writes of that parity, chunk k+2's copy-in and sums, follow B_{k+1}, which
+// every peer enters only after its epilogue (5) of chunk k; our own (5) of k precedes them in
+// program order (barriers begin with __syncthreads). Chunk k+1's copy-in, after our (5) of k,
+// writes the other parity, last read by the peers in their (5) of chunk k-1, before they entered
+// A_k, which we passed. Across calls: peers may still be reading the last chunk's sums from our
+// slot when the call ends (no end barrier), exactly as peers of staged.cu's one-shot kernel may
+// still read it; the next call's first chunk takes the other parity (the rank-wide chunk
+// counter), and nothing writes the last chunk's parity before the next call's first barriers,
+// which a peer enters only after this call completed. So staged.cu's argument holds unchanged.
 //
-// Aliasing. Our input is read only by us: (1), and (3) for our own rows; with out == input the
-// gather (5) writes rows that (1) of the same chunk read before A_k, and never a row (3) reads.
-// residual is read only for our own rows in (3), by the thread that then writes residual_out
-// there (as in the one-shot kernel); residual_out of a peer's row is written in (5) only.
-//
-// The owner's residual, weight and fp8 scale make the row's outputs on every rank: equal to the
-// one-shot's and the reference's when every rank passes the same ones (tensor parallelism
-// replicates them; crate::fused documents it).
+// Aliasing. Our input is read only by us, in (1) and (3) of its chunk, before B_k; with
+// out == input the epilogue (5) of chunk k writes only rows of chunk k, after B_k (and block b
+// only the rows of its pairs, which no other block reads). residual is read only in (5), by the
+// thread that then writes residual_out there (as in the one-shot kernel), and out is written by
+// that thread after the row's tree. Peers only read our slot.
 
 // The unsigned integer of an element's size (copies move bits, converting nothing).
 template <int S> struct FusedUnit;
@@ -273,8 +261,8 @@ template <> struct FusedUnit<4> { typedef unsigned int T; };
 template <> struct FusedUnit<2> { typedef unsigned short T; };
 template <> struct FusedUnit<1> { typedef unsigned char T; };
 
-// `n` units of T from `src` (memory peers write: .cg loads) to `dst` by the whole block, 16
-// bytes at a time where both addresses and the length allow.
+// `n` units of T from `src` to `dst` by the whole block, 16 bytes at a time where both
+// addresses and the length allow.
 template <typename T> __device__ __forceinline__ void fused_copy(char *dst, const char *src, u64 n) {
     const u64 bytes = n * sizeof(T);
     if ((((u64)dst | (u64)src | bytes) & 15) == 0) {
@@ -284,16 +272,6 @@ template <typename T> __device__ __forceinline__ void fused_copy(char *dst, cons
         for (u64 i = threadIdx.x; i < n; i += blockDim.x) ((T *)dst)[i] = __ldcg((const T *)src + i);
     }
 }
-
-// A row we own: every element's outputs also into the row's place in our slot (`row`), where
-// the peers' gathers read them, by the thread that stored it in our outputs.
-template <typename D> struct FusedKeep {
-    char *row;
-    u64 hidden;
-    __device__ void out(u64 i, float y) const { D::store(row + i * D::SIZE, y); }
-    __device__ void res(u64 i, float v) const { D::store(row + (hidden + i) * D::SIZE, v); }
-    __device__ void fp8(u64 i, unsigned char q) const { *(unsigned char *)(row + 2 * hidden * D::SIZE + i) = q; }
-};
 
 // (1): our input rows of block b's pairs a peer owns, of the chunk at row r0 (n rows), into our
 // slot of chunk counter L.
@@ -310,23 +288,27 @@ template <typename D> __device__ void fused_two_copy_in(const FusedArgs &f, u32 
         }
 }
 
-// (5): the outputs of block b's pairs a peer owns, from the owner's slot at `off` into our
-// outputs.
-template <typename D> __device__ void fused_gather(const FusedArgs &f, u64 off, u64 r0, u64 n) {
+// (3): the sums of block b's pairs we own, of the chunk at slot offset `off` (row r0, n rows),
+// each element by one thread, in rank order as fused_row sums them, into our slot.
+template <typename D, int W> __device__ void fused_two_sum(const FusedArgs &f, u64 off, u64 r0, u64 n) {
     const Args &a = f.a;
     const u64 H = f.hidden, row_bytes = H * D::SIZE;
-    for (u64 q = blockIdx.x; 2 * q * a.world < n; q += gridDim.x)
-        for (int r = 0; r < a.world; r++) {
-            const u64 p = q * a.world + r;
-            if (r == a.rank) continue;
-            for (u64 lr = 2 * p; lr < min(2 * p + 2, n); lr++) {
-                const char *s = a.data[r] + off + lr * f.slot_stride;
-                const u64 row = r0 + lr;
-                fused_copy<typename FusedUnit<D::SIZE>::T>(a.recv + row * row_bytes, s, H);
-                fused_copy<typename FusedUnit<D::SIZE>::T>(f.residual_out + row * row_bytes, s + row_bytes, H);
-                if (f.fp8_out) fused_copy<unsigned char>((char *)f.fp8_out + row * H, s + 2 * row_bytes, H);
+    char *slot = a.data[a.rank] + off;
+    for (u64 q = blockIdx.x;; q += gridDim.x) {
+        const u64 p = q * a.world + a.rank;
+        if (2 * p >= n) break;
+        for (u64 lr = 2 * p; lr < min(2 * p + 2, n); lr++) {
+            const FusedSrc src{a, off + lr * f.slot_stride, a.send + (r0 + lr) * row_bytes};
+            char *dst = slot + lr * f.slot_stride;
+            for (u64 i = threadIdx.x; i < H; i += blockDim.x) {
+                float s = src.template load<D>(0, i);
+#pragma unroll
+                for (int r = 1; r < W; r++)
+                    if (r < a.world) s = __fadd_rn(s, src.template load<D>(r, i));
+                D::store(dst + i * D::SIZE, s);
             }
         }
+    }
 }
 
 template <typename D, int W> __device__ void fused_two_shot(const FusedArgs &f) {
@@ -339,7 +321,6 @@ template <typename D, int W> __device__ void fused_two_shot(const FusedArgs &f) 
     const u32 L0 = *(volatile u32 *)&st[3];
     const u64 rpc = f.rows_per_chunk;
     const u32 chunks = (u32)((f.tokens + rpc - 1) / rpc);
-    const u64 row_bytes = f.hidden * D::SIZE;
     const int half = threadIdx.x / FUSED_LANES;
     fused_two_copy_in<D>(f, L0, 0, min(rpc, f.tokens));
     for (u32 k = 0; k < chunks; k++) {
@@ -347,20 +328,19 @@ template <typename D, int W> __device__ void fused_two_shot(const FusedArgs &f) 
         const u64 n = min(rpc, f.tokens - r0);
         const u64 off = slot_offset(a, L0 + k);
         if (!barrier(a, F, call, k == 0)) break;
-        // Our pairs of block b: pair q * W + rank for q = b, b + grid, ... (block-uniform).
-        for (u64 q = blockIdx.x;; q += gridDim.x) {
-            const u64 p = q * a.world + a.rank;
-            if (2 * p >= n) break;
-            const u64 lr = 2 * p + half;
-            const bool active = lr < n;
-            const u64 lrc = active ? lr : 2 * p;
-            const u64 srow = off + lrc * f.slot_stride;
-            fused_row<D, W>(f, FusedSrc{a, srow, a.send + (r0 + lrc) * row_bytes},
-                            FusedKeep<D>{a.data[a.rank] + srow, f.hidden}, a.world, r0 + lrc, active,
-                            lanes[half]);
-        }
+        fused_two_sum<D, W>(f, off, r0, n);
         if (!barrier(a, F, call)) break;
-        fused_gather<D>(f, off, r0, n);
+        // Every pair of block b: pair q * W + r, owned by rank r (block-uniform).
+        for (u64 q = blockIdx.x; 2 * q * a.world < n; q += gridDim.x)
+            for (int r = 0; r < a.world; r++) {
+                const u64 p = q * a.world + r;
+                if (2 * p >= n) break;
+                const u64 lr = 2 * p + half;
+                const bool active = lr < n;
+                const u64 lrc = active ? lr : 2 * p;
+                fused_row<D, 1>(f, FusedOneSrc{a.data[r] + off + lrc * f.slot_stride}, 1,
+                                r0 + lrc, active, lanes[half]);
+            }
         if (k + 1 < chunks) fused_two_copy_in<D>(f, L0 + k + 1, r0 + rpc, min(rpc, f.tokens - r0 - rpc));
     }
     if (threadIdx.x == 0) ctr[0] = F;
@@ -376,7 +356,7 @@ template <typename D> __device__ void fused_reference(const FusedArgs &f) {
         const u64 row = 2 * p + half;
         const bool active = row < f.tokens;
         const u64 rc = active ? row : 0;
-        fused_row<D, 1>(f, FusedOneSrc{f.a.send + rc * row_bytes}, FusedNoPush{}, 1, rc, active,
+        fused_row<D, 1>(f, FusedOneSrc{f.a.send + rc * row_bytes}, 1, rc, active,
                         lanes[half]);
     }
 }

@@ -95,7 +95,7 @@ template <typename D, int W> __device__ void fused_ll(const FusedArgs &f) {
         const bool active = lr < f.tokens;
         const u64 row = active ? lr : 2 * p;
         fused_row<D, W>(f, FusedLlSrc{a, a.send + row * row_bytes, row * row_lines, parity, flag, &ok},
-                        FusedNoPush{}, a.world, row, active, lanes[half]);
+                        a.world, row, active, lanes[half]);
         // Every lane's reads of the row are behind fused_row's __syncthreads: clear its lines.
         if (active)
             for (u64 l = j; l < row_lines; l += FUSED_LANES)
