@@ -70,12 +70,12 @@ enum Place {
 fn run_case(c: &mut Communicator, case: &Case, algo: Algorithm, place: Place) -> Vec<String> {
     let (d, n) = (case.dtype, case.tokens * case.hidden);
     let mut input = Tensor::new(d, &case.inputs[c.rank()]);
-    let mut residual = Tensor::new(d, &case.residual);
-    let mut weight = Tensor::new(d, &case.weight);
+    let mut residual = Tensor::new(d, &case.residuals[c.rank()]);
+    let mut weight = Tensor::new(d, &case.weights[c.rank()]);
     let mut out = Tensor::new(d, &vec![f32::NAN; n]);
     let mut res_out = Tensor::new(d, &vec![f32::NAN; n]);
     let mut fp8 = vec![0xAAu8; n.max(1)];
-    let scale = case.scale.unwrap_or(0.0);
+    let scale = case.scale_of(c.rank()).unwrap_or(0.0);
     let (out_p, res_p) = match place {
         Place::Out => (out.ptr(), res_out.ptr()),
         Place::InPlace => (input.ptr(), residual.ptr()),
@@ -110,7 +110,7 @@ fn run_case(c: &mut Communicator, case: &Case, algo: Algorithm, place: Place) ->
         Place::Out => (&mut out, &mut res_out),
         Place::InPlace => (&mut input, &mut residual),
     };
-    let want = case.expected();
+    let want = case.expected(c.rank());
     let mut bad = Vec::new();
     #[allow(clippy::needless_range_loop)] // four tensors indexed alike
     for i in 0..n {

@@ -91,16 +91,20 @@ pub fn e4m3_nearest(x: f32) -> u8 {
 }
 
 /// One call's inputs on every rank, and the expected outputs (values as f32 of the dtype).
+/// Every rank passes its own residual, weight and fp8 scale (none equal to another rank's), so
+/// a path that normalised a row with another rank's would differ from the reference.
 pub struct Case {
     pub tokens: usize,
     pub hidden: usize,
     pub dtype: DType,
     pub eps: f32,
+    /// Rank 0's fp8 scale (see [`Case::scale_of`]), or no fp8 output.
     pub scale: Option<f32>,
     /// inputs[q]: rank q's partial sums.
     pub inputs: Vec<Vec<f32>>,
-    pub residual: Vec<f32>,
-    pub weight: Vec<f32>,
+    /// residuals[q], weights[q]: rank q's.
+    pub residuals: Vec<Vec<f32>>,
+    pub weights: Vec<Vec<f32>>,
 }
 
 pub struct Expected {
@@ -137,6 +141,8 @@ impl Case {
                 .collect()
         };
         let inputs = (0..world).map(|_| gen(-2.0, 2.0, n)).collect();
+        let residuals = (0..world).map(|_| gen(-1.0, 1.0, n)).collect();
+        let weights = (0..world).map(|_| gen(0.5, 1.5, hidden)).collect();
         Case {
             tokens,
             hidden,
@@ -144,12 +150,21 @@ impl Case {
             eps,
             scale,
             inputs,
-            residual: gen(-1.0, 1.0, n),
-            weight: gen(0.5, 1.5, hidden),
+            residuals,
+            weights,
         }
     }
 
-    pub fn expected(&self) -> Expected {
+    /// Rank q's fp8 scale: rank 0's times 1 + q / 4 (every rank's another).
+    pub fn scale_of(&self, rank: usize) -> Option<f32> {
+        self.scale.map(|s| s * (1.0 + rank as f32 / 4.0))
+    }
+
+    /// Rank `rank`'s outputs: the all-reduced sum, then the add + norm with that rank's
+    /// residual, weight and scale.
+    pub fn expected(&self, rank: usize) -> Expected {
+        let (residual, weight) = (&self.residuals[rank], &self.weights[rank]);
+        let scale = self.scale_of(rank);
         let (h, d) = (self.hidden, self.dtype);
         let n = self.tokens * h;
         let mut e = Expected {
@@ -164,7 +179,7 @@ impl Case {
                 for x in &self.inputs[1..] {
                     acc += x[i];
                 }
-                e.residual_out[i] = round(d, round(d, acc) + self.residual[i]);
+                e.residual_out[i] = round(d, round(d, acc) + residual[i]);
             }
             let mut lanes = [0f32; 256];
             for (k, i) in row.clone().enumerate() {
@@ -185,12 +200,12 @@ impl Case {
                 / h as f64;
             let exact_rstd = 1.0 / (ms + self.eps as f64).sqrt();
             for (k, i) in row.enumerate() {
-                let y = (e.residual_out[i] * rstd) * self.weight[k];
+                let y = (e.residual_out[i] * rstd) * weight[k];
                 e.out[i] = round(d, y);
-                if let Some(s) = self.scale {
+                if let Some(s) = scale {
                     e.fp8[i] = e4m3_nearest(y / s);
                 }
-                let exact = e.residual_out[i] as f64 * exact_rstd * self.weight[k] as f64;
+                let exact = e.residual_out[i] as f64 * exact_rstd * weight[k] as f64;
                 // Half types: 1 ulp (the rounding, plus f32 errors far below it); f32: the
                 // f32 errors themselves (sequential lanes of up to 17 terms, 8 tree levels).
                 let tol = ulp(d, exact) + 4e-6 * exact.abs();

@@ -273,14 +273,3 @@ pub fn forced_takes(tokens: usize, hidden: usize, dtype: DType) -> bool {
 pub fn pair(b: &[u8]) -> Vec<u8> {
     b.iter().flat_map(|x| [*x, 0]).collect()
 }
-
-pub fn fingerprint(parts: &[&[u8]]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for p in parts {
-        for x in p.iter() {
-            h ^= *x as u64;
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-    h
-}
