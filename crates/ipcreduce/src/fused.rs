@@ -132,25 +132,14 @@ impl Shape {
     }
 }
 
-/// The cuda backend's largest fused call (bytes of one [tokens, hidden] tensor) that `Auto`
-/// runs one-shot, at 2, 3-4 and 5+ ranks; two-shot above. A first guess that awaits
-/// measurement (`ipcreduce fused-bench` prints the path of every row; `IPCREDUCE_FUSED_PATH`
-/// forces one): every rank of a one-shot call reads and normalises every row, so its work
-/// grows with the ranks, while two-shot reads each peer's rows once, in a share, and the sums
-/// once, at the cost of a second barrier. The unfused all-reduce's one-shot limits at 4 and 8 ranks
-/// (their reasoning is [`plan::oneshot_max_bytes`]'s); at 2 ranks, where the one-shot kernel
-/// kept up with the unfused sequence up to 4 MiB at 128 tokens but not at 512, 2 MiB.
-pub const CUDA_ONESHOT_MAX: [usize; 3] = [2 << 20, 256 << 10, 128 << 10];
-
-/// Rows of a pair each rank of a two-shot call needs at least (a pair per rank: the kernel's
-/// two half-blocks take one row each); below that `Auto` stays one-shot.
-pub const TWO_SHOT_MIN_ROWS_PER_RANK: usize = 2;
-
 /// The algorithm a fused call of shape `s` (elements of `size` bytes) runs: `requested` unless
 /// it is `Auto`, which the host backend resolves as it does the all-reduce (the same
-/// all-reduce runs inside), and the cuda backend by [`CUDA_ONESHOT_MAX`] and the rows (whose
-/// `OneShot` then runs the LL kernel where the call fits it, as the all-reduce does). Every
-/// input is part of the call's identity or agreed at init, so every rank chooses alike.
+/// all-reduce runs inside), and the cuda backend as `OneShot` at every size: on one H200 with
+/// two and four ranks under MPS (2026-12-04, `fused-bench` with each path forced) the one-shot
+/// kernel was the fastest of the three at every shape of hidden 4096-16384 x tokens 1-512:
+/// two-shot took 1.01-3.43x its time, LL 1.25-3.55x (bench/results/2026-12-04-h200-mps-fused-paths/).
+/// Both stay for `TwoShot` and `IPCREDUCE_FUSED_PATH`, to be measured across GPUs. Every input
+/// is part of the call's identity or agreed at init, so every rank chooses alike.
 pub fn choose(
     requested: Algorithm,
     backend: BackendKind,
@@ -161,18 +150,7 @@ pub fn choose(
 ) -> Algorithm {
     let bytes = s.count() * size;
     match (requested, backend) {
-        (Algorithm::Auto, BackendKind::Cuda) => {
-            let max = match world {
-                0..=2 => CUDA_ONESHOT_MAX[0],
-                3..=4 => CUDA_ONESHOT_MAX[1],
-                _ => CUDA_ONESHOT_MAX[2],
-            };
-            if world > 1 && bytes > max && s.tokens >= TWO_SHOT_MIN_ROWS_PER_RANK * world {
-                Algorithm::TwoShot
-            } else {
-                Algorithm::OneShot
-            }
-        }
+        (Algorithm::Auto, BackendKind::Cuda) => Algorithm::OneShot,
         (Algorithm::Auto, _) => plan::choose(Algorithm::Auto, None, backend, fabric, world, bytes),
         (other, _) => other,
     }
@@ -363,7 +341,7 @@ mod tests {
     }
 
     #[test]
-    fn auto_takes_two_shot_above_the_crossover_with_rows_for_every_rank() {
+    fn auto_takes_one_shot_on_cuda_at_every_size() {
         let shape = |tokens, hidden| Shape {
             tokens,
             hidden,
@@ -382,15 +360,16 @@ mod tests {
                 2,
             )
         };
-        // 2 ranks: 128 x 8192 bf16 is 2 MiB (one-shot), 512 x 4096 is 4 MiB (two-shot).
-        assert_eq!(cuda(2, &shape(128, 8192)), Algorithm::OneShot);
-        assert_eq!(cuda(2, &shape(512, 4096)), Algorithm::TwoShot);
-        assert_eq!(cuda(4, &shape(32, 4096)), Algorithm::OneShot);
-        assert_eq!(cuda(4, &shape(33, 4096)), Algorithm::TwoShot);
-        assert_eq!(cuda(8, &shape(32, 4096)), Algorithm::TwoShot);
-        // Too few rows to give every rank a pair: one-shot at any size.
-        assert_eq!(cuda(8, &shape(15, 1 << 20)), Algorithm::OneShot);
-        assert_eq!(cuda(1, &shape(4096, 4096)), Algorithm::OneShot);
+        // From one row to 512 x 16384 bf16 (16 MiB), at every world size.
+        for world in [1, 2, 4, 8] {
+            for (tokens, hidden) in [(1, 7), (1, 4096), (128, 8192), (512, 16384)] {
+                assert_eq!(
+                    cuda(world, &shape(tokens, hidden)),
+                    Algorithm::OneShot,
+                    "{world} ranks, {tokens} x {hidden}"
+                );
+            }
+        }
         // Requested algorithms stay; the host backend follows the all-reduce's rule.
         for a in [Algorithm::OneShot, Algorithm::TwoShot] {
             assert_eq!(

@@ -182,8 +182,7 @@ fn rank_sweep() -> i32 {
         .collect();
     // Decode sizes, a row wider than the 256 lanes many times over, more rows than a 2 MiB
     // slot holds (several chunks, on either path), fewer rows than ranks (two-shot ranks that
-    // own none), an odd width below one 16-byte pack, and a prefill size above the two-shot
-    // crossover at every world.
+    // own none), an odd width below one 16-byte pack, and a prefill size.
     for (i, (tokens, hidden)) in [
         (1, 4096),
         (8, 8192),

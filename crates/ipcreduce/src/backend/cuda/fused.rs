@@ -82,7 +82,6 @@ pub(super) fn launch(
     }
     let room = fused_path::Room {
         slot_bytes: l.slot_bytes,
-        ll_max: l.limits.ll_max,
     };
     let layout = fused_path::layout(l.rank, l.fused_forced, algo, room, s, dtype.size())?;
     let path = layout.path;

@@ -1,10 +1,12 @@
 //! Which fused kernel a call runs, and how its chunks lie in the workspace slots.
 //!
-//! The algorithm comes chosen ([`crate::fused::choose`]: `OneShot` or `TwoShot`, by size for
-//! `Auto`); `OneShot` takes the LL kernel where the call fits it (as the all-reduce does: up to
-//! the agreed LL limit), the staged one-shot kernel above. `IPCREDUCE_FUSED_PATH` (read once at
-//! init, for the tests and the benchmark) forces a path for every call instead. The path is part of the call's identity, so ranks that force
-//! different ones fail with a mismatch instead of pairing two kernels.
+//! The algorithm comes chosen ([`crate::fused::choose`]: `OneShot` or `TwoShot`; `Auto` is
+//! `OneShot`): `OneShot` runs the staged one-shot kernel, `TwoShot` the two-shot one. The LL
+//! kernel runs only where `IPCREDUCE_FUSED_PATH` (read once at init, for the tests and the
+//! benchmark) forces it, as it can force any path for every call: on one H200 it was slower
+//! than the staged one-shot kernel at every shape it takes (`crate::fused::choose`). The path
+//! is part of the call's identity, so ranks that force different ones fail with a mismatch
+//! instead of pairing two kernels.
 
 use super::kernels::LL_MAX_BYTES;
 use super::paths::CudaPath;
@@ -59,12 +61,10 @@ pub fn row_stride(path: CudaPath, s: &Shape, size: usize) -> usize {
     }
 }
 
-/// What the agreed workspace offers a call: the bytes of a slot, and the LL limit of `OneShot`
-/// calls (the all-reduce's, [`crate::plan::GridLimits::ll_max`]).
+/// What the agreed workspace offers a call: the bytes of a slot.
 #[derive(Debug, Clone, Copy)]
 pub struct Room {
     pub slot_bytes: usize,
-    pub ll_max: usize,
 }
 
 /// Whether a call can run on the LL kernel with at most `max` bytes per rank: every row a whole
@@ -87,7 +87,6 @@ pub fn layout(
 ) -> Result<Layout> {
     let path = forced.unwrap_or(match algo {
         Algorithm::TwoShot => CudaPath::FusedTwoShot,
-        _ if ll_fits(s, size, room.ll_max) => CudaPath::FusedLl,
         _ => CudaPath::FusedOneShot,
     });
     if path == CudaPath::FusedLl {
@@ -178,12 +177,8 @@ mod tests {
         );
     }
 
-    /// A slot of `slot_bytes`, LL off (as `IPCREDUCE_LL_MAX=0`).
     fn room(slot_bytes: usize) -> Room {
-        Room {
-            slot_bytes,
-            ll_max: 0,
-        }
+        Room { slot_bytes }
     }
 
     #[test]
@@ -219,27 +214,16 @@ mod tests {
     }
 
     #[test]
-    fn one_shot_calls_within_the_ll_limit_take_ll_when_their_rows_are_whole_lines() {
-        let ll = Room {
-            slot_bytes: 1 << 20,
-            ll_max: 256 << 10,
+    fn ll_runs_only_forced_and_takes_rows_of_whole_lines() {
+        let path = |algo, tokens, hidden| {
+            layout(0, None, algo, room(1 << 20), &s(tokens, hidden, false), 2)
+                .unwrap()
+                .path
         };
-        let path = |algo, tokens, hidden| layout(0, None, algo, ll, &s(tokens, hidden, false), 2);
-        let l = path(Algorithm::OneShot, 32, 4096).unwrap();
-        assert_eq!((l.path, l.rows_per_chunk), (CudaPath::FusedLl, 32));
-        assert_eq!(
-            path(Algorithm::OneShot, 33, 4096).unwrap().path,
-            CudaPath::FusedOneShot
-        );
-        // A row of 4095 bf16 ends inside a line.
-        assert_eq!(
-            path(Algorithm::OneShot, 1, 4095).unwrap().path,
-            CudaPath::FusedOneShot
-        );
-        assert_eq!(
-            path(Algorithm::TwoShot, 1, 4096).unwrap().path,
-            CudaPath::FusedTwoShot
-        );
+        // Small calls whose rows are whole lines, which LL could take: the staged kernels.
+        assert_eq!(path(Algorithm::OneShot, 1, 4096), CudaPath::FusedOneShot);
+        assert_eq!(path(Algorithm::Auto, 32, 4096), CudaPath::FusedOneShot);
+        assert_eq!(path(Algorithm::TwoShot, 1, 4096), CudaPath::FusedTwoShot);
         // Forced, the LL area is the only bound; a row that is no whole line is refused.
         let forced = |tokens, hidden| {
             layout(

@@ -36,6 +36,14 @@
 
 #define FUSED_LANES 256
 
+// Elements a lane takes per step of fused_row (a source's STEP): their loads go out together
+// before the step's stores (residual_out, out), which the compiler may not move loads across
+// (they may alias an input). One element per step made a decode row latency-bound: a
+// 16384-wide row is 64 steps of a half-block, each waiting for its loads. The LL source and the
+// two-shot kernel keep one: more spill there (the LL source's loads are waits), within the
+// 64 registers of two 512-thread blocks per SM.
+#define FUSED_STEP 4
+
 // The fused kernels' argument (backend/cuda/fused.rs `FusedKernelArgs`, field by field): the
 // protocol's arguments (send = input, recv = out, count = tokens * hidden), then the rest.
 struct FusedArgs {
@@ -99,36 +107,61 @@ struct FusedSrc {
     const Args &a;
     u64 slot_row; // byte offset of the row in a slot
     const char *own;
+    static constexpr int STEP = FUSED_STEP;
     template <typename D> __device__ float load(int r, u64 i) const {
         return fused_load_cg<D>((r == a.rank ? own : a.data[r] + slot_row) + i * D::SIZE);
     }
 };
 // The reference kernel's only source: the all-reduced row.
-struct FusedOneSrc {
+template <int S> struct FusedOneSrcOf {
     const char *row;
+    static constexpr int STEP = S;
     template <typename D> __device__ float load(int, u64 i) const { return fused_load_cg<D>(row + i * D::SIZE); }
 };
+typedef FusedOneSrcOf<FUSED_STEP> FusedOneSrc;
 
 // One row's sum and epilogue, by one half of the block (`lanes`: its FUSED_LANES floats of
 // shared memory). Every thread of the block calls it together (barriers); a half without a row
-// (`active` false) only takes part in them.
+// (`active` false) only takes part in them. Lane j's elements are j, j + FUSED_LANES, ... in
+// increasing order, Src::STEP of them per step: the tree's order, whatever the step.
 template <typename D, int W, typename Src>
 __device__ void fused_row(const FusedArgs &f, const Src &src, int world, u64 row,
                           bool active, float *lanes) {
+    constexpr int STEP = Src::STEP;
     const u32 j = threadIdx.x % FUSED_LANES;
     const u64 H = f.hidden;
     const u64 o = row * H * D::SIZE;
     float acc = 0.0f;
     if (active) {
-        for (u64 i = j; i < H; i += FUSED_LANES) {
-            float s = src.template load<D>(0, i);
+        for (u64 i0 = j; i0 < H; i0 += STEP * FUSED_LANES) {
+            float s[STEP], r_in[STEP];
+#pragma unroll
+            for (int u = 0; u < STEP; u++) {
+                const u64 i = i0 + (u64)u * FUSED_LANES;
+                s[u] = 0.0f;
+                r_in[u] = 0.0f;
+                if (i < H) {
+                    s[u] = src.template load<D>(0, i);
+                    r_in[u] = D::load(f.residual + o + i * D::SIZE);
+                }
+            }
 #pragma unroll
             for (int r = 1; r < W; r++)
-                if (r < world) s = __fadd_rn(s, src.template load<D>(r, i));
-            s = fused_round<D>(s);
-            const float v = fused_round<D>(__fadd_rn(s, D::load(f.residual + o + i * D::SIZE)));
-            D::store(f.residual_out + o + i * D::SIZE, v);
-            acc = __fmaf_rn(v, v, acc);
+                if (r < world)
+#pragma unroll
+                    for (int u = 0; u < STEP; u++) {
+                        const u64 i = i0 + (u64)u * FUSED_LANES;
+                        if (i < H) s[u] = __fadd_rn(s[u], src.template load<D>(r, i));
+                    }
+#pragma unroll
+            for (int u = 0; u < STEP; u++) {
+                const u64 i = i0 + (u64)u * FUSED_LANES;
+                if (i < H) {
+                    const float v = fused_round<D>(__fadd_rn(fused_round<D>(s[u]), r_in[u]));
+                    D::store(f.residual_out + o + i * D::SIZE, v);
+                    acc = __fmaf_rn(v, v, acc);
+                }
+            }
         }
     }
     lanes[j] = acc;
@@ -143,12 +176,28 @@ __device__ void fused_row(const FusedArgs &f, const Src &src, int world, u64 row
         const float rstd =
             __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)H), f.eps)));
         const float scale = f.fp8_out ? *f.fp8_scale : 1.0f;
-        for (u64 i = j; i < H; i += FUSED_LANES) {
-            // residual_out as this thread stored it above.
-            const float r = D::load(f.residual_out + o + i * D::SIZE);
-            const float y = __fmul_rn(__fmul_rn(r, rstd), D::load(f.weight + i * D::SIZE));
-            D::store(f.a.recv + o + i * D::SIZE, y);
-            if (f.fp8_out) f.fp8_out[row * H + i] = fused_e4m3(__fdiv_rn(y, scale));
+        for (u64 i0 = j; i0 < H; i0 += STEP * FUSED_LANES) {
+            float v[STEP], w[STEP];
+#pragma unroll
+            for (int u = 0; u < STEP; u++) {
+                const u64 i = i0 + (u64)u * FUSED_LANES;
+                v[u] = 0.0f;
+                w[u] = 0.0f;
+                if (i < H) {
+                    // residual_out as this thread stored it above.
+                    v[u] = D::load(f.residual_out + o + i * D::SIZE);
+                    w[u] = D::load(f.weight + i * D::SIZE);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < STEP; u++) {
+                const u64 i = i0 + (u64)u * FUSED_LANES;
+                if (i < H) {
+                    const float y = __fmul_rn(__fmul_rn(v[u], rstd), w[u]);
+                    D::store(f.a.recv + o + i * D::SIZE, y);
+                    if (f.fp8_out) f.fp8_out[row * H + i] = fused_e4m3(__fdiv_rn(y, scale));
+                }
+            }
         }
     }
     // lanes[0] was read by every thread: the next row's lanes wait for all of them.
@@ -300,6 +349,8 @@ template <typename D, int W> __device__ void fused_two_sum(const FusedArgs &f, u
         for (u64 lr = 2 * p; lr < min(2 * p + 2, n); lr++) {
             const FusedSrc src{a, off + lr * f.slot_stride, a.send + (r0 + lr) * row_bytes};
             char *dst = slot + lr * f.slot_stride;
+            // One element per step (so the epilogue's FusedOneSrcOf<1>): more spill from two
+            // ranks on (64 registers).
             for (u64 i = threadIdx.x; i < H; i += blockDim.x) {
                 float s = src.template load<D>(0, i);
 #pragma unroll
@@ -338,7 +389,7 @@ template <typename D, int W> __device__ void fused_two_shot(const FusedArgs &f) 
                 const u64 lr = 2 * p + half;
                 const bool active = lr < n;
                 const u64 lrc = active ? lr : 2 * p;
-                fused_row<D, 1>(f, FusedOneSrc{a.data[r] + off + lrc * f.slot_stride}, 1,
+                fused_row<D, 1>(f, FusedOneSrcOf<1>{a.data[r] + off + lrc * f.slot_stride}, 1,
                                 r0 + lrc, active, lanes[half]);
             }
         if (k + 1 < chunks) fused_two_copy_in<D>(f, L0 + k + 1, r0 + rpc, min(rpc, f.tokens - r0 - rpc));

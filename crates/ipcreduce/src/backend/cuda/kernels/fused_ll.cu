@@ -52,6 +52,7 @@ struct FusedLlSrc {
     u64 line0; // the row's first line
     u32 parity, flag;
     bool *ok;
+    static constexpr int STEP = 1; // one wait at a time (fused.cu's FUSED_STEP)
     template <typename D> __device__ float load(int r, u64 i) const {
         if (r == a.rank) return D::load(own + i * D::SIZE);
         const u64 b = i * D::SIZE;
