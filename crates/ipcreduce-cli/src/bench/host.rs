@@ -3,17 +3,19 @@
 //!
 //! Host calls are synchronous and run on the rank's own core, so a check or a refresh between
 //! two timed calls would be timed too: the slowest rank's check delays every peer's next call,
-//! and the calls absorb that skew. Instead each round prepares its inputs first: call `j` of a
-//! round reads input buffer `j` and writes output buffer `j`, each input a different iteration
-//! of `pattern` (every element differs from the previous iteration's, so a result made from a
-//! stale input is wrong) and each output poisoned; then a barrier, the calls back to back,
-//! timed as one span, and every output checked against its iteration's exact result. When
-//! the buffers of a whole round do not fit the cache budget ([`CACHE_BYTES`] shared by the
-//! ranks), the round runs in segments of as many calls as fit (a barrier before each, the
-//! segments' spans added): a program's back-to-back calls reuse one buffer pair that stays in
-//! cache, and a segment streaming through hundreds of MiB of fresh buffers timed memory
-//! bandwidth instead (up to 3.6x the library loop, examples/host_loop.rs, at mid sizes).
-//! Preparing a segment's inputs just before its barrier leaves them in cache, as the loop's.
+//! and the calls absorb that skew. Instead each round prepares its inputs first: it cycles
+//! through `slots` input/output buffer pairs (call `j` on slot `j mod slots`), each input a
+//! different iteration of `pattern` (every element differs from the previous iteration's, so
+//! a result made from the previous call's input is wrong) and each output poisoned; then one
+//! barrier, the calls back to back, timed as one span, and every slot's output checked against
+//! its iteration's exact result (a slot's last call: with more calls than slots, what an
+//! earlier call on the slot wrote is overwritten by the same values). The slots of all ranks
+//! stay within a cache budget ([`CACHE_BYTES`]), at least two: a program's back-to-back calls
+//! reuse one buffer pair that stays in cache, and two is the fewest with which no call has
+//! the input of the call before it. (Barriers between segments of fresh buffers,
+//! which this replaced, put one barrier before every call of a message larger than a rank's
+//! share, and the calls absorbed the ranks' skew: up to 7.6x the library's own loop,
+//! examples/host_loop.rs, at 2 MiB and 4 ranks.)
 //!
 //! A round has at least `iters` calls and enough for [`ROUND_SPAN`] at the warm-up's pace
 //! (agreed by every rank: the slowest estimate), at most [`MAX_CALLS`]: small messages need
@@ -34,21 +36,24 @@ pub const ROUNDS: usize = 5;
 const ROUND_SPAN: Duration = Duration::from_millis(4);
 /// Most calls in one round (small messages).
 const MAX_CALLS: usize = 20_000;
-/// Bytes of input plus output buffers the segments of all ranks may hold together: about half
-/// the last-level cache (32 MiB on the 2-core machine), leaving the rest to the shared arena.
-const CACHE_BYTES: usize = 16 << 20;
-/// Least bytes per rank's segment (many ranks), so small messages still make long segments.
-const MIN_SEGMENT_BYTES: usize = 1 << 20;
+/// Bytes of input plus output buffers the slots of all ranks may hold together: one core's L2
+/// on the 2-core machine (1 MiB). A program's back-to-back calls on one buffer pair keep it
+/// there; slots through 16 MiB (half the L3) timed L3 misses: 2-4x the library's own loop at
+/// 4 KiB-128 KiB (2026-12-04, bench/results/2026-12-04-host-mpi5-after/).
+const CACHE_BYTES: usize = 1 << 20;
+/// Least bytes of one rank's slots (many ranks), so small messages still get many slots.
+const MIN_SLOT_BYTES: usize = 128 << 10;
 
-/// Calls per segment for `slot_bytes`-byte slots at `world` ranks: input and output buffers
-/// of all of them within the rank's share of [`CACHE_BYTES`], at least one call.
-pub fn segment_calls(slot_bytes: usize, world: usize) -> usize {
-    let share = (CACHE_BYTES / world.max(1)).max(MIN_SEGMENT_BYTES);
-    (share / (2 * slot_bytes.max(1))).max(1)
+/// Slots (input and output buffer pairs) a round of `calls` calls of `slot_bytes` bytes cycles
+/// through at `world` ranks: as many as fit the rank's share of [`CACHE_BYTES`], at least two
+/// (so that no call has the input of the call before it) and at most one per call.
+pub fn slots_for(slot_bytes: usize, world: usize, calls: usize) -> usize {
+    let share = (CACHE_BYTES / world.max(1)).max(MIN_SLOT_BYTES);
+    (share / (2 * slot_bytes.max(1))).clamp(2, calls.max(2))
 }
 
 pub struct HostRunner {
-    /// Inputs, then outputs, of one segment: `2 * calls` slots of `slot` bytes in u64 words
+    /// Inputs, then outputs, of one round: `2 * slots` buffers of `slot` bytes in u64 words
     /// (the buffers must be aligned to the element size).
     buf: Vec<u64>,
 }
@@ -110,9 +115,10 @@ impl HostRunner {
         })
     }
 
-    /// `n` calls in segments that fit the cache budget ([`segment_calls`]): for each, inputs filled and outputs
-    /// poisoned, a barrier, the calls timed back to back, every output checked. Returns the
-    /// summed span of the calls and the time spent preparing and checking.
+    /// `n` calls back to back over the slots that fit the cache budget ([`slots_for`]): each
+    /// slot's input filled with its own iteration and its output poisoned, a barrier, the calls
+    /// timed as one span (call `j` on slot `j mod slots`), then every slot's output checked
+    /// against its iteration. Returns the span and the time spent preparing and checking.
     fn round(
         &mut self,
         comm: &mut Communicator,
@@ -125,65 +131,59 @@ impl HostRunner {
         let bytes = m.count * m.dtype.size();
         // Slots start on 8 bytes; at least one word so that empty messages have addresses.
         let slot_words = bytes.div_ceil(8).max(1);
-        let fit = segment_calls(slot_words * 8, m.world);
+        let slots = slots_for(slot_words * 8, m.world, n);
         let rank = comm.rank();
-        let mut span = Duration::ZERO;
-        let mut prep = Duration::ZERO;
-        let mut done = 0;
-        while done < n {
-            let seg = fit.min(n - done);
-            let t_prep = Instant::now();
-            if self.buf.len() < 2 * seg * slot_words {
-                self.buf.resize(2 * seg * slot_words, 0);
-            }
-            let first = *next_iter;
-            {
-                let all = bytes_mut(&mut self.buf);
-                let (inputs, outputs) = all.split_at_mut(seg * slot_words * 8);
-                for j in 0..seg {
-                    let it = first.wrapping_add(j as u32);
-                    let input = &mut inputs[j * slot_words * 8..][..bytes];
-                    for i in 0..m.count {
-                        let v = value(salts[rank], rank, it, i as u64);
-                        store_f64(m.dtype, input, i, f64::from(v));
-                    }
-                    outputs[j * slot_words * 8..][..bytes].fill(0xFF);
-                }
-            }
-            prep += t_prep.elapsed();
-            comm.bootstrap().barrier()?;
-            let base = self.buf.as_mut_ptr();
-            let t0 = Instant::now();
-            for j in 0..seg {
-                // SAFETY: input j and output j are distinct slots of `bytes` inside `buf`,
-                // aligned to 8; the call is finished when it returns (host calls are
-                // synchronous).
-                unsafe {
-                    let send = base.add(j * slot_words);
-                    let recv = base.add((seg + j) * slot_words);
-                    comm.all_reduce_raw(
-                        send.cast::<c_void>(),
-                        recv.cast::<c_void>(),
-                        m.count,
-                        m.dtype,
-                        m.op,
-                        m.algo,
-                        std::ptr::null_mut(),
-                    )?;
-                }
-            }
-            span += t0.elapsed();
-            let t_check = Instant::now();
-            let all = bytes_mut(&mut self.buf);
-            for j in 0..seg {
-                let it = first.wrapping_add(j as u32);
-                let out = &all[(seg + j) * slot_words * 8..][..bytes];
-                *wrong += pattern::count_wrong(m.dtype, m.op, salts, it, out);
-            }
-            prep += t_check.elapsed();
-            *next_iter = first.wrapping_add(seg as u32);
-            done += seg;
+        let t_prep = Instant::now();
+        if self.buf.len() < 2 * slots * slot_words {
+            self.buf.resize(2 * slots * slot_words, 0);
         }
+        let first = *next_iter;
+        {
+            let all = bytes_mut(&mut self.buf);
+            let (inputs, outputs) = all.split_at_mut(slots * slot_words * 8);
+            for j in 0..slots {
+                let it = first.wrapping_add(j as u32);
+                let input = &mut inputs[j * slot_words * 8..][..bytes];
+                for i in 0..m.count {
+                    let v = value(salts[rank], rank, it, i as u64);
+                    store_f64(m.dtype, input, i, f64::from(v));
+                }
+                outputs[j * slot_words * 8..][..bytes].fill(0xFF);
+            }
+        }
+        let mut prep = t_prep.elapsed();
+        comm.bootstrap().barrier()?;
+        let base = self.buf.as_mut_ptr();
+        let t0 = Instant::now();
+        for j in 0..n {
+            let k = j % slots;
+            // SAFETY: input k and output k are distinct slots of `bytes` inside `buf`,
+            // aligned to 8; the call is finished when it returns (host calls are
+            // synchronous).
+            unsafe {
+                let send = base.add(k * slot_words);
+                let recv = base.add((slots + k) * slot_words);
+                comm.all_reduce_raw(
+                    send.cast::<c_void>(),
+                    recv.cast::<c_void>(),
+                    m.count,
+                    m.dtype,
+                    m.op,
+                    m.algo,
+                    std::ptr::null_mut(),
+                )?;
+            }
+        }
+        let span = t0.elapsed();
+        let t_check = Instant::now();
+        let all = bytes_mut(&mut self.buf);
+        for j in 0..slots.min(n) {
+            let it = first.wrapping_add(j as u32);
+            let out = &all[(slots + j) * slot_words * 8..][..bytes];
+            *wrong += pattern::count_wrong(m.dtype, m.op, salts, it, out);
+        }
+        prep += t_check.elapsed();
+        *next_iter = first.wrapping_add(slots as u32);
         Ok((span, prep))
     }
 }
@@ -201,19 +201,22 @@ fn gather_max(comm: &mut Communicator, v: u64) -> Result<u64> {
 
 #[cfg(test)]
 mod tests {
-    use super::segment_calls;
+    use super::slots_for;
 
     #[test]
-    fn segments_stay_within_the_cache_budget() {
-        // 2 KiB at 2 ranks: 8 MiB per rank, 4 KiB per call (input + output).
-        assert_eq!(segment_calls(2048, 2), 2048);
-        // 4 ranks: 4 MiB each.
-        assert_eq!(segment_calls(2048, 4), 1024);
-        // Many ranks: still 1 MiB per rank.
-        assert_eq!(segment_calls(2048, 64), 256);
-        // A message larger than the share: one call per segment.
-        assert_eq!(segment_calls(32 << 20, 2), 1);
-        // An empty message counts as one byte per slot: 8 MiB / (2 * 1 B).
-        assert_eq!(segment_calls(0, 2), 4 << 20);
+    fn slots_stay_within_the_cache_budget() {
+        // 2 KiB at 2 ranks: 512 KiB per rank, 4 KiB per slot (input + output).
+        assert_eq!(slots_for(2048, 2, 1 << 20), 128);
+        // 4 ranks: 256 KiB each.
+        assert_eq!(slots_for(2048, 4, 1 << 20), 64);
+        // Many ranks: still 128 KiB per rank.
+        assert_eq!(slots_for(2048, 64, 1 << 20), 32);
+        // A message larger than the share: two slots, so consecutive calls differ.
+        assert_eq!(slots_for(32 << 20, 2, 100), 2);
+        // Never more slots than calls (but two): 8 B messages, 500 calls.
+        assert_eq!(slots_for(8, 2, 500), 500);
+        assert_eq!(slots_for(8, 2, 1), 2);
+        // An empty message counts as one byte per slot.
+        assert_eq!(slots_for(0, 2, 1 << 30), 256 << 10);
     }
 }
