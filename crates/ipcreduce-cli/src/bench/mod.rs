@@ -8,8 +8,9 @@
 //! ones alike, counts as wrong; the host then checks the last call's output again itself.
 //! On cuda the refresh alone is timed the same way and subtracted, so `time_us` is the
 //! all-reduce's share. On host, where calls are synchronous and a refresh between them would be
-//! timed with them, the calls run back to back on inputs prepared before the timed span and
-//! every output is checked after it, in several rounds (see host.rs). Times are the slowest
+//! timed with them, the calls run back to back on inputs prepared before the timed span, cycling
+//! through a few buffer pairs, and each pair's output is checked after it, in several rounds
+//! (see host.rs). Times are the slowest
 //! rank's (host: the median of the rounds, with their spread); any wrong element makes the exit
 //! status non-zero.
 
