@@ -38,8 +38,8 @@ const ROUND_SPAN: Duration = Duration::from_millis(4);
 const MAX_CALLS: usize = 20_000;
 /// Bytes of input plus output buffers the slots of all ranks may hold together: one core's L2
 /// on the 2-core machine (1 MiB). A program's back-to-back calls on one buffer pair keep it
-/// there; slots through 16 MiB (half the L3) timed L3 misses: 2-4x the library's own loop at
-/// 4 KiB-128 KiB (2026-12-04, bench/results/2026-12-04-host-mpi5-after/).
+/// there; slots through 16 MiB (half the L3) timed L3 misses: 1.8-6.6x the library's own loop
+/// at 512 B-128 KiB with 4 ranks (2026-12-04, bench/results/2026-12-04-host-mpi5-check/).
 const CACHE_BYTES: usize = 1 << 20;
 /// Least bytes of one rank's slots (many ranks), so small messages still get many slots.
 const MIN_SLOT_BYTES: usize = 128 << 10;
