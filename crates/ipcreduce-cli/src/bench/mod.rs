@@ -608,9 +608,10 @@ fn print_legend(args: &BenchArgs, cuda: bool, max_bytes: usize) {
     let how = if cuda {
         "the loop's time (call + input refresh) minus the refresh's, per call"
     } else {
-        "calls back to back on inputs prepared before the timed span, every output checked \
-         after it; per round each rank's mean, the slowest rank's, median of 5 rounds (at least \
-         the timed calls asked for, more for small messages: rounds of a few ms)"
+        "calls back to back on inputs prepared before the timed span, cycling through buffer \
+         pairs that fit one core's L2 (at least two), each pair's last output checked after it; \
+         per round each rank's mean, the slowest rank's, median of 5 rounds (at least the timed \
+         calls asked for, more for small messages: rounds of a few ms)"
     };
     println!(
         "# time(us): mean per call over {} timed calls after {} warm-up calls, of the slowest \
@@ -632,7 +633,7 @@ fn print_legend(args: &BenchArgs, cuda: bool, max_bytes: usize) {
     }
     println!(
         "# algbw: size / time; busbw: algbw x 2(world-1)/world (nccl-tests); #wrong: wrong \
-         elements over every call, warm-up included"
+         elements over the outputs checked, warm-up included"
     );
 }
 
