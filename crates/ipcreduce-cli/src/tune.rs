@@ -9,7 +9,8 @@
 //!
 //! On the host backend it measures one-shot against two-shot (no CTAs there) with `bench`'s
 //! host loop (back-to-back calls, each buffer pair's last output checked, the median of its
-//! rounds, slowest rank) and writes the host table (`tune-host.txt`, keyed by the CPU: `TuneKey::of_host`).
+//! rounds, slowest rank) and writes the host table (`tune-host.txt`, keyed by the CPU:
+//! `TuneKey::of_host`).
 
 use crate::bench::cuda::CudaRunner;
 use crate::bench::host::HostRunner;
