@@ -23,6 +23,7 @@
 mod common;
 
 use common::chain::{self, Expect};
+use common::cuda::{ck, Stream};
 use common::{say, Job, Rank, Spawn, SECRET};
 use cudarc::driver::sys;
 use ipcreduce::backend::cuda::memory::DeviceAlloc;
@@ -62,10 +63,6 @@ fn play_rank_if_child() {
     };
     let _ = std::io::stdout().flush();
     std::process::exit(code);
-}
-
-fn ck(res: sys::CUresult, what: &str) {
-    assert_eq!(res, sys::CUresult::CUDA_SUCCESS, "{what}");
 }
 
 fn config(sharing: Option<Sharing>) -> Config {
@@ -142,31 +139,6 @@ impl Drop for Graph {
             sys::cuGraphExecDestroy(self.exec);
             sys::cuGraphDestroy(self.graph);
         }
-    }
-}
-
-struct Stream(sys::CUstream);
-
-impl Stream {
-    fn new() -> Stream {
-        let mut s = std::ptr::null_mut();
-        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
-        // SAFETY: creates one stream, destroyed in Drop.
-        ck(
-            unsafe { sys::cuStreamCreate(&mut s, flags) },
-            "cuStreamCreate",
-        );
-        Stream(s)
-    }
-    fn ptr(&self) -> *mut c_void {
-        self.0.cast()
-    }
-}
-
-impl Drop for Stream {
-    fn drop(&mut self) {
-        // SAFETY: ours, destroyed once.
-        unsafe { sys::cuStreamDestroy_v2(self.0) };
     }
 }
 

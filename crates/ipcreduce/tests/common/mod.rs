@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 pub mod chain;
+pub mod cuda;
 pub mod fused_ref;
 
 use std::io::{BufRead, BufReader, Read, Write};

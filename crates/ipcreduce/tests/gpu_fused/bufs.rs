@@ -2,47 +2,12 @@
 //! buffer), copies to and from them, the call's arguments, the bitwise comparison and the
 //! unfused sequence the fused call is compared with; the path the knob forces.
 
+pub use super::common::cuda::{ck, Stream};
 use super::common::fused_ref::{Case, Tensor};
 use cudarc::driver::sys;
 use ipcreduce::backend::cuda::memory::DeviceAlloc;
 use ipcreduce::{AddRmsNorm, Algorithm, Communicator, DType, ReduceOp};
 use std::ffi::c_void;
-
-pub fn ck(res: sys::CUresult, what: &str) {
-    assert_eq!(res, sys::CUresult::CUDA_SUCCESS, "{what}");
-}
-
-pub struct Stream(pub sys::CUstream);
-
-impl Stream {
-    pub fn new() -> Stream {
-        let mut s = std::ptr::null_mut();
-        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
-        // SAFETY: creates one stream, destroyed in Drop.
-        ck(
-            unsafe { sys::cuStreamCreate(&mut s, flags) },
-            "cuStreamCreate",
-        );
-        Stream(s)
-    }
-    pub fn ptr(&self) -> *mut c_void {
-        self.0.cast()
-    }
-    pub fn sync(&self) {
-        // SAFETY: a live stream.
-        ck(
-            unsafe { sys::cuStreamSynchronize(self.0) },
-            "cuStreamSynchronize",
-        );
-    }
-}
-
-impl Drop for Stream {
-    fn drop(&mut self) {
-        // SAFETY: ours, destroyed once.
-        unsafe { sys::cuStreamDestroy_v2(self.0) };
-    }
-}
 
 /// Device memory of the test: a plain allocation, or part of a registered buffer.
 pub enum Mem {
