@@ -61,27 +61,21 @@ pub fn row_stride(path: CudaPath, s: &Shape, size: usize) -> usize {
     }
 }
 
-/// What the agreed workspace offers a call: the bytes of a slot.
-#[derive(Debug, Clone, Copy)]
-pub struct Room {
-    pub slot_bytes: usize,
-}
-
-/// Whether a call can run on the LL kernel with at most `max` bytes per rank: every row a whole
-/// number of 8-byte lines (so no line holds two rows, which two blocks would clear), and the
-/// call within the LL area.
-pub fn ll_fits(s: &Shape, size: usize, max: usize) -> bool {
+/// Whether a call can run on the LL kernel: every row a whole number of 8-byte lines (so no
+/// line holds two rows, which two blocks would clear), and the call within the LL area.
+fn ll_fits(s: &Shape, size: usize) -> bool {
     let bytes = s.count() * size;
-    (s.hidden * size).is_multiple_of(8) && bytes <= max.min(LL_MAX_BYTES)
+    (s.hidden * size).is_multiple_of(8) && bytes <= LL_MAX_BYTES
 }
 
 /// The path and layout of a call: `forced` if set, else the algorithm's kernel. A row that does
-/// not fit a slot is an error (on either staged path the same: see [`row_stride`]).
+/// not fit a slot of `slot_bytes` (the agreed workspace's) is an error (on either staged path
+/// the same: see [`row_stride`]).
 pub fn layout(
     rank: usize,
     forced: Option<CudaPath>,
     algo: Algorithm,
-    room: Room,
+    slot_bytes: usize,
     s: &Shape,
     size: usize,
 ) -> Result<Layout> {
@@ -90,7 +84,7 @@ pub fn layout(
         _ => CudaPath::FusedOneShot,
     });
     if path == CudaPath::FusedLl {
-        if !ll_fits(s, size, LL_MAX_BYTES) {
+        if !ll_fits(s, size) {
             return Err(Error::invalid(
                 rank,
                 fused::NAME,
@@ -108,7 +102,6 @@ pub fn layout(
             stride: s.hidden * size,
         });
     }
-    let slot_bytes = room.slot_bytes;
     let stride = row_stride(path, s, size);
     (slot_bytes / stride > 0)
         .then(|| Layout {
@@ -177,14 +170,9 @@ mod tests {
         );
     }
 
-    fn room(slot_bytes: usize) -> Room {
-        Room { slot_bytes }
-    }
-
     #[test]
     fn rows_lie_back_to_back_one_shot_and_on_a_16_byte_stride_two_shot() {
-        let bf16 =
-            |algo, tokens, fp8| layout(0, None, algo, room(1 << 20), &s(tokens, 4096, fp8), 2);
+        let bf16 = |algo, tokens, fp8| layout(0, None, algo, 1 << 20, &s(tokens, 4096, fp8), 2);
         let one = bf16(Algorithm::OneShot, 512, false).unwrap();
         assert_eq!(
             (one.path, one.rows_per_chunk, one.stride),
@@ -203,7 +191,7 @@ mod tests {
             0,
             forced,
             Algorithm::OneShot,
-            room(1 << 20),
+            1 << 20,
             &s(3, 4096, false),
             2,
         );
@@ -216,7 +204,7 @@ mod tests {
     #[test]
     fn ll_runs_only_forced_and_takes_rows_of_whole_lines() {
         let path = |algo, tokens, hidden| {
-            layout(0, None, algo, room(1 << 20), &s(tokens, hidden, false), 2)
+            layout(0, None, algo, 1 << 20, &s(tokens, hidden, false), 2)
                 .unwrap()
                 .path
         };
@@ -230,7 +218,7 @@ mod tests {
                 3,
                 Some(CudaPath::FusedLl),
                 Algorithm::TwoShot,
-                room(1 << 20),
+                1 << 20,
                 &s(tokens, hidden, false),
                 2,
             )
@@ -246,17 +234,17 @@ mod tests {
     fn a_row_too_wide_for_the_slot_is_an_error_naming_the_path() {
         // 4096 bf16 = 8192 bytes: two-shot no longer needs room for the outputs.
         let shape = s(4, 4096, true);
-        let l = layout(0, None, Algorithm::TwoShot, room(8192), &shape, 2).unwrap();
+        let l = layout(0, None, Algorithm::TwoShot, 8192, &shape, 2).unwrap();
         assert_eq!((l.path, l.rows_per_chunk), (CudaPath::FusedTwoShot, 1));
         let forced = Some(CudaPath::FusedTwoShot);
-        let e = layout(2, forced, Algorithm::Auto, room(8176), &shape, 2)
+        let e = layout(2, forced, Algorithm::Auto, 8176, &shape, 2)
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("rank 2") && e.contains("8192 bytes") && e.contains("fused-twoshot"),
             "{e}"
         );
-        let e = layout(0, None, Algorithm::OneShot, room(8000), &shape, 2)
+        let e = layout(0, None, Algorithm::OneShot, 8000, &shape, 2)
             .unwrap_err()
             .to_string();
         assert!(e.contains("8192 bytes"), "{e}");
