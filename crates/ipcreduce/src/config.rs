@@ -136,6 +136,11 @@ pub struct Config {
     /// cuda, two ranks, registered buffers, out of place: messages from this size on take the
     /// copy-engine path, 0 = never *(same on every rank)*. `IPCREDUCE_CE_MIN`; 0 (until measured).
     pub ce_min_bytes: Option<usize>,
+    /// cuda, two ranks, host-staged transport: messages from this size on go through host
+    /// memory by the copy engines (each direction of the PCIe link carried by DMA, not by
+    /// kernel loads and stores), 0 = never *(same on every rank)*. `IPCREDUCE_CE_STAGED_MIN`;
+    /// 0 ([`crate::plan::CE_STAGED_DEFAULT_MIN_BYTES`] says why).
+    pub ce_staged_min_bytes: Option<usize>,
     /// cuda, staged kernels (one-shot and two-shot without registered buffers): bytes per
     /// chunk *(same on every rank)*, rounded down to 256 bytes, at most a slot.
     /// `IPCREDUCE_STAGED_CHUNK`; by fabric and size ([`crate::plan::staged_chunk_bytes`]).
@@ -212,6 +217,7 @@ impl Config {
                 .reg_oneshot_max_bytes
                 .or(from_env.reg_oneshot_max_bytes),
             ce_min_bytes: self.ce_min_bytes.or(from_env.ce_min_bytes),
+            ce_staged_min_bytes: self.ce_staged_min_bytes.or(from_env.ce_staged_min_bytes),
             staged_chunk_bytes: self.staged_chunk_bytes.or(from_env.staged_chunk_bytes),
             staged_ctas: self.staged_ctas.or(from_env.staged_ctas),
             staged_round: self.staged_round.or(from_env.staged_round),
@@ -307,6 +313,7 @@ impl Config {
             reg_loads: int("IPCREDUCE_REG_LOADS")?,
             reg_oneshot_max_bytes: int("IPCREDUCE_REG_ONESHOT_MAX")?,
             ce_min_bytes: int("IPCREDUCE_CE_MIN")?,
+            ce_staged_min_bytes: int("IPCREDUCE_CE_STAGED_MIN")?,
             staged_chunk_bytes: int("IPCREDUCE_STAGED_CHUNK")?,
             staged_ctas: int("IPCREDUCE_STAGED_CTAS")?,
             staged_round: int("IPCREDUCE_STAGED_ROUND")?,

@@ -260,6 +260,35 @@ pub const REG_LOADS_DEFAULT: usize = 16;
 /// `IPCREDUCE_CE_MIN` overrides.
 pub const CE_DEFAULT_MIN_BYTES: usize = 0;
 
+/// Default smallest message for the host-staged copy-engine path (two ranks, host-staged
+/// transport): off. Why the path exists: on one H200's PCIe Gen5 x16 link (2026-12-04,
+/// scripts/device/pcie-link.sh) each direction carries 55 GB/s alone and 49 while the other
+/// direction is busy when the copy engines move the bytes, but 37.6 when kernels' stores and
+/// loads of mapped host memory do (16-132 CTAs alike); every all-reduce on this transport
+/// moves its bytes both ways at once, so the staged kernels stop near 19 GB/s busbw, below the
+/// copy engines' bound of 24.5. Why off: as written (two lanes, a barrier between a lane's
+/// copies) it lost to the staged kernels up to 64 MiB and tied from 256 MiB (two ranks under
+/// MPS, bf16, eager: 16 MiB 13.3 against 17.9 GB/s, 64 MiB 18.1 against 19.1, 256 MiB 19.9
+/// against 19.6; bench/results/2026-12-04-h200-mps-ce-staged/): each chunk costs about 27 us
+/// of barriers in which its lane's direction idles, and the copies ran at about 42 GB/s each
+/// way. `IPCREDUCE_CE_STAGED_MIN` turns it on from that size.
+pub const CE_STAGED_DEFAULT_MIN_BYTES: usize = 0;
+
+/// Bytes per chunk of the host-staged copy-engine path: each chunk's copy into host memory
+/// runs beside the previous chunk's copy out of it, and the first and last run alone, so
+/// about 16 chunks per message, from 1 MiB (each chunk costs two barriers through host
+/// memory) to the slot. `forced` (`IPCREDUCE_STAGED_CHUNK`) takes the place of the rule as for
+/// the staged kernels.
+pub fn ce_staged_chunk_bytes(bytes: usize, slot_bytes: usize, forced: Option<usize>) -> usize {
+    if let Some(c) = forced {
+        return (c / 256 * 256).clamp(256, slot_bytes);
+    }
+    (bytes / 16)
+        .next_multiple_of(64 << 10)
+        .max(1 << 20)
+        .min(slot_bytes)
+}
+
 /// The algorithm a call runs: an explicit choice wins over `IPCREDUCE_ALGO` (`env`), which
 /// wins over `Auto`'s size rule.
 pub fn choose(
@@ -331,6 +360,9 @@ pub struct GridLimits {
     /// Smallest message for the copy-engine path (registered, out of place); 0 = never. Zero
     /// unless the world has two ranks.
     pub ce_min: usize,
+    /// Smallest message for the host-staged copy-engine path (unregistered or not); 0 = never.
+    /// Zero unless the world has two ranks on the host-staged transport.
+    pub ce_staged_min: usize,
     /// Zero-copy calls run the deep kernels (16 packs in flight; `IPCREDUCE_REG_LOADS=16`).
     pub deep: bool,
     /// Most CTAs of a kernel compiled for one block per SM (the deep ones): `cap` on a GPU of
@@ -354,7 +386,7 @@ pub fn default_ctas(path: CudaPath, bytes: usize) -> usize {
         // One thread per 12-byte line.
         CudaPath::OneShotLl12 => bytes.div_ceil(12).div_ceil(512),
         // The copy-engine path's local reduce kernel.
-        CudaPath::Ce => 16,
+        CudaPath::Ce | CudaPath::CeStaged => 16,
         // Measured with a zero-copy two-shot of the same structure on two H200s (2026-11-30):
         // 16 CTAs are within 3% of the best at 1 MB, 24-32 within 6% from 4 MB on; 16 CTAs
         // at 64 MB lose 13%.
@@ -431,6 +463,7 @@ pub fn cuda_path(
         (Algorithm::OneShot, _) if bytes <= lim.ll_max && lim.ll12 => CudaPath::OneShotLl12,
         (Algorithm::OneShot, _) if bytes <= lim.ll_max => CudaPath::OneShotLl,
         (_, true) if lim.ce_min > 0 && bytes >= lim.ce_min && !in_place => CudaPath::Ce,
+        _ if lim.ce_staged_min > 0 && bytes >= lim.ce_staged_min => CudaPath::CeStaged,
         // One-shot in place would let a peer read an element this rank already overwrote.
         (Algorithm::OneShot, true) if !in_place && lim.deep => CudaPath::OneShotRegDeep,
         (Algorithm::OneShot, true) if !in_place => CudaPath::OneShotReg,
@@ -676,6 +709,7 @@ mod tests {
             cap: 64,
             fixed: None,
             ce_min: 0,
+            ce_staged_min: 0,
             deep: false,
             deep_cap: 64,
             ll12: false,
@@ -743,6 +777,7 @@ mod tests {
         // The copy-engine path: registered, out of place, from its threshold on.
         let ce = GridLimits {
             ce_min: 32 << 20,
+            ce_staged_min: 0,
             ..lim
         };
         assert_eq!(
@@ -765,6 +800,38 @@ mod tests {
             cuda_path(two, 16 << 20, true, false, &ce, None).0,
             CudaPath::TwoShotReg
         );
+        // The host-staged copy-engine path: any algorithm, in place or not, from its threshold.
+        let ce_staged = GridLimits {
+            ce_staged_min: 4 << 20,
+            ..lim
+        };
+        for algo in [one, two] {
+            for in_place in [false, true] {
+                let at = |bytes| cuda_path(algo, bytes, false, in_place, &ce_staged, None).0;
+                assert_eq!(at(4 << 20), CudaPath::CeStaged);
+                assert_eq!(at(1 << 30), CudaPath::CeStaged);
+                assert_ne!(at((4 << 20) - 1), CudaPath::CeStaged);
+            }
+        }
+    }
+
+    #[test]
+    fn ce_staged_chunks_are_a_sixteenth_within_a_mebibyte_and_the_slot() {
+        const M: usize = 1 << 20;
+        let slot = 16 * M;
+        assert_eq!(ce_staged_chunk_bytes(4 * M, slot, None), M);
+        assert_eq!(ce_staged_chunk_bytes(64 * M, slot, None), 4 * M);
+        assert_eq!(ce_staged_chunk_bytes(1 << 30, slot, None), slot);
+        assert_eq!(ce_staged_chunk_bytes(1 << 30, M / 2, None), M / 2);
+        assert_eq!(ce_staged_chunk_bytes(64 * M, slot, Some(M + 100)), M);
+        for bytes in [1usize, 4095, 5 * M + 3, 300 * M] {
+            let c = ce_staged_chunk_bytes(bytes, slot, None);
+            assert_eq!(
+                c % 4096,
+                0,
+                "{bytes}: chunk {c} keeps 16-byte packs aligned"
+            );
+        }
     }
 
     fn limits() -> GridLimits {
@@ -773,6 +840,7 @@ mod tests {
             cap: 64,
             fixed: None,
             ce_min: 0,
+            ce_staged_min: 0,
             deep: true,
             deep_cap: 64,
             ll12: false,

@@ -216,6 +216,7 @@ fn rank_sweep() -> i32 {
         DeviceAlloc::new(max, rank).unwrap(),
     );
     let mut checked = 0;
+    let mut paths = std::collections::BTreeSet::new();
     for dtype in DType::ALL {
         for op in ReduceOp::ALL {
             for algo in [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Auto] {
@@ -231,6 +232,7 @@ fn rank_sweep() -> i32 {
                         upload(&recv, &vec![0xFF; bytes], s.0);
                     }
                     reduce(&mut c, send.ptr, out_ptr, count, dtype, op, algo, s.ptr());
+                    paths.insert(c.last_path().expect("a path").name);
                     let mut out = vec![0u8; bytes];
                     download(out_ptr, &mut out, s.0);
                     let what = format!("{count} x {dtype} {op} {algo} in_place={in_place}");
@@ -242,8 +244,20 @@ fn rank_sweep() -> i32 {
             }
         }
     }
+    expect_ce_staged(world, &paths);
     say(format!("DONE {checked}"));
     0
+}
+
+/// With `IPCREDUCE_CE_STAGED_MIN` set at two ranks, the host-staged copy-engine path must be
+/// among the paths taken (else a test of it would pass on the staged kernels).
+fn expect_ce_staged(world: usize, paths: &std::collections::BTreeSet<&str>) {
+    if std::env::var_os("IPCREDUCE_CE_STAGED_MIN").is_some() && world == 2 {
+        assert!(
+            paths.contains("ce-staged"),
+            "host-staged copy-engine path not taken: {paths:?}"
+        );
+    }
 }
 
 /// The staged kernels at user pointers off 16-byte alignment (their own input then comes from
@@ -456,6 +470,7 @@ fn rank_graph() -> i32 {
     let (rank, world) = (c.rank(), c.world());
     let s = Stream::new();
     let mut checked = 0;
+    let mut paths = std::collections::BTreeSet::new();
     let pairs = [
         (1000usize, Algorithm::OneShot, Algorithm::TwoShot),
         (16384, Algorithm::OneShot, Algorithm::Auto),
@@ -481,6 +496,7 @@ fn rank_graph() -> i32 {
                     a,
                     s.ptr(),
                 );
+                paths.insert(c.last_path().expect("a path").name);
                 reduce(
                     &mut c,
                     send.ptr,
@@ -491,6 +507,7 @@ fn rank_graph() -> i32 {
                     b,
                     s.ptr(),
                 );
+                paths.insert(c.last_path().expect("a path").name);
             });
             for replay in 0..12u64 {
                 let seed = replay << 32 | count as u64;
@@ -514,6 +531,7 @@ fn rank_graph() -> i32 {
     if let Some(e) = c.async_error() {
         panic!("after the graphs: {e}");
     }
+    expect_ce_staged(world, &paths);
     say(format!("DONE {checked}"));
     0
 }
@@ -1179,6 +1197,24 @@ fn host_staged_graph_replays() {
         ("IPCREDUCE_STAGED_CHUNK", "65536"),
     ];
     run_role(name, "graph", &[2], &small);
+}
+
+/// The host-staged copy-engine path from 64 KiB on, in 64 KiB chunks (many per call: both
+/// slot parities and both scratch halves reused within and across calls): every dtype, op and
+/// algorithm, in place and out of place, aligned and not, eager and captured in CUDA graphs
+/// beside the staged kernels' calls.
+#[test]
+fn host_staged_copy_engine_eager_and_in_graphs() {
+    play_rank_if_child();
+    let env = [
+        ("IPCREDUCE_TRANSPORT", "host"),
+        ("IPCREDUCE_CE_STAGED_MIN", "65536"),
+        ("IPCREDUCE_STAGED_CHUNK", "65536"),
+    ];
+    let name = "host_staged_copy_engine_eager_and_in_graphs";
+    for role in ["sweep", "staged_offsets", "graph"] {
+        run_role(name, role, &[2], &env);
+    }
 }
 
 #[test]

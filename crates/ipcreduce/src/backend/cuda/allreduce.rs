@@ -1,6 +1,7 @@
 //! The all-reduce within one node: the path for the call's size and buffers (plan::cuda_path,
 //! with the agreed limits and the tuning table), its identity, and one kernel through the
-//! launcher, or the copy-engine pipeline (ce.rs) for large registered calls of two ranks.
+//! launcher, or a copy-engine pipeline (ce.rs) for large calls of two ranks: registered over
+//! peer memory, or any on the host-staged transport.
 //!
 //! NCCL, count-0 calls and jobs across nodes are told apart before this (ops.rs).
 //!
@@ -123,6 +124,17 @@ pub(super) fn launch(
     if path == CudaPath::Ce {
         let lanes = engine.lanes(l.rank)?;
         return ce::launch(l, lanes, &args, call, grid);
+    }
+    if path == CudaPath::CeStaged {
+        let (lanes, scratch) = engine.staged().ok_or_else(|| {
+            crate::error::Error::invalid(
+                l.rank,
+                "all-reduce",
+                "the host-staged copy-engine path was chosen but not prepared at start-up",
+            )
+        })?;
+        let chunk = crate::plan::ce_staged_chunk_bytes(bytes, l.slot_bytes, knobs.chunk);
+        return ce::launch_staged(l, lanes, scratch, &args, call, chunk, grid);
     }
     let threads = crate::plan::block_threads(path, bytes, grid, THREADS);
     if eager {

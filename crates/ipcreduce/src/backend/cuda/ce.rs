@@ -1,23 +1,30 @@
-//! Copy-engine path: two ranks, registered buffers, out of place, large messages. The copy
-//! engines move the data over NVLink and leave the SMs to the caller's compute; a small kernel
-//! reduces locally. Rank r owns shard r of the message:
+//! Copy-engine paths of two ranks: the copy engines move the data and leave the SMs to the
+//! caller's compute; a small kernel reduces locally, in rank order with f32 accumulation, so
+//! every result is bitwise the one of every other path.
+//!
+//! [`launch`]: registered buffers, out of place, large messages, over NVLink. Rank r owns
+//! shard r of the message:
 //! 1. push our input's shard q (the peer's) into the peer's output, where it waits to be
 //!    reduced (the peer's output doubles as its scratch: no workspace, no size limit);
 //! 2. barrier: the peer's input for our shard has landed in our output;
-//! 3. reduce in place, in rank order with f32 accumulation: output = op(in_0, in_1), so the
-//!    result is bitwise the one of every other path;
+//! 3. reduce in place: output = op(in_0, in_1);
 //! 4. push our reduced shard into the peer's output.
 //!
-//! The shards are cut into chunks that take turns on `LANES` streams forked from the caller's
-//! stream (events; capturable in CUDA graphs), so the copies of one chunk overlap the reduction
-//! of another. The cross-process order comes from one-block barrier kernels (`ipcr_ce_barrier`),
-//! which wait with the same deadline, abort check and error record as every kernel: no wait
-//! here can hang. Per lane and call: a barrier "inputs ready, outputs free, same call" (with the
-//! stamp check), one barrier per chunk, and one "every push has landed" at the end.
+//! [`launch_staged`]: the host-staged transport (no peer access), large messages. Each chunk
+//! of our input is copied into our slot in host memory, the peer's copy of it out of the
+//! peer's slot into a device scratch, and reduced with our input into the output.
+//!
+//! The chunks take turns on `LANES` streams forked from the caller's stream (events;
+//! capturable in CUDA graphs), so the copies of one chunk overlap the work of another. The
+//! cross-process order comes from one-block barrier kernels (`ipcr_ce_barrier`), which wait
+//! with the same deadline, abort check and error record as every kernel: no wait here can
+//! hang. Per lane and call: a barrier "inputs ready, outputs free, same call" (with the stamp
+//! check), then barriers per chunk.
 
 use super::driver;
 use super::kernels::{CHECK_BEGIN, CHECK_STAMPS, MAX_BLOCKS};
 use super::launcher::{CallArgs, Kernel, KernelArgs, Launcher};
+use super::memory::DeviceAlloc;
 use crate::error::Result;
 use crate::plan::{shard, Span};
 use cudarc::driver::{safe as cs, sys};
@@ -53,11 +60,17 @@ impl Drop for Event {
     }
 }
 
-/// The lane streams and the events that fork them from, and join them to, the caller's stream.
+/// The lane streams and the events that fork them from, and join them to, the caller's stream;
+/// the host-staged path's events between its two lanes.
 pub(super) struct Lanes {
     fork: Event,
     joins: Vec<Event>,
     streams: Vec<Arc<cs::CudaStream>>,
+    /// Host-staged: a chunk is in both ranks' slots (lane 0 to lane 1).
+    ready: Event,
+    /// Host-staged: slot parity p is read by both ranks and may be written again (lane 1 to
+    /// lane 0).
+    freed: [Event; 2],
 }
 
 impl Lanes {
@@ -74,6 +87,8 @@ impl Lanes {
             fork: Event::new(rank)?,
             joins,
             streams,
+            ready: Event::new(rank)?,
+            freed: [Event::new(rank)?, Event::new(rank)?],
         })
     }
 }
@@ -85,16 +100,23 @@ fn part(s: Span, k: usize, chunk: usize, size: usize) -> (u64, usize) {
     ((a * size) as u64, (b - a) * size)
 }
 
-/// The copy-engine path's lanes, made at its first call.
+/// The copy-engine paths' lanes, made at their first call (or at start-up for the host-staged
+/// path), and the host-staged path's device scratch.
 pub(super) struct Engine {
-    // The lanes (streams and events) go before the context they were made in.
+    // The lanes (streams and events) and the scratch go before the context they were made in.
     lanes: Option<Lanes>,
+    /// Host-staged: two chunks of the peer's input, one per slot parity.
+    scratch: Option<DeviceAlloc>,
     ctx: Arc<cs::CudaContext>,
 }
 
 impl Engine {
     pub fn new(ctx: Arc<cs::CudaContext>) -> Engine {
-        Engine { lanes: None, ctx }
+        Engine {
+            lanes: None,
+            scratch: None,
+            ctx,
+        }
     }
 
     /// The lanes, made now if this is the path's first call.
@@ -103,6 +125,153 @@ impl Engine {
             self.lanes = Some(Lanes::new(&self.ctx, rank)?);
         }
         Ok(self.lanes.as_ref().expect("made above"))
+    }
+
+    /// Makes the host-staged path's lanes and its scratch of two chunks of at most
+    /// `chunk_bytes`, at start-up: neither a stream nor memory may be made while the caller's
+    /// stream is being captured into a graph.
+    pub fn prepare_staged(&mut self, rank: usize, chunk_bytes: usize) -> Result<()> {
+        self.lanes(rank)?;
+        self.scratch = Some(DeviceAlloc::new(2 * chunk_bytes, rank)?);
+        Ok(())
+    }
+
+    /// The lanes and the scratch of the host-staged path ([`Engine::prepare_staged`]).
+    pub fn staged(&self) -> Option<(&Lanes, &DeviceAlloc)> {
+        self.lanes.as_ref().zip(self.scratch.as_ref())
+    }
+}
+
+/// What both paths enqueue: copies, barriers, reduces and stream order, on one call's lanes.
+struct Enqueue<'a> {
+    l: &'a Launcher,
+    lanes: &'a Lanes,
+    args: &'a KernelArgs,
+    call: &'a CallArgs,
+}
+
+impl Enqueue<'_> {
+    fn lane(&self, j: usize) -> sys::CUstream {
+        self.lanes.streams[j].cu_stream()
+    }
+
+    /// A copy of `bytes` on lane `j` (none of 0 bytes); `what` names it in an error.
+    ///
+    /// # Safety
+    /// Both ranges must lie in memory the call may touch: its send and recv (which the caller
+    /// vouched for), the peer's registered buffers or workspace as mapped here, our scratch.
+    unsafe fn copy(
+        &self,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+        j: usize,
+        what: impl FnOnce() -> String,
+    ) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: as the caller vouched; the lane is a stream of our context.
+        unsafe { driver::copy_async(dst, src, bytes, self.lane(j), self.l.rank, what) }
+    }
+
+    /// Lane `j`'s barrier with the peer's lane `j`. `first`: the lane's first of the call,
+    /// which compares the call's stamps; lane 0's also starts the call (advances the call
+    /// counter, posts the identity).
+    fn barrier(&self, j: usize, first: bool) -> Result<()> {
+        let mut a = *self.args;
+        a.lane = (FIRST_LANE_SLOT + j) as i32;
+        a.check = match (first, j) {
+            (true, 0) => CHECK_STAMPS | CHECK_BEGIN,
+            (true, _) => CHECK_STAMPS,
+            _ => 0,
+        };
+        let k = Kernel {
+            f: self.l.gpu.ce_barrier(),
+            grid: 1,
+            threads: BARRIER_THREADS,
+            stream: self.lane(j),
+        };
+        self.l.launch(k, &mut a, || {
+            format!("launching the copy-engine barrier (lane {j})")
+        })
+    }
+
+    /// The reduce on lane `j` of `bytes` at byte offset `off` of the call: recv = op(send,
+    /// `theirs`), `theirs` the peer's input as copied here.
+    fn reduce(
+        &self,
+        f: sys::CUfunction,
+        ctas: u32,
+        j: usize,
+        off: u64,
+        bytes: usize,
+        theirs: u64,
+    ) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let (dtype, op) = (self.call.dtype, self.call.op);
+        let mut a = *self.args;
+        a.send += off;
+        a.recv += off;
+        a.rsend[1 - self.l.rank] = theirs;
+        let n = bytes / dtype.size();
+        a.count = n as u64;
+        let kernel = Kernel {
+            f,
+            grid: ctas,
+            threads: REDUCE_THREADS,
+            stream: self.lane(j),
+        };
+        self.l.launch(kernel, &mut a, || {
+            format!("launching the copy-engine reduce ({n} x {dtype} {op})")
+        })
+    }
+
+    /// `ev` marks what `from` has enqueued so far.
+    fn record(&self, ev: &Event, from: sys::CUstream) -> Result<()> {
+        // SAFETY: an event of our context on a stream of it (the caller's as its call
+        // vouched).
+        unsafe {
+            driver::event_record(ev.0, from, self.l.rank, || {
+                "cuEventRecord (copy-engine path)".into()
+            })
+        }
+    }
+
+    /// `to` waits for `ev`'s last record.
+    fn wait(&self, ev: &Event, to: sys::CUstream) -> Result<()> {
+        // SAFETY: as in `record`.
+        unsafe {
+            driver::stream_wait(to, ev.0, self.l.rank, || {
+                "cuStreamWaitEvent (copy-engine path)".into()
+            })
+        }
+    }
+
+    /// `to` waits for what `from` has enqueued so far.
+    fn record_wait(&self, ev: &Event, from: sys::CUstream, to: sys::CUstream) -> Result<()> {
+        self.record(ev, from)?;
+        self.wait(ev, to)
+    }
+
+    /// Forks every lane from the caller's stream and passes its first barrier: inputs ready,
+    /// outputs and slots free, the same call on both ranks.
+    fn begin(&self) -> Result<()> {
+        for j in 0..LANES {
+            self.record_wait(&self.lanes.fork, self.call.stream, self.lane(j))?;
+            self.barrier(j, true)?;
+        }
+        Ok(())
+    }
+
+    /// Joins every lane into the caller's stream.
+    fn end(&self) -> Result<()> {
+        for j in 0..LANES {
+            self.record_wait(&self.lanes.joins[j], self.lane(j), self.call.stream)?;
+        }
+        Ok(())
     }
 }
 
@@ -115,10 +284,14 @@ pub(super) fn launch(
     call: &CallArgs,
     ctas: u32,
 ) -> Result<()> {
-    let (dtype, op, stream) = (call.dtype, call.op, call.stream);
+    let q = Enqueue {
+        l,
+        lanes,
+        args,
+        call,
+    };
+    let size = call.dtype.size();
     let rank = l.rank;
-    let lane = |j: usize| lanes.streams[j].cu_stream();
-    let size = dtype.size();
     let peer = 1 - rank;
     let count = args.count as usize;
     let mine = shard(count, 2, rank, 16 / size);
@@ -127,86 +300,118 @@ pub(super) fn launch(
     // Both ranks cut the same number of chunks: every lane passes the same barriers.
     let chunks = mine.len().max(theirs.len()).div_ceil(chunk).max(1);
     let (send, recv, peer_recv) = (args.send, args.recv, args.rrecv[peer]);
-    let reduce = l.gpu.function(crate::plan::CudaPath::Ce, dtype, op, rank)?;
-
-    let copy = |dst: u64, src: u64, bytes: usize, s: sys::CUstream, what: &str| {
-        if bytes == 0 {
-            return Ok(());
-        }
-        // SAFETY: both ranges lie in registered buffers (ours, and the peer's mapped here),
-        // inside the call's send/recv, which the caller vouched for; `s` is a lane.
-        unsafe {
-            driver::copy_async(dst, src, bytes, s, rank, || {
-                format!("copy-engine push of {bytes} bytes ({what}) to rank {peer}")
-            })
-        }
-    };
-    // `first`: the lane's first barrier of the call, which compares the call's stamps; lane
-    // 0's also starts the call (advances the call counter, posts the identity).
-    let barrier = |j: usize, first: bool| {
-        let mut a = *args;
-        a.lane = (FIRST_LANE_SLOT + j) as i32;
-        a.check = match (first, j) {
-            (true, 0) => CHECK_STAMPS | CHECK_BEGIN,
-            (true, _) => CHECK_STAMPS,
-            _ => 0,
-        };
-        let k = Kernel {
-            f: l.gpu.ce_barrier(),
-            grid: 1,
-            threads: BARRIER_THREADS,
-            stream: lane(j),
-        };
-        l.launch(k, &mut a, || {
-            format!("launching the copy-engine barrier (lane {j})")
-        })
-    };
-    let record_wait = |ev: &Event, from: sys::CUstream, to: sys::CUstream| {
-        // SAFETY: plain stream ordering on streams and an event of our context (the
-        // caller's stream as its call vouched).
-        unsafe {
-            driver::event_record(ev.0, from, rank, || {
-                "cuEventRecord (copy-engine path)".into()
-            })?;
-            driver::stream_wait(to, ev.0, rank, || {
-                "cuStreamWaitEvent (copy-engine path)".into()
-            })
-        }
+    let reduce = l
+        .gpu
+        .function(crate::plan::CudaPath::Ce, call.dtype, call.op, rank)?;
+    let push = |what: &'static str, bytes: usize| {
+        move || format!("copy-engine push of {bytes} bytes ({what}) to rank {peer}")
     };
 
-    for j in 0..LANES {
-        record_wait(&lanes.fork, stream, lane(j))?;
-        barrier(j, true)?; // inputs ready, outputs free, the same call on both ranks
-    }
+    q.begin()?;
     for k in 0..chunks {
         let j = k % LANES;
         let (off, bytes) = part(theirs, k, chunk, size);
-        copy(peer_recv + off, send + off, bytes, lane(j), "input")?;
-        barrier(j, false)?; // the peer's input for our chunk k has landed
+        // SAFETY: our send and the peer's registered recv, within the call's bytes.
+        unsafe { q.copy(peer_recv + off, send + off, bytes, j, push("input", bytes))? };
+        q.barrier(j, false)?; // the peer's input for our chunk k has landed
         let (off, bytes) = part(mine, k, chunk, size);
-        if bytes > 0 {
-            let mut a = *args;
-            a.send = send + off;
-            a.recv = recv + off;
-            let n = bytes / size;
-            a.count = n as u64;
-            let kernel = Kernel {
-                f: reduce,
-                grid: ctas,
-                threads: REDUCE_THREADS,
-                stream: lane(j),
-            };
-            l.launch(kernel, &mut a, || {
-                format!("launching the copy-engine reduce ({n} x {dtype} {op})")
-            })?;
-        }
-        copy(peer_recv + off, recv + off, bytes, lane(j), "result")?;
+        // The peer's input was pushed into our recv.
+        q.reduce(reduce, ctas, j, off, bytes, recv + off)?;
+        // SAFETY: as above, our recv.
+        unsafe { q.copy(peer_recv + off, recv + off, bytes, j, push("result", bytes))? };
     }
     for j in 0..LANES {
-        barrier(j, false)?; // every push into our output has landed
-        record_wait(&lanes.joins[j], lane(j), stream)?;
+        q.barrier(j, false)?; // every push into our output has landed
     }
-    Ok(())
+    q.end()
+}
+
+/// Enqueues the host-staged copy-engine all-reduce of `args` (two ranks, host-staged
+/// transport: `args.data` are the ranks' data areas in host memory, two slots of
+/// `args.slot_bytes`) on `call`'s stream, in chunks of `chunk_bytes` (at most the slot and
+/// the scratch's half); `ctas` for the reduce kernel.
+///
+/// Lane 0 carries our copies into host memory, lane 1 the copies of the peer's chunks out of
+/// it and the reduces, so the two directions of the PCIe link are in flight together: chunk
+/// k+1 goes in while chunk k comes out. Chunk k uses slot parity k & 1 of both ranks and half
+/// k & 1 of our scratch:
+/// - lane 0: (k >= 2: wait until slot parity k & 1 was read by both ranks, event `freed`) copy
+///   chunk k of our send into our slot; barrier: chunk k is in both ranks' slots; event `ready`;
+/// - lane 1: wait for `ready`; copy the peer's chunk k into the scratch; barrier: both ranks
+///   have read chunk k's slots; event `freed`; reduce recv = op(send, scratch) for chunk k.
+///
+/// Across calls: a call's first barriers meet the peer's only once the peer's previous call
+/// has ended (its lanes joined into its stream, which forked this call's), so no slot is
+/// written while the peer still reads it; and a call ends only after its last barrier on lane
+/// 1, passed when both ranks have read every slot, so the staged kernels' next call may write
+/// its slots at once. In place is safe: recv's chunk k is written only after lane 0 copied
+/// send's chunk k, and later chunks read other elements.
+pub(super) fn launch_staged(
+    l: &Launcher,
+    lanes: &Lanes,
+    scratch: &DeviceAlloc,
+    args: &KernelArgs,
+    call: &CallArgs,
+    chunk_bytes: usize,
+    ctas: u32,
+) -> Result<()> {
+    let q = Enqueue {
+        l,
+        lanes,
+        args,
+        call,
+    };
+    let rank = l.rank;
+    let peer = 1 - rank;
+    let size = call.dtype.size();
+    let chunk = (chunk_bytes
+        .min(args.slot_bytes as usize)
+        .min(scratch.bytes / 2)
+        / size)
+        .max(1);
+    let all = Span {
+        start: 0,
+        end: args.count as usize,
+    };
+    let chunks = all.len().div_ceil(chunk).max(1);
+    let reduce = l
+        .gpu
+        .function(crate::plan::CudaPath::CeStaged, call.dtype, call.op, rank)?;
+    let slot = |r: usize, k: usize| args.data[r] + (k as u64 & 1) * args.slot_bytes;
+    let half = |k: usize| scratch.ptr + (k as u64 & 1) * (scratch.bytes / 2) as u64;
+
+    q.begin()?;
+    for k in 0..chunks {
+        let (off, bytes) = part(all, k, chunk, size);
+        if k >= 2 {
+            q.wait(&lanes.freed[k & 1], q.lane(0))?; // recorded at chunk k - 2
+        }
+        // SAFETY: chunk k of our send (within the call's bytes) into our slot (bytes <= the
+        // slot).
+        unsafe {
+            q.copy(slot(rank, k), args.send + off, bytes, 0, || {
+                format!(
+                    "copy-engine copy of {bytes} bytes into our host-staged slot (for rank {peer})"
+                )
+            })?
+        };
+        q.barrier(0, false)?; // chunk k is in both ranks' slots
+        q.record_wait(&lanes.ready, q.lane(0), q.lane(1))?;
+        // SAFETY: the peer's slot as mapped here, into half k & 1 of our scratch (bytes <= the
+        // half).
+        unsafe {
+            q.copy(half(k), slot(peer, k), bytes, 1, || {
+                format!("copy-engine copy of {bytes} bytes out of rank {peer}'s host-staged slot")
+            })?
+        };
+        q.barrier(1, false)?; // both ranks have read chunk k's slots
+        if k + 2 < chunks {
+            // Waited for by lane 0 before chunk k + 2; chunk k + 1 records the other event.
+            q.record(&lanes.freed[k & 1], q.lane(1))?;
+        }
+        q.reduce(reduce, ctas, 1, off, bytes, half(k))?;
+    }
+    q.end()
 }
 
 #[cfg(test)]

@@ -44,6 +44,7 @@ fn limits() -> GridLimits {
         cap: 64,
         fixed: None,
         ce_min: 0,
+        ce_staged_min: 0,
         deep: true,
         deep_cap: 64,
         ll12: false,

@@ -119,6 +119,8 @@ impl CudaComm {
             cap,
             fixed,
             ce_min,
+            // Set with the fabric, below.
+            ce_staged_min: 0,
             deep,
             deep_cap,
             ll12,
@@ -141,6 +143,7 @@ impl CudaComm {
             config.staged_chunk_bytes.map_or(0, |c| c as u64 + 1),
             config.staged_ctas.map_or(0, |c| c as u64 + 1),
             config.staged_round.map_or(0, |r| r as u64 + 1),
+            config.ce_staged_min_bytes.map_or(0, |c| c as u64 + 1),
         ]
         .map(u64::to_le_bytes)
         .concat();
@@ -151,7 +154,7 @@ impl CudaComm {
                 peer,
                 op: "init".into(),
                 seq: 0,
-                detail: "IPCREDUCE_BLOCKS / IPCREDUCE_SLOT_BYTES / IPCREDUCE_LL_MAX / IPCREDUCE_CE_MIN / IPCREDUCE_REG_LOADS / IPCREDUCE_LL_DATA / IPCREDUCE_STAGED_* (or the GPU sharing) differ between ranks"
+                detail: "IPCREDUCE_BLOCKS / IPCREDUCE_SLOT_BYTES / IPCREDUCE_LL_MAX / IPCREDUCE_CE_MIN / IPCREDUCE_CE_STAGED_MIN / IPCREDUCE_REG_LOADS / IPCREDUCE_LL_DATA / IPCREDUCE_STAGED_* (or the GPU sharing) differ between ranks"
                     .into(),
             });
         }
@@ -178,6 +181,12 @@ impl CudaComm {
         // Every rank takes the same fabric, so every rank adjusts the same way.
         limits.ll_max = config.ll_max_bytes(world, fabric);
         config.check_ll_data(fabric)?;
+        // The host-staged copy-engine path is written for two ranks.
+        if fabric == Fabric::HostStaged && world == 2 {
+            limits.ce_staged_min = config
+                .ce_staged_min_bytes
+                .unwrap_or(crate::plan::CE_STAGED_DEFAULT_MIN_BYTES);
+        }
         if fabric == Fabric::PciePeer && fixed.is_none() {
             limits.cap = limits.cap.min(crate::plan::PCIE_CTA_CAP);
             limits.deep_cap = limits.deep_cap.min(limits.cap);
@@ -274,6 +283,10 @@ impl CudaComm {
             bufs: Vec::new(),
             devices,
         };
+        if comm.launch.limits.ce_staged_min > 0 {
+            // Its chunks are at most a slot (plan::ce_staged_chunk_bytes).
+            comm.ce.prepare_staged(rank, slot_bytes)?;
+        }
         phases.mark("names");
         // Every rank's signal area is cleared before any kernel writes into it.
         boot.barrier()?;

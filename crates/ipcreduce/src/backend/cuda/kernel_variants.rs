@@ -60,7 +60,7 @@ impl Group {
             OneShotStaged | TwoShotStaged => Group::Staged,
             OneShotReg | TwoShotReg => Group::ZeroCopy,
             OneShotRegDeep | TwoShotRegDeep => Group::ZeroCopyDeep,
-            Ce => Group::Ce,
+            Ce | CeStaged => Group::Ce,
             ReduceScatterStaged | ReduceScatterReg | AllGatherStaged | AllGatherReg => {
                 Group::ScatterGather
             }

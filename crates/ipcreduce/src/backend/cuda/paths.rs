@@ -53,6 +53,10 @@ pub enum CudaPath {
     /// peer's LL area with their flags, each row summed and normalised by the block that owns
     /// it on every rank, no barrier (kernels/fused_ll.cu).
     FusedLl,
+    /// Two ranks, host-staged transport: each chunk copied into host memory and the peer's
+    /// copied out of it by the copy engines, the two directions of the PCIe link in flight
+    /// together, a local reduce kernel (ce.rs).
+    CeStaged,
 }
 
 /// How a path's kernel is named: `ipcr_<stem>[_w<W>]_<dtype>[_<op>]`.
@@ -113,7 +117,7 @@ const FU: Option<SgOp> = Some(SgOp::AddRmsNorm);
 
 /// Every path, in the order of [`CudaPath`] (row `i` is the path of code `i + 1`).
 #[rustfmt::skip]
-pub const TABLE: [PathRow; 18] = [
+pub const TABLE: [PathRow; 19] = [
     row(CudaPath::OneShotLl, 1, "oneshot-ll", "IPCR_PATH_ONESHOT_LL", AR, false, ("oneshotll", false, true)),
     row(CudaPath::OneShotLl12, 2, "oneshot-ll12", "IPCR_PATH_ONESHOT_LL12", AR, false, ("oneshotll12", false, true)),
     row(CudaPath::OneShotStaged, 3, "oneshot-staged", "IPCR_PATH_ONESHOT_STAGED", AR, false, ("oneshot", true, true)),
@@ -133,6 +137,8 @@ pub const TABLE: [PathRow; 18] = [
     row(CudaPath::FusedReference, 16, "fused-reference", "IPCR_PATH_FUSED_REFERENCE", FU, false, ("fusedref", false, false)),
     row(CudaPath::FusedTwoShot, 17, "fused-twoshot", "IPCR_PATH_FUSED_TWOSHOT", FU, false, ("fusedtwoshot", true, false)),
     row(CudaPath::FusedLl, 18, "fused-ll", "IPCR_PATH_FUSED_LL", FU, false, ("fusedll", true, false)),
+    // The copy-engine path's reduce kernel, its peer's chunk read from a device scratch.
+    row(CudaPath::CeStaged, 19, "ce-staged", "IPCR_PATH_CE_STAGED", AR, false, ("cereduce", false, true)),
 ];
 
 /// The copy-engine path's barrier kernel (one block, any dtype).
@@ -140,8 +146,8 @@ pub const CE_BARRIER_KERNEL: &str = "ipcr_ce_barrier";
 
 impl CudaPath {
     /// Every path, [`TABLE`]'s order.
-    pub const ALL: [CudaPath; 18] = {
-        let mut all = [CudaPath::Empty; 18];
+    pub const ALL: [CudaPath; 19] = {
+        let mut all = [CudaPath::Empty; 19];
         let mut i = 0;
         while i < TABLE.len() {
             all[i] = TABLE[i].path;
@@ -151,7 +157,7 @@ impl CudaPath {
     };
 
     /// The all-reduce paths [`crate::plan::cuda_path`] chooses from.
-    pub const ALL_REDUCE: [CudaPath; 9] = [
+    pub const ALL_REDUCE: [CudaPath; 10] = [
         CudaPath::OneShotLl,
         CudaPath::OneShotLl12,
         CudaPath::OneShotStaged,
@@ -161,6 +167,7 @@ impl CudaPath {
         CudaPath::OneShotRegDeep,
         CudaPath::TwoShotRegDeep,
         CudaPath::Ce,
+        CudaPath::CeStaged,
     ];
 
     pub fn row(self) -> &'static PathRow {
@@ -284,6 +291,7 @@ mod tests {
             (CudaPath::FusedReference, "fused-reference"),
             (CudaPath::FusedTwoShot, "fused-twoshot"),
             (CudaPath::FusedLl, "fused-ll"),
+            (CudaPath::CeStaged, "ce-staged"),
         ];
         for (p, name) in want {
             assert_eq!(p.name(), name);

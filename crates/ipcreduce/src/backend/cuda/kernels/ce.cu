@@ -1,6 +1,7 @@
-// ipcreduce copy-engine all-reduce kernels (two ranks, registered buffers, out of place; see
-// ../ce.rs). The copies are cuMemcpyAsync pushes into the peer's output; these kernels order them
-// across the processes and reduce locally. Built on prims.cuh.
+// ipcreduce copy-engine all-reduce kernels (two ranks; see ../ce.rs): registered buffers out of
+// place, the copies cuMemcpyAsync pushes into the peer's output; or the host-staged transport,
+// the copies into and out of host memory. These kernels order the copies across the processes
+// and reduce locally. Built on prims.cuh.
 //
 // Layout: the lanes' barriers use the counters and flag slots of the last blocks (the host's
 // FIRST_LANE_SLOT); no workspace data.
@@ -29,18 +30,20 @@ extern "C" __global__ void __launch_bounds__(32) ipcr_ce_barrier(const Args a) {
 }
 #endif
 
-// Our send holds our input, our recv the peer's input (pushed there): reduced in rank order
-// into recv, in place (each element read, then written, by one thread).
+// Our send holds our input, rsend[peer] the peer's input as copied here (our recv, where the
+// peer pushed it, or the host-staged path's device scratch): reduced in rank order into recv
+// (each element read, then written, by one thread, so recv may be either source).
 struct CeSrc {
     const Args &a;
-    __device__ const char *operator()(int r) const { return r == a.rank ? a.send : a.recv; }
+    __device__ const char *operator()(int r) const { return r == a.rank ? a.send : a.rsend[r]; }
 };
 
 template <typename D, typename Op> __device__ void ce_reduce(const Args &a) {
     u64 b, e;
     piece<D>(0, a.count, gridDim.x, blockIdx.x, b, e);
+    const char *theirs = a.rsend[1 - a.rank];
     reduce_range<D, Op, 2>(CeSrc{a}, OwnDst{a.recv, aligned16(a.recv)}, 2, b, e,
-                           aligned16(a.send) && aligned16(a.recv));
+                           aligned16(a.send) && aligned16(a.recv) && aligned16(theirs));
 }
 
 // Entry points: ipcr_cereduce_<dtype>_<op> (two ranks only: one kernel in every module).
