@@ -907,7 +907,7 @@ fn rank_pointers() -> i32 {
     // communicator of its own, and the refused rank's error must name the reason, either as
     // its own InvalidArgument or as the abort that carries it.
     let mut case = 0;
-    let mut refuse = |send: u64, recv: u64, why: &str| {
+    let mut refuse = |send: u64, recv: u64, count: usize, why: &str| {
         case += 1;
         let mut r_comm = hostile_comm(&format!("pointers-{case}"), None);
         // SAFETY: refused before anything is enqueued (what this checks).
@@ -915,7 +915,7 @@ fn rank_pointers() -> i32 {
             r_comm.all_reduce_raw(
                 send as *const c_void,
                 recv as *mut c_void,
-                n,
+                count,
                 DType::F32,
                 ReduceOp::Sum,
                 Algorithm::Auto,
@@ -958,19 +958,63 @@ fn rank_pointers() -> i32 {
         unsafe { sys::cuMemHostAlloc(&mut pinned, n * 4, 0) },
         "cuMemHostAlloc",
     );
-    refuse(pinned as u64, pinned as u64, "send buffer");
-    refuse(x.ptr, pinned as u64, "page-locked host memory");
+    refuse(pinned as u64, pinned as u64, n, "send buffer");
+    refuse(x.ptr, pinned as u64, n, "page-locked host memory");
     // SAFETY: ours, freed once; nothing was enqueued on it.
     ck(unsafe { sys::cuMemFreeHost(pinned) }, "cuMemFreeHost");
     let pageable = vec![0f32; n];
-    refuse(pageable.as_ptr() as u64, x.ptr, "not CUDA device memory");
+    refuse(pageable.as_ptr() as u64, x.ptr, n, "not CUDA device memory");
+    // A count larger than the buffer: it would run past the end of its allocation (cuMemAlloc:
+    // the allocation must hold it whole).
+    let half = x.ptr + 2 * n as u64;
+    let past = format!(
+        "send buffer {half:#x} of {} bytes runs past the end of its allocation",
+        4 * n
+    );
+    refuse(half, half, n, &past);
+    // Mapped memory (cuMemMap, as PyTorch's expandable segments): one piece mapped, the next
+    // reserved but not: a buffer over both runs into memory that is not this GPU's.
+    {
+        use ipcreduce::backend::cuda::driver as d;
+        // SAFETY: a plain C struct; all-zero is its documented default.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = ordinal as i32;
+        let g = d::granularity(&prop, rank).unwrap();
+        let handle = d::mem_create(g, &prop, rank).unwrap();
+        let base = d::address_reserve(2 * g, rank, || "test reserve".into()).unwrap();
+        // SAFETY: our reservation and handle, undone below in reverse order.
+        unsafe {
+            d::mem_map(base, g, handle, rank, || "test map".into()).unwrap();
+            d::set_access(base, g, ordinal as i32, rank, || "test access".into()).unwrap();
+        }
+        let inside = base + g as u64 / 2;
+        let count = g / 4; // f32: from the middle of the piece to the middle of the hole
+        refuse(inside, inside, count, "that is not GPU");
+        // As the recv buffer of a call whose send buffer is fine.
+        let y = DeviceAlloc::new(g, rank).unwrap();
+        let past = format!("recv buffer {inside:#x} of {g} bytes runs past the end");
+        refuse(y.ptr, inside, count, &past);
+        // SAFETY: nothing was enqueued on the mapping (the calls were refused).
+        unsafe {
+            d::unmap(base, g);
+            d::address_free(base, 2 * g);
+            d::release(handle);
+        }
+    }
     checked += 1;
     let count = cudarc::driver::safe::CudaContext::device_count().unwrap() as usize;
     if count > 1 {
         let other = cudarc::driver::safe::CudaContext::new((ordinal + 1) % count).unwrap();
         other.bind_to_thread().unwrap();
         let y = DeviceAlloc::new(n * 4, rank).unwrap();
-        refuse(y.ptr, y.ptr, &format!("the communicator on GPU {ordinal}"));
+        refuse(
+            y.ptr,
+            y.ptr,
+            n,
+            &format!("the communicator on GPU {ordinal}"),
+        );
         other.bind_to_thread().unwrap();
         drop(y);
         eprintln!("rank {rank}: another GPU's memory refused");

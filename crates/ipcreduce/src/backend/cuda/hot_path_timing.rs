@@ -182,6 +182,7 @@ fn hot_path_timing() {
             ordinal: 0,
             start: (k + 1) << 32,
             bytes: 1 << 30,
+            whole: true,
         });
     }
     time("pointers: cache hit, send + recv", |_| {

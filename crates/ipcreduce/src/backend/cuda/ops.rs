@@ -371,43 +371,61 @@ impl CudaComm {
 
     /// Refuses a buffer of `bytes` at `ptr` the kernels cannot use in operation `op` (named in
     /// the error): another GPU's memory or host memory (the kernel's access would fault and end
-    /// the process's CUDA context). Registered buffers are known to be ours; for anything else
-    /// the driver is asked once per allocation (pointers.rs), so later calls in it cost no query.
+    /// the process's CUDA context), or one that runs past the end of its allocation (the
+    /// kernels would read and write what lies behind it). Registered buffers are known to be
+    /// ours; for anything else the driver is asked once per allocation (pointers.rs), so later
+    /// calls in it cost no query.
     fn check_buffer(&mut self, op: &'static str, ptr: u64, bytes: usize, what: &str) -> Result<()> {
         if self.registry.lookup(ptr, bytes).is_some() {
             return Ok(());
         }
-        self.check_pointer_for(op, ptr, what)
-    }
-
-    /// The driver's side of [`Self::check_buffer`].
-    fn check_pointer_for(&mut self, op: &'static str, ptr: u64, what: &str) -> Result<()> {
         let rank = self.rank;
-        let (facts, asked) = match self.pointers.get(ptr) {
-            Some(f) => (f, false),
-            None => {
-                let f = pointers::query(ptr).map_err(|res| {
-                    Error::invalid(
-                        rank,
-                        op,
+        let first = self.facts_at(op, ptr, what)?;
+        let (pointers, ordinal) = (&mut self.pointers, self.ordinal);
+        let mut asked = Vec::new();
+        let verdict = pointers::check_range(first, ptr, bytes, what, ordinal, |at| {
+            let f = match pointers.get(at) {
+                Some(f) => f,
+                None => {
+                    let f = pointers::query(at).map_err(|res| {
                         format!(
-                            "{what} buffer {ptr:#x}: cuPointerGetAttributes failed ({})",
+                            "{what} buffer {ptr:#x}: cuPointerGetAttributes at {at:#x} failed ({})",
                             driver::describe(res)
-                        ),
-                    )
-                })?;
-                (f, true)
-            }
-        };
-        facts
-            .judge(ptr, what, self.ordinal)
-            .map_err(|why| Error::invalid(rank, op, why))?;
+                        )
+                    })?;
+                    asked.push(f);
+                    f
+                }
+            };
+            Ok(f)
+        });
+        verdict.map_err(|why| Error::invalid(rank, op, why))?;
         // Only what passed is kept: a refused range may be freed and come back as memory of
         // this GPU, and is then asked about again.
-        if asked {
-            self.pointers.insert(facts);
+        for f in asked.into_iter().chain([first]) {
+            if self.pointers.get(f.start).is_none() {
+                self.pointers.insert(f);
+            }
         }
         Ok(())
+    }
+
+    /// The facts of the allocation holding `ptr`: kept, or asked of the driver (not kept
+    /// here: [`Self::check_buffer`] keeps what passed).
+    fn facts_at(&self, op: &'static str, ptr: u64, what: &str) -> Result<pointers::Facts> {
+        if let Some(f) = self.pointers.get(ptr) {
+            return Ok(f);
+        }
+        pointers::query(ptr).map_err(|res| {
+            Error::invalid(
+                self.rank,
+                op,
+                format!(
+                    "{what} buffer {ptr:#x}: cuPointerGetAttributes failed ({})",
+                    driver::describe(res)
+                ),
+            )
+        })
     }
 
     /// An error of the node's communicator in the job's terms (see hier.rs); as it is within

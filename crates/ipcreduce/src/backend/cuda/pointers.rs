@@ -7,6 +7,14 @@
 //! instead. The query ([`query`]) asks everything in one `cuPointerGetAttributes` call,
 //! including the allocation's address range, which is what the facts are kept under.
 //!
+//! A buffer must also end inside memory the kernels may use ([`check_range`]): a count larger
+//! than the caller's allocation would have the kernels read and write past it, into whatever
+//! lies there (another allocation of the caller's: silent corruption). A classic allocation
+//! (`cuMemAlloc`, legacy-IPC capable) must hold the whole buffer. Memory mapped piece by piece
+//! (`cuMemMap`: PyTorch's expandable segments, pools) reports each piece as its own range, and
+//! a tensor may span several: there every piece the buffer covers must be this GPU's device
+//! memory, up to [`MAX_PIECES`] of them.
+//!
 //! When facts go stale: when their allocation is freed. Registered buffers are ours to free,
 //! and their ranges are forgotten then ([`PointerCache::forget`]). CUDA does not tell us when
 //! the caller frees its own memory: if freed addresses come back holding memory of another
@@ -20,6 +28,9 @@ use cudarc::driver::sys;
 /// Kept ranges at most; past it the cache starts over (a workload cycling through more
 /// allocations than this re-asks, as every call did before there was a cache).
 const CAPACITY: usize = 64;
+/// Mapped pieces a buffer's range is followed through; past them the rest is not checked
+/// (PyTorch maps 2 MiB or 20 MiB pieces: 64 cover 128 MiB-1.25 GiB).
+pub(super) const MAX_PIECES: usize = 64;
 
 /// What kind of memory a pointer lies in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,6 +54,9 @@ pub(super) struct Facts {
     /// The allocation's address range (`bytes` 0: unknown, then nothing is kept).
     pub start: u64,
     pub bytes: u64,
+    /// A classic allocation (`cuMemAlloc`: legacy-IPC capable), which its range is whole; else
+    /// a mapped piece of memory that may continue in the next range.
+    pub whole: bool,
 }
 
 impl Facts {
@@ -65,6 +79,51 @@ impl Facts {
             )),
         }
     }
+}
+
+/// Whether `[ptr, ptr + bytes)` lies in memory the kernels of the communicator on GPU `mine`
+/// may use, the first range's facts `first` (of the allocation holding `ptr`); else why not,
+/// for an error naming the buffer (`what`). `facts_at` gives the facts of the range holding an
+/// address (cached or asked) for a buffer that runs past its first range.
+pub(super) fn check_range(
+    first: Facts,
+    ptr: u64,
+    bytes: usize,
+    what: &str,
+    mine: usize,
+    mut facts_at: impl FnMut(u64) -> Result<Facts, String>,
+) -> Result<(), String> {
+    first.judge(ptr, what, mine)?;
+    let end = ptr.saturating_add(bytes as u64);
+    let mut f = first;
+    for _ in 0..MAX_PIECES {
+        let range_end = f.start.saturating_add(f.bytes);
+        // An unknown range (bytes 0) cannot be followed: nothing more to check.
+        if f.bytes == 0 || end <= range_end {
+            return Ok(());
+        }
+        let start = f.start;
+        let past = |why: String| {
+            format!(
+                "{what} buffer {ptr:#x} of {bytes} bytes runs past the end of its allocation \
+                 [{start:#x}, {range_end:#x}) by {} bytes{why}: is the count larger than the \
+                 buffer?",
+                end - range_end
+            )
+        };
+        if f.whole {
+            return Err(past(String::new()));
+        }
+        // A mapped piece: the buffer goes on in the next one, which must be ours too.
+        f = facts_at(range_end)?;
+        let ours = matches!(f.kind, Kind::Device | Kind::Managed) && f.ordinal as usize == mine;
+        if !ours || f.start != range_end {
+            return Err(past(format!(
+                ", into memory at {range_end:#x} that is not GPU {mine}'s"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Facts by address range: sorted by start, never overlapping.
@@ -122,14 +181,17 @@ pub(super) fn query(ptr: u64) -> Result<Facts, sys::CUresult> {
         A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
         A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
         A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        A::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
     ];
-    let [memory_type, managed, ordinal, start, bytes] =
+    let [memory_type, managed, ordinal, start, bytes, legacy] =
         super::driver::pointer_attributes(ptr, attrs)?;
     Ok(Facts {
         kind: kind_of(memory_type as u32, managed != 0),
         ordinal: ordinal as u32 as i32,
         start,
         bytes,
+        // A boolean in the slot's low bytes.
+        whole: legacy as u32 != 0,
     })
 }
 
@@ -156,7 +218,120 @@ mod tests {
             ordinal,
             start,
             bytes,
+            whole: true,
         }
+    }
+
+    /// A mapped piece (not a classic allocation).
+    fn piece(start: u64, bytes: u64, ordinal: i32) -> Facts {
+        Facts {
+            whole: false,
+            ..dev(start, bytes, ordinal)
+        }
+    }
+
+    /// What the driver says of an address in none of `ranges`: nothing (memory type 0).
+    fn lookup(ranges: &[Facts]) -> impl FnMut(u64) -> Result<Facts, String> + '_ {
+        move |a| {
+            Ok(ranges
+                .iter()
+                .copied()
+                .find(|f| f.start <= a && a < f.start + f.bytes)
+                .unwrap_or(Facts {
+                    kind: Kind::Other,
+                    ordinal: 0,
+                    start: 0,
+                    bytes: 0,
+                    whole: false,
+                }))
+        }
+    }
+
+    #[test]
+    fn a_classic_allocation_must_hold_the_whole_buffer() {
+        let a = dev(0x1000, 0x1000, 0);
+        // The next allocation of the same GPU right behind it does not make it longer.
+        let next = dev(0x2000, 0x1000, 0);
+        let ranges = [a, next];
+        assert_eq!(
+            check_range(a, 0x1000, 0x1000, "send", 0, lookup(&ranges)),
+            Ok(())
+        );
+        assert_eq!(
+            check_range(a, 0x1800, 0x800, "send", 0, lookup(&ranges)),
+            Ok(())
+        );
+        assert_eq!(
+            check_range(a, 0x1fff, 0, "send", 0, lookup(&ranges)),
+            Ok(())
+        );
+        let e = check_range(a, 0x1800, 0x801, "recv", 0, lookup(&ranges)).unwrap_err();
+        assert!(
+            e.contains("recv buffer 0x1800 of 2049 bytes runs past the end of its allocation")
+                && e.contains("[0x1000, 0x2000) by 1 bytes"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn mapped_pieces_are_followed_while_they_are_this_gpus() {
+        let p = [
+            piece(0x1000, 0x1000, 1),
+            piece(0x2000, 0x1000, 1),
+            piece(0x3000, 0x1000, 1),
+        ];
+        let f = p[0];
+        assert_eq!(
+            check_range(f, 0x1800, 0x2800, "send", 1, lookup(&p)),
+            Ok(())
+        );
+        // Into a hole (nothing mapped behind the last piece).
+        let e = check_range(f, 0x1800, 0x2801, "send", 1, lookup(&p)).unwrap_err();
+        assert!(
+            e.contains("runs past the end") && e.contains("at 0x4000 that is not GPU 1's"),
+            "{e}"
+        );
+        // Into another GPU's piece, or page-locked host memory.
+        let other = [piece(0x1000, 0x1000, 1), piece(0x2000, 0x1000, 0)];
+        assert!(check_range(other[0], 0x1000, 0x1001, "send", 1, lookup(&other)).is_err());
+        let host = [
+            piece(0x1000, 0x1000, 1),
+            Facts {
+                kind: Kind::Host,
+                ..piece(0x2000, 0x1000, 1)
+            },
+        ];
+        assert!(check_range(host[0], 0x1000, 0x1001, "send", 1, lookup(&host)).is_err());
+        // A classic allocation behind a piece ends the pieces but is still this GPU's memory:
+        // followed, and must hold the rest.
+        let mixed = [piece(0x1000, 0x1000, 1), dev(0x2000, 0x1000, 1)];
+        assert_eq!(
+            check_range(mixed[0], 0x1000, 0x2000, "send", 1, lookup(&mixed)),
+            Ok(())
+        );
+        assert!(check_range(mixed[0], 0x1000, 0x2001, "send", 1, lookup(&mixed)).is_err());
+    }
+
+    #[test]
+    fn the_first_range_is_judged_and_unknown_ranges_end_the_check() {
+        let far = dev(0x1000, 0x1000, 0);
+        let e = check_range(far, 0x1000, 8, "send", 1, lookup(&[])).unwrap_err();
+        assert!(e.contains("is on GPU 0"), "{e}");
+        // Range unknown: as much as the driver told.
+        let unknown = dev(0, 0, 1);
+        assert_eq!(
+            check_range(unknown, 0x1000, 1 << 40, "send", 1, lookup(&[])),
+            Ok(())
+        );
+        // At most MAX_PIECES pieces are followed: a buffer over more is not refused.
+        let many: Vec<Facts> = (0..2 * MAX_PIECES as u64)
+            .map(|i| piece(0x1000 * (i + 1), 0x1000, 0))
+            .collect();
+        let long = 0x1000 * (MAX_PIECES + 10);
+        assert_eq!(
+            check_range(many[0], 0x1000, long, "send", 0, lookup(&many)),
+            Ok(())
+        );
     }
 
     #[test]
