@@ -172,27 +172,39 @@ impl PointerCache {
 }
 
 /// Asks the driver about `ptr`: one `cuPointerGetAttributes` call. For a pointer CUDA does
-/// not know it still succeeds and leaves every attribute zero (memory type 0: `Other`).
+/// not know it still succeeds and leaves every attribute zero (memory type 0: `Other`). A
+/// driver that refuses the legacy-IPC attribute is asked again without it; the range then
+/// counts as a mapped piece (`whole` false: followed, never refused for being whole).
 pub(super) fn query(ptr: u64) -> Result<Facts, sys::CUresult> {
     use sys::CUpointer_attribute as A;
-    let attrs = [
+    let facts = |[memory_type, managed, ordinal, start, bytes]: [u64; 5], whole| Facts {
+        kind: kind_of(memory_type as u32, managed != 0),
+        ordinal: ordinal as u32 as i32,
+        start,
+        bytes,
+        whole,
+    };
+    let base = [
         A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
         A::CU_POINTER_ATTRIBUTE_IS_MANAGED,
         A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
         A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
         A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+    ];
+    let [b0, b1, b2, b3, b4] = base;
+    let with_legacy = [
+        b0,
+        b1,
+        b2,
+        b3,
+        b4,
         A::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
     ];
-    let [memory_type, managed, ordinal, start, bytes, legacy] =
-        super::driver::pointer_attributes(ptr, attrs)?;
-    Ok(Facts {
-        kind: kind_of(memory_type as u32, managed != 0),
-        ordinal: ordinal as u32 as i32,
-        start,
-        bytes,
+    match super::driver::pointer_attributes(ptr, with_legacy) {
         // A boolean in the slot's low bytes.
-        whole: legacy as u32 != 0,
-    })
+        Ok([t, m, o, s, n, legacy]) => Ok(facts([t, m, o, s, n], legacy as u32 != 0)),
+        Err(_) => Ok(facts(super::driver::pointer_attributes(ptr, base)?, false)),
+    }
 }
 
 /// The kind from `CU_POINTER_ATTRIBUTE_MEMORY_TYPE` and `IS_MANAGED`.
