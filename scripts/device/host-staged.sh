@@ -12,7 +12,8 @@
 #   two       `topo` over both GPUs (NVLink pairs must not get the PCIe policy), then world 2,
 #             bf16, 8 B - BENCH_MAX: host transport (auto, oneshot, twoshot) against NCCL over
 #             its shared-memory transport (-a nccl-shm: NCCL_P2P_DISABLE=1 in the same bench
-#             process, the same buffers, every call checked).
+#             process, the same buffers, every call checked); then the copy-engine path
+#             through host memory (IPCREDUCE_CE_STAGED_MIN=1) from 64 KiB.
 # On GPU 0 under MPS (every rank's traffic crosses the one PCIe link to host memory and back):
 #   fallback  auto with the pair 1:0 denied (IPCREDUCE_DENY_PEER=1:0): `topo` must name the pair
 #             in its table and JSON, and `check` must name it in the log while the job runs
@@ -201,6 +202,11 @@ if has two; then
       CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host IPCREDUCE_BLOCKS=$b \
         bench "bench-2gpu-host-blocks$b" 120 64K -a oneshot,twoshot
     done
+    # The copy-engine path through host memory from 1 byte on (every call above the LL
+    # limit): each GPU has a link of its own here, where copy engines carry 49 GB/s each way
+    # with both directions busy and kernels 37.6 (scripts/device/pcie-link.sh).
+    CUDA_VISIBLE_DEVICES=0,1 IPCREDUCE_TRANSPORT=host IPCREDUCE_CE_STAGED_MIN=1 \
+      bench bench-2gpu-host-ce 120 64K -a auto
   else
     result bench-2gpu-host SKIPPED "nvidia-smi lists $GPUS GPU(s)"
   fi
