@@ -19,7 +19,7 @@
 //! | `calls.rs` | the eager calls' identities on the host, and the peers' count-0 calls compared with them |
 //! | `allreduce.rs` | the all-reduce within a node: the path, its kernel; the last eager call's, reused by a repeat |
 //! | `scatter_gather.rs` | reduce-scatter and all-gather |
-//! | `ce.rs` | the copy-engine all-reduce (two ranks, registered, large) |
+//! | `ce.rs` | the copy-engine all-reduces of two ranks: registered over peer memory, or through host memory on the host-staged transport (large) |
 //! | `fused.rs`, `fused_path.rs` | the fused all-reduce + add + RMSNorm: its kernels' launch; which path, the rows' layout |
 //! | `hier.rs` | jobs across nodes: the hierarchical all-reduce, NCCL between nodes |
 //! | `paths.rs`, `identity.rs` | the path table; a call's identity and its words |
