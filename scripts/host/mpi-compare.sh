@@ -15,7 +15,7 @@
 #            rank counts, in the same run and interleaved (for each of RUNS runs, each rank
 #            count: MPI, then ipcreduce), so that both see the same machine load. Both time
 #            back-to-back calls the same way (scripts/host/mpi_allreduce.c, bench/host.rs:
-#            rounds of calls, the slowest rank's mean per round, the median and spread of 5
+#            rounds of calls, the slowest rank's mean per round, the median and spread of 7
 #            rounds). Prints ours/MPI latency and busbw (min/median/max over the runs) and the
 #            goals (table.md, summary.json).
 #

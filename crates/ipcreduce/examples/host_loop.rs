@@ -2,8 +2,9 @@
 //! checks between calls. The reference that `ipcreduce bench`'s host figures are compared with
 //! (scripts/host/mpi-compare.sh, its library phase).
 //!
-//! Per size: 10 warm-up calls (their pace sets the calls per round: 4 ms worth, at least 20,
-//! the most any rank asks for), then 5 rounds, each a barrier and the calls timed as one span;
+//! Per size: 10 warm-up calls (their pace sets the calls per round: 10 ms worth, at least 20,
+//! the most any rank asks for), then 7 rounds (the bench's), each a barrier and the calls timed
+//! as one span;
 //! per round the slowest rank's mean per call. Rank 0 prints `bytes,median_us,min_us,max_us`.
 //! The last call's result is checked; a wrong element fails the run.
 //!
@@ -12,8 +13,8 @@
 use ipcreduce::{Algorithm, BackendChoice, Communicator, Config, ReduceOp};
 use std::time::{Duration, Instant};
 
-const ROUNDS: usize = 5;
-const ROUND_SPAN: Duration = Duration::from_millis(4);
+const ROUNDS: usize = 7;
+const ROUND_SPAN: Duration = Duration::from_millis(10);
 
 fn arg(i: usize, default: usize) -> usize {
     std::env::args()
