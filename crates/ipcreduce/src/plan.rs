@@ -173,16 +173,20 @@ pub fn oneshot_max_bytes(backend: BackendKind, fabric: Fabric, world: usize) -> 
 /// The host backend's default crossover, largest one-shot message at 2, 3-4 and 5+ ranks
 /// (`ipcreduce tune --backend host` measures this machine's and `auto` then follows it).
 ///
-/// Measured with `ipcreduce tune --backend host -b 1K -e 1M -f 2 -d f32` (back-to-back calls,
-/// median of 5 rounds, slowest rank) on the 2-core development machine, 2026-12-02, one run
-/// each (raw: bench/results/2026-12-02-host-crossover/). At 2 ranks (machine quiet) one-shot
-/// won at every size up to 512 KiB by 1.4-1.8x and two-shot only at 1 MiB (0.95x): both pull
-/// the same bytes from the peer's core, and two-shot's second flag round trip and gather cost
-/// more than the local reduce work it saves. (The 32 KiB two-shot win in issue 23 came from
-/// the earlier bench, whose timed calls absorbed the ranks' skew.) At 4 and 8 ranks, taken
-/// while the machine's load rose, one-shot won up to 64 KiB and 128 KiB: set from that run,
-/// to be confirmed by `scripts/host/mpi-compare.sh`'s crossover phase on a quiet machine.
-pub const HOST_ONESHOT_MAX: [usize; 3] = [512 << 10, 64 << 10, 128 << 10];
+/// Measured with `ipcreduce tune --backend host -b 4K -e 1M -f 2 -d f32` (2 MiB at two ranks;
+/// back-to-back calls, median of 7 rounds of 10 ms, slowest rank) on the 2-core development
+/// machine, quiet, 2026-12-04, three runs per world (raw: bench/results/2026-12-04-host-crossover/;
+/// one-shot/two-shot time, median of the runs [range of the runs]):
+/// - 2 ranks: 0.79-0.97 up to 128 KiB [0.79-0.99], 1.01 at 256 KiB [0.96-1.03], 1.10-1.13 at
+///   512 KiB-1 MiB [1.09-1.15], 0.98 at 2 MiB: one-shot up to 256 KiB.
+/// - 4 ranks: 0.73-0.90 up to 16 KiB [0.71-0.91], 1.07 at 32 KiB [1.06-1.08], 1.25-1.59 at
+///   64-512 KiB: one-shot up to 16 KiB (every rank reduces every peer's whole buffer, and four
+///   ranks share two cores).
+/// - 8 ranks: 0.71-0.91 up to 16 KiB [0.70-0.99], 1.37 at 32 KiB [1.28-1.37], 1.26-1.91 at
+///   64 KiB-1 MiB: one-shot up to 16 KiB.
+/// (The earlier table, 512 KiB / 64 KiB / 128 KiB from single runs of 2026-12-02 taken while
+/// the machine's load rose, had auto up to 1.9x slower than two-shot at 128 KiB and 8 ranks.)
+pub const HOST_ONESHOT_MAX: [usize; 3] = [256 << 10, 16 << 10, 16 << 10];
 
 /// Bytes per chunk of a staged call (one-shot and two-shot without registered buffers): at
 /// most the slot size and, like it, a multiple of 256 bytes. Peer memory: the whole slot
@@ -563,7 +567,7 @@ mod tests {
         let (b, f) = (BackendKind::Host, Fabric::Peer);
         let auto = |w, bytes| choose(Algorithm::Auto, None, b, f, w, bytes);
         // (world, largest one-shot message): the documented defaults.
-        for (w, max) in [(2, 512 << 10), (3, 64 << 10), (4, 64 << 10), (8, 128 << 10)] {
+        for (w, max) in [(2, 256 << 10), (3, 16 << 10), (4, 16 << 10), (8, 16 << 10)] {
             assert_eq!(auto(w, 8), Algorithm::OneShot, "world {w}");
             assert_eq!(auto(w, max), Algorithm::OneShot, "world {w}");
             assert_eq!(auto(w, max + 4), Algorithm::TwoShot, "world {w}");
