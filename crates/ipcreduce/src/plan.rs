@@ -184,6 +184,7 @@ pub fn oneshot_max_bytes(backend: BackendKind, fabric: Fabric, world: usize) -> 
 ///   ranks share two cores).
 /// - 8 ranks: 0.71-0.91 up to 16 KiB [0.70-0.99], 1.37 at 32 KiB [1.28-1.37], 1.26-1.91 at
 ///   64 KiB-1 MiB: one-shot up to 16 KiB.
+///
 /// (The earlier table, 512 KiB / 64 KiB / 128 KiB from single runs of 2026-12-02 taken while
 /// the machine's load rose, had auto up to 1.9x slower than two-shot at 128 KiB and 8 ranks.)
 pub const HOST_ONESHOT_MAX: [usize; 3] = [256 << 10, 16 << 10, 16 << 10];
