@@ -380,52 +380,38 @@ impl CudaComm {
             return Ok(());
         }
         let rank = self.rank;
-        let first = self.facts_at(op, ptr, what)?;
-        let (pointers, ordinal) = (&mut self.pointers, self.ordinal);
-        let mut asked = Vec::new();
-        let verdict = pointers::check_range(first, ptr, bytes, what, ordinal, |at| {
-            let f = match pointers.get(at) {
-                Some(f) => f,
-                None => {
-                    let f = pointers::query(at).map_err(|res| {
-                        format!(
-                            "{what} buffer {ptr:#x}: cuPointerGetAttributes at {at:#x} failed ({})",
-                            driver::describe(res)
-                        )
-                    })?;
-                    asked.push(f);
-                    f
-                }
+        let failed = |at: u64, res| {
+            let piece = if at == ptr {
+                String::new()
+            } else {
+                format!(" at {at:#x}")
             };
-            Ok(f)
-        });
-        verdict.map_err(|why| Error::invalid(rank, op, why))?;
-        // Only what passed is kept: a refused range may be freed and come back as memory of
-        // this GPU, and is then asked about again.
-        for f in asked.into_iter().chain([first]) {
-            if self.pointers.get(f.start).is_none() {
-                self.pointers.insert(f);
+            let why = driver::describe(res);
+            format!("{what} buffer {ptr:#x}: cuPointerGetAttributes{piece} failed ({why})")
+        };
+        let (first, first_asked) = self
+            .pointers
+            .find_or_ask(ptr)
+            .map_err(|res| Error::invalid(rank, op, failed(ptr, res)))?;
+        // What the driver was asked now, kept once the buffer passed: a refused range may be
+        // freed and come back as memory of this GPU, and is then asked about again.
+        let mut asked: Vec<pointers::Facts> = Vec::new();
+        if first_asked {
+            asked.push(first);
+        }
+        let cache = &self.pointers;
+        pointers::check_range(first, ptr, bytes, what, self.ordinal, |at| {
+            let (f, new) = cache.find_or_ask(at).map_err(|res| failed(at, res))?;
+            if new {
+                asked.push(f);
             }
+            Ok(f)
+        })
+        .map_err(|why| Error::invalid(rank, op, why))?;
+        for f in asked {
+            self.pointers.insert(f);
         }
         Ok(())
-    }
-
-    /// The facts of the allocation holding `ptr`: kept, or asked of the driver (not kept
-    /// here: [`Self::check_buffer`] keeps what passed).
-    fn facts_at(&self, op: &'static str, ptr: u64, what: &str) -> Result<pointers::Facts> {
-        if let Some(f) = self.pointers.get(ptr) {
-            return Ok(f);
-        }
-        pointers::query(ptr).map_err(|res| {
-            Error::invalid(
-                self.rank,
-                op,
-                format!(
-                    "{what} buffer {ptr:#x}: cuPointerGetAttributes failed ({})",
-                    driver::describe(res)
-                ),
-            )
-        })
     }
 
     /// An error of the node's communicator in the job's terms (see hier.rs); as it is within

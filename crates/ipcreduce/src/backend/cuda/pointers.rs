@@ -143,6 +143,15 @@ impl PointerCache {
         Some(self.ranges[i])
     }
 
+    /// The facts of the allocation holding `ptr`: kept (`false`), or asked of the driver now
+    /// (`true`; not kept until [`Self::insert`]).
+    pub fn find_or_ask(&self, ptr: u64) -> Result<(Facts, bool), sys::CUresult> {
+        match self.get(ptr) {
+            Some(f) => Ok((f, false)),
+            None => query(ptr).map(|f| (f, true)),
+        }
+    }
+
     /// Keeps `f` (when its range is known), replacing what overlaps it: the driver's latest
     /// answer describes those addresses now.
     pub fn insert(&mut self, f: Facts) {
