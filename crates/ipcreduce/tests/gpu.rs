@@ -244,18 +244,23 @@ fn rank_sweep() -> i32 {
             }
         }
     }
-    expect_ce_staged(world, &paths);
+    expect_copy_engine(world, &paths, "IPCREDUCE_CE_STAGED_MIN", "ce-staged");
     say(format!("DONE {checked}"));
     0
 }
 
-/// With `IPCREDUCE_CE_STAGED_MIN` set at two ranks, the host-staged copy-engine path must be
-/// among the paths taken (else a test of it would pass on the staged kernels).
-fn expect_ce_staged(world: usize, paths: &std::collections::BTreeSet<&str>) {
-    if std::env::var_os("IPCREDUCE_CE_STAGED_MIN").is_some() && world == 2 {
+/// With the knob `knob` set at two ranks, the copy-engine path `path` it turns on must be
+/// among the paths taken (else a test of it would pass on the SM kernels).
+fn expect_copy_engine(
+    world: usize,
+    paths: &std::collections::BTreeSet<&str>,
+    knob: &str,
+    path: &str,
+) {
+    if std::env::var_os(knob).is_some() && world == 2 {
         assert!(
-            paths.contains("ce-staged"),
-            "host-staged copy-engine path not taken: {paths:?}"
+            paths.contains(path),
+            "{path} (the copy-engine path of {knob}) not taken: {paths:?}"
         );
     }
 }
@@ -531,7 +536,7 @@ fn rank_graph() -> i32 {
     if let Some(e) = c.async_error() {
         panic!("after the graphs: {e}");
     }
-    expect_ce_staged(world, &paths);
+    expect_copy_engine(world, &paths, "IPCREDUCE_CE_STAGED_MIN", "ce-staged");
     say(format!("DONE {checked}"));
     0
 }
@@ -638,12 +643,7 @@ fn rank_registered() -> i32 {
     if let Some(e) = c.async_error() {
         panic!("after the registered calls: {e}");
     }
-    if std::env::var_os("IPCREDUCE_CE_MIN").is_some() && world == 2 {
-        assert!(
-            paths.contains("ce"),
-            "copy-engine path not taken: {paths:?}"
-        );
-    }
+    expect_copy_engine(world, &paths, "IPCREDUCE_CE_MIN", "ce");
     c.free(a).unwrap();
     c.free(b).unwrap();
     say(format!("DONE {checked}"));
