@@ -309,12 +309,25 @@ fn rank_mismatch() -> i32 {
     let mut c = join();
     let count = if c.rank() == 1 { 200 } else { 100 };
     let mut buf = vec![1f32; count];
+    if env_number("HOST_TEST_LATE_RANK") == Some(c.rank()) {
+        // Enter only once the peers' verdict on this very call has reached this rank.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !c.is_aborted() {
+            assert!(Instant::now() < deadline, "no peer's verdict reached rank {}", c.rank());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
     let t0 = Instant::now();
     match c.all_reduce_host_in_place(&mut buf, ReduceOp::Sum, Algorithm::OneShot) {
         Err(Error::Mismatch {
             peer, detail, seq, ..
         }) => say(format!(
             "MISMATCH {peer} {seq} {} {detail}",
+            t0.elapsed().as_millis()
+        )),
+        // The verdict of a peer that compared first (README, Errors): the same words.
+        Err(Error::Aborted { rank, reason }) => say(format!(
+            "HEARD {rank} {} {reason}",
             t0.elapsed().as_millis()
         )),
         other => {
@@ -648,19 +661,26 @@ fn mismatched_counts_fail_on_every_rank() {
         3,
         &extra,
     );
+    let mut found = 0;
     for r in &mut ranks {
         let m = r.next(T);
-        let parts: Vec<&str> = m.splitn(5, ' ').collect();
-        assert_eq!(parts[0], "MISMATCH", "{}", r.diag());
-        let (peer, seq, ms, detail) = (parts[1], parts[2], parts[3], parts[4]);
-        assert_eq!(seq, "1");
-        // Found when the stamps are compared: milliseconds, far from the 30 s timeout.
-        assert!(ms.parse::<u64>().unwrap() < 2000, "took {ms} ms");
-        if r.rank == 1 {
-            assert!(detail.contains("count 200 vs 100"), "{m}");
+        if m.starts_with("HEARD ") {
+            // This rank entered after a peer's verdict on the call had reached it.
+            assert_heard_verdict(r.rank, &m);
         } else {
-            assert_eq!(peer, "1", "{m}");
-            assert!(detail.contains("count 100 vs 200"), "{m}");
+            let parts: Vec<&str> = m.splitn(5, ' ').collect();
+            assert_eq!(parts[0], "MISMATCH", "{m}: {}", r.diag());
+            let (peer, seq, ms, detail) = (parts[1], parts[2], parts[3], parts[4]);
+            assert_eq!(seq, "1");
+            // Found when the stamps are compared: milliseconds, far from the 30 s timeout.
+            assert!(ms.parse::<u64>().unwrap() < 2000, "took {ms} ms");
+            if r.rank == 1 {
+                assert!(detail.contains("count 200 vs 100"), "{m}");
+            } else {
+                assert_eq!(peer, "1", "{m}");
+                assert!(detail.contains("count 100 vs 200"), "{m}");
+            }
+            found += 1;
         }
         let later = r.next(T);
         assert!(
@@ -677,6 +697,55 @@ fn mismatched_counts_fail_on_every_rank() {
             "{later}"
         );
     }
+    // A verdict is heard only from a rank that found the mismatch.
+    assert!(found >= 1, "no rank found the mismatch itself");
+    for r in &mut ranks {
+        r.wait_ok(T);
+    }
+}
+
+/// A `HEARD` line of the mismatch role: `rank` refused call #1 with `Aborted` at once,
+/// carrying a peer's verdict that names the odd rank 1 and both counts.
+fn assert_heard_verdict(rank: usize, m: &str) {
+    let parts: Vec<&str> = m.splitn(4, ' ').collect();
+    assert_eq!(parts[..2], ["HEARD", &rank.to_string()], "{m}");
+    assert!(parts[2].parse::<u64>().unwrap() < 2000, "took {} ms: {m}", parts[2]);
+    let reason = parts[3];
+    assert!(
+        reason.contains("all_reduce #1 arguments differ between ranks")
+            && (reason.contains("count 100 vs 200") || reason.contains("count 200 vs 100"))
+            && reason.contains("rank 1: all_reduce #1 of 200 float"),
+        "{m}"
+    );
+}
+
+/// A rank that enters the call only after a peer's mismatch verdict on it has reached it
+/// (through the liveness connections) is refused at once with `Aborted` carrying that
+/// verdict's words: the odd rank, both calls and counts (README, Errors). Without the hold
+/// this ordering happens only under load (`mismatched_counts_fail_on_every_rank`).
+#[test]
+fn a_rank_entering_after_the_verdict_hears_it_at_once() {
+    play_rank_if_child();
+    let job = Job::new("ht", "ml");
+    let extra = [
+        ("HOST_TEST_HOLD", "1".to_string()),
+        ("HOST_TEST_LATE_RANK", "2".to_string()),
+    ];
+    let mut ranks = spawn_world(
+        "a_rank_entering_after_the_verdict_hears_it_at_once",
+        "mismatch",
+        &job,
+        3,
+        &extra,
+    );
+    let late = &mut ranks[2];
+    let m = late.next(T);
+    assert_heard_verdict(2, &m);
+    let later = late.next(T);
+    assert!(
+        later.starts_with("ABORTED 2 ") && later.contains("arguments differ between ranks"),
+        "{later}"
+    );
     for r in &mut ranks {
         r.wait_ok(T);
     }
