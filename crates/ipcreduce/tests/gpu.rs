@@ -991,6 +991,24 @@ fn rank_pointers() -> i32 {
         }
         let inside = base + g as u64 / 2;
         let count = g / 4; // f32: from the middle of the piece to the middle of the hole
+                           // What this driver says of the piece and of the hole behind it (in the log).
+        for (name, at) in [("piece", inside), ("hole", base + g as u64)] {
+            use sys::CUpointer_attribute as A;
+            let attrs = [
+                A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                A::CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR,
+                A::CU_POINTER_ATTRIBUTE_MAPPING_SIZE,
+            ];
+            match d::pointer_attributes(at, attrs) {
+                Ok([s, n, ms, mn]) => eprintln!(
+                    "rank {rank}: cuMemMap {name} {at:#x} (reserved [{base:#x}, +{:#x}), mapped \
+                     +{g:#x}): range [{s:#x}, +{n:#x}), mapping [{ms:#x}, +{mn:#x})",
+                    2 * g
+                ),
+                Err(e) => eprintln!("rank {rank}: cuMemMap {name} {at:#x}: {e:?}"),
+            }
+        }
         refuse(inside, inside, count, "that is not GPU");
         // As the recv buffer of a call whose send buffer is fine.
         let y = DeviceAlloc::new(g, rank).unwrap();

@@ -313,7 +313,11 @@ fn rank_mismatch() -> i32 {
         // Enter only once the peers' verdict on this very call has reached this rank.
         let deadline = Instant::now() + Duration::from_secs(10);
         while !c.is_aborted() {
-            assert!(Instant::now() < deadline, "no peer's verdict reached rank {}", c.rank());
+            assert!(
+                Instant::now() < deadline,
+                "no peer's verdict reached rank {}",
+                c.rank()
+            );
             std::thread::sleep(Duration::from_millis(1));
         }
     }
@@ -709,7 +713,11 @@ fn mismatched_counts_fail_on_every_rank() {
 fn assert_heard_verdict(rank: usize, m: &str) {
     let parts: Vec<&str> = m.splitn(4, ' ').collect();
     assert_eq!(parts[..2], ["HEARD", &rank.to_string()], "{m}");
-    assert!(parts[2].parse::<u64>().unwrap() < 2000, "took {} ms: {m}", parts[2]);
+    assert!(
+        parts[2].parse::<u64>().unwrap() < 2000,
+        "took {} ms: {m}",
+        parts[2]
+    );
     let reason = parts[3];
     assert!(
         reason.contains("all_reduce #1 arguments differ between ranks")

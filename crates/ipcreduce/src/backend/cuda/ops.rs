@@ -389,29 +389,12 @@ impl CudaComm {
             let why = driver::describe(res);
             format!("{what} buffer {ptr:#x}: cuPointerGetAttributes{piece} failed ({why})")
         };
-        let (first, first_asked) = self
-            .pointers
-            .find_or_ask(ptr)
-            .map_err(|res| Error::invalid(rank, op, failed(ptr, res)))?;
-        // What the driver was asked now, kept once the buffer passed: a refused range may be
-        // freed and come back as memory of this GPU, and is then asked about again.
-        let mut asked: Vec<pointers::Facts> = Vec::new();
-        if first_asked {
-            asked.push(first);
-        }
-        let cache = &self.pointers;
-        pointers::check_range(first, ptr, bytes, what, self.ordinal, |at| {
-            let (f, new) = cache.find_or_ask(at).map_err(|res| failed(at, res))?;
-            if new {
-                asked.push(f);
-            }
-            Ok(f)
-        })
-        .map_err(|why| Error::invalid(rank, op, why))?;
-        for f in asked {
-            self.pointers.insert(f);
-        }
-        Ok(())
+        let mine = self.ordinal;
+        self.pointers
+            .check(ptr, bytes, what, mine, |at| {
+                pointers::query(at).map_err(|res| failed(at, res))
+            })
+            .map_err(|why| Error::invalid(rank, op, why))
     }
 
     /// An error of the node's communicator in the job's terms (see hier.rs); as it is within

@@ -17,10 +17,13 @@
 //!
 //! When facts go stale: when their allocation is freed. Registered buffers are ours to free,
 //! and their ranges are forgotten then ([`PointerCache::forget`]). CUDA does not tell us when
-//! the caller frees its own memory: if freed addresses come back holding memory of another
-//! GPU or of the host, a call on them is not refused here and fails as the kernel's access
-//! does (a CUDA error at this call or a later one). Allocators hand freed ranges back to the
-//! same device (PyTorch's caching allocator keeps them), which is the case this serves.
+//! the caller frees its own memory, so a refusal that rests on kept facts is never final: the
+//! driver is asked again first ([`PointerCache::check`]), and a larger allocation made where a
+//! smaller one was passes. If freed addresses come back holding memory of another GPU or of
+//! the host, or a smaller allocation where a larger one was, a call on them is not refused
+//! here and fails as the kernel's access does (a CUDA error at this call or a later one).
+//! Allocators hand freed ranges back to the same device (PyTorch's caching allocator keeps
+//! them), which is the case this serves.
 
 use super::registry::find;
 use cudarc::driver::sys;
@@ -114,13 +117,17 @@ pub(super) fn check_range(
         if f.whole {
             return Err(past(String::new()));
         }
-        // A mapped piece: the buffer goes on in the next one, which must be ours too.
-        f = facts_at(range_end)?;
+        // A mapped piece: the buffer goes on in the next one, which must be ours too. An
+        // address the driver cannot describe (reserved but unmapped, say) is not.
+        let not_ours = |why: String| {
+            past(format!(
+                ", into memory at {range_end:#x} that is not GPU {mine}'s{why}"
+            ))
+        };
+        f = facts_at(range_end).map_err(|e| not_ours(format!(" ({e})")))?;
         let ours = matches!(f.kind, Kind::Device | Kind::Managed) && f.ordinal as usize == mine;
         if !ours || f.start != range_end {
-            return Err(past(format!(
-                ", into memory at {range_end:#x} that is not GPU {mine}'s"
-            )));
+            return Err(not_ours(String::new()));
         }
     }
     Ok(())
@@ -143,13 +150,54 @@ impl PointerCache {
         Some(self.ranges[i])
     }
 
-    /// The facts of the allocation holding `ptr`: kept (`false`), or asked of the driver now
-    /// (`true`; not kept until [`Self::insert`]).
-    pub fn find_or_ask(&self, ptr: u64) -> Result<(Facts, bool), sys::CUresult> {
-        match self.get(ptr) {
-            Some(f) => Ok((f, false)),
-            None => query(ptr).map(|f| (f, true)),
+    /// Whether `[ptr, ptr + bytes)` passes [`check_range`], with the facts kept here and the
+    /// rest asked of `ask` (the driver's [`query`], its error in words), which are kept once
+    /// the buffer passes (a refused range may be freed and come back as memory of this GPU,
+    /// and is then asked about again).
+    ///
+    /// A refusal that rests on kept facts is not final: the caller may have freed that
+    /// allocation and made another at the same address (a larger buffer where a smaller one
+    /// was, which the kept range would say the buffer runs past). The kept ranges the buffer
+    /// touches are then forgotten and the driver asked afresh; only its answer refuses. So a
+    /// valid buffer is never refused, and a call on buffers seen before still asks nothing.
+    pub fn check(
+        &mut self,
+        ptr: u64,
+        bytes: usize,
+        what: &str,
+        mine: usize,
+        mut ask: impl FnMut(u64) -> Result<Facts, String>,
+    ) -> Result<(), String> {
+        let mut asked: Vec<Facts> = Vec::new();
+        let mut kept_used = false;
+        let mut find = |at: u64| -> Result<Facts, String> {
+            if let Some(f) = self.get(at) {
+                kept_used = true;
+                return Ok(f);
+            }
+            let f = ask(at)?;
+            asked.push(f);
+            Ok(f)
+        };
+        let mut verdict =
+            find(ptr).and_then(|first| check_range(first, ptr, bytes, what, mine, &mut find));
+        if verdict.is_err() && kept_used {
+            self.forget(ptr, bytes as u64);
+            asked.clear();
+            let mut fresh = |at: u64| -> Result<Facts, String> {
+                let f = ask(at)?;
+                asked.push(f);
+                Ok(f)
+            };
+            verdict =
+                fresh(ptr).and_then(|first| check_range(first, ptr, bytes, what, mine, &mut fresh));
         }
+        if verdict.is_ok() {
+            for f in asked {
+                self.insert(f);
+            }
+        }
+        verdict
     }
 
     /// Keeps `f` (when its range is known), replacing what overlaps it: the driver's latest
@@ -182,17 +230,11 @@ impl PointerCache {
 
 /// Asks the driver about `ptr`: one `cuPointerGetAttributes` call. For a pointer CUDA does
 /// not know it still succeeds and leaves every attribute zero (memory type 0: `Other`). A
-/// driver that refuses the legacy-IPC attribute is asked again without it; the range then
-/// counts as a mapped piece (`whole` false: followed, never refused for being whole).
+/// driver that refuses the newer attributes (the mapping's range, legacy IPC) is asked again
+/// without them; the range then counts as a mapped piece (`whole` false: followed, never
+/// refused for being whole).
 pub(super) fn query(ptr: u64) -> Result<Facts, sys::CUresult> {
     use sys::CUpointer_attribute as A;
-    let facts = |[memory_type, managed, ordinal, start, bytes]: [u64; 5], whole| Facts {
-        kind: kind_of(memory_type as u32, managed != 0),
-        ordinal: ordinal as u32 as i32,
-        start,
-        bytes,
-        whole,
-    };
     let base = [
         A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
         A::CU_POINTER_ATTRIBUTE_IS_MANAGED,
@@ -201,18 +243,49 @@ pub(super) fn query(ptr: u64) -> Result<Facts, sys::CUresult> {
         A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
     ];
     let [b0, b1, b2, b3, b4] = base;
-    let with_legacy = [
+    let all = [
         b0,
         b1,
         b2,
         b3,
         b4,
         A::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+        A::CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR,
+        A::CU_POINTER_ATTRIBUTE_MAPPING_SIZE,
     ];
-    match super::driver::pointer_attributes(ptr, with_legacy) {
-        // A boolean in the slot's low bytes.
-        Ok([t, m, o, s, n, legacy]) => Ok(facts([t, m, o, s, n], legacy as u32 != 0)),
-        Err(_) => Ok(facts(super::driver::pointer_attributes(ptr, base)?, false)),
+    match super::driver::pointer_attributes(ptr, all) {
+        Ok([t, m, o, s, n, legacy, map_start, map_bytes]) => Ok(facts_of(
+            [t, m, o, s, n],
+            Some((legacy as u32 != 0, map_start, map_bytes)),
+        )),
+        Err(_) => Ok(facts_of(
+            super::driver::pointer_attributes(ptr, base)?,
+            None,
+        )),
+    }
+}
+
+/// The facts from the driver's attributes: memory type, managed, ordinal, range start and
+/// size, then (where the driver gave them) legacy-IPC capable and the mapping's start and
+/// size. A classic allocation (`cuMemAlloc`: legacy-IPC capable) is its range, whole. Memory
+/// mapped with `cuMemMap` is described by the piece mapped at the pointer (its mapping), since
+/// its range may be the whole reservation, holes included (seen on an H100, driver 580: a
+/// buffer running from a mapped piece into the unmapped rest of its reservation passed).
+fn facts_of(
+    [memory_type, managed, ordinal, start, bytes]: [u64; 5],
+    newer: Option<(bool, u64, u64)>,
+) -> Facts {
+    let (whole, start, bytes) = match newer {
+        Some((true, _, _)) => (true, start, bytes),
+        Some((false, map_start, map_bytes)) if map_bytes != 0 => (false, map_start, map_bytes),
+        _ => (false, start, bytes),
+    };
+    Facts {
+        kind: kind_of(memory_type as u32, managed != 0),
+        ordinal: ordinal as u32 as i32,
+        start,
+        bytes,
+        whole,
     }
 }
 
@@ -331,6 +404,18 @@ mod tests {
             Ok(())
         );
         assert!(check_range(mixed[0], 0x1000, 0x2001, "send", 1, lookup(&mixed)).is_err());
+        // An address behind a piece the driver cannot describe (reserved, unmapped): refused
+        // as memory that is not ours, the driver's words kept.
+        let e = check_range(p[0], 0x1800, 0x1000, "recv", 1, |_| {
+            Err("CUDA_ERROR_INVALID_VALUE".to_string())
+        })
+        .unwrap_err();
+        assert_eq!(
+            e,
+            "recv buffer 0x1800 of 4096 bytes runs past the end of its allocation [0x1000, \
+             0x2000) by 2048 bytes, into memory at 0x2000 that is not GPU 1's \
+             (CUDA_ERROR_INVALID_VALUE): is the count larger than the buffer?"
+        );
     }
 
     #[test]
@@ -387,6 +472,33 @@ mod tests {
     }
 
     #[test]
+    fn ranges_from_the_driver_attributes() {
+        use sys::CUmemorytype as M;
+        let dev = M::CU_MEMORYTYPE_DEVICE as u64;
+        // cuMemAlloc: its range, whole, whatever mapping holds it.
+        let f = facts_of([dev, 0, 1, 0x1000, 0x400], Some((true, 0x0, 0x20_0000)));
+        assert_eq!(
+            (f.start, f.bytes, f.whole, f.ordinal),
+            (0x1000, 0x400, true, 1)
+        );
+        // cuMemMap: the piece mapped there, not the reservation.
+        let f = facts_of(
+            [dev, 0, 0, 0x0, 0x40_0000],
+            Some((false, 0x20_0000, 0x20_0000)),
+        );
+        assert_eq!((f.start, f.bytes, f.whole), (0x20_0000, 0x20_0000, false));
+        // No mapping given: the range, as a piece.
+        let f = facts_of([dev, 0, 0, 0x0, 0x40_0000], Some((false, 0, 0)));
+        assert_eq!((f.start, f.bytes, f.whole), (0x0, 0x40_0000, false));
+        // A driver without the newer attributes: the range, as a piece.
+        let f = facts_of([dev, 0, 0, 0x1000, 0x400], None);
+        assert_eq!((f.start, f.bytes, f.whole), (0x1000, 0x400, false));
+        // A pointer the driver does not know: all zero.
+        let f = facts_of([0; 5], Some((false, 0, 0)));
+        assert_eq!((f.kind, f.bytes), (Kind::Other, 0));
+    }
+
+    #[test]
     fn kinds_from_the_driver_attributes() {
         use sys::CUmemorytype as M;
         assert_eq!(kind_of(M::CU_MEMORYTYPE_DEVICE as u32, false), Kind::Device);
@@ -427,6 +539,91 @@ mod tests {
         c.insert(dev(0x0, 0x2000, 1));
         assert_eq!(c.get(0x1800).map(|f| f.ordinal), Some(1));
         assert_eq!(c.len(), 2);
+    }
+
+    /// A driver that knows `ranges` and counts the questions.
+    fn driver<'a>(
+        ranges: &'a [Facts],
+        asked: &'a std::cell::Cell<usize>,
+    ) -> impl FnMut(u64) -> Result<Facts, String> + 'a {
+        let mut know = lookup(ranges);
+        move |a| {
+            asked.set(asked.get() + 1);
+            know(a)
+        }
+    }
+
+    #[test]
+    fn a_buffer_is_checked_against_kept_facts_without_asking() {
+        let mut c = PointerCache::default();
+        let asked = std::cell::Cell::new(0);
+        let now = [dev(0x10_0000, 0x1_0000, 0)];
+        assert_eq!(
+            c.check(0x10_0000, 0x1_0000, "send", 0, driver(&now, &asked)),
+            Ok(())
+        );
+        assert_eq!(asked.get(), 1);
+        // Seen before: no question, any buffer inside it.
+        assert_eq!(
+            c.check(0x10_0400, 0x8000, "recv", 0, driver(&now, &asked)),
+            Ok(())
+        );
+        assert_eq!(asked.get(), 1);
+    }
+
+    /// The caller freed a 4000-byte allocation and made a 64 KiB one at the same address
+    /// (seen on an H100: the kept range refused a valid buffer): the driver is asked again
+    /// before a refusal, and its answer replaces the kept range.
+    #[test]
+    fn a_stale_kept_range_never_refuses_a_valid_buffer() {
+        let mut c = PointerCache::default();
+        c.insert(dev(0x30_0600, 4000, 0));
+        let asked = std::cell::Cell::new(0);
+        let now = [dev(0x30_0600, 0x1_0000, 0)];
+        assert_eq!(
+            c.check(0x30_0600, 0x1_0000, "send", 0, driver(&now, &asked)),
+            Ok(())
+        );
+        assert_eq!(asked.get(), 1);
+        assert_eq!(c.get(0x30_0600 + 0xffff).map(|f| f.bytes), Some(0x1_0000));
+        // Kept now: the next call asks nothing.
+        assert_eq!(
+            c.check(0x30_0600, 0x1_0000, "send", 0, driver(&now, &asked)),
+            Ok(())
+        );
+        assert_eq!(asked.get(), 1);
+        // Kept as another GPU's memory, now this GPU's: passes too.
+        let mut c = PointerCache::default();
+        c.insert(dev(0x30_0600, 0x1_0000, 1));
+        assert_eq!(
+            c.check(0x30_0600, 0x100, "send", 0, driver(&now, &asked)),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn a_buffer_the_driver_says_overruns_is_refused_and_not_kept() {
+        let mut c = PointerCache::default();
+        c.insert(dev(0x30_0600, 4000, 0));
+        let asked = std::cell::Cell::new(0);
+        let now = [dev(0x30_0600, 4000, 0)];
+        let e = c
+            .check(0x30_0600, 0x1_0000, "send", 0, driver(&now, &asked))
+            .unwrap_err();
+        assert_eq!(
+            e,
+            "send buffer 0x300600 of 65536 bytes runs past the end of its allocation \
+             [0x300600, 0x3015a0) by 61536 bytes: is the count larger than the buffer?"
+        );
+        // Asked once more before refusing; what it said is not kept for a refused buffer.
+        assert_eq!(asked.get(), 1);
+        assert_eq!(c.get(0x30_0600), None);
+        // Refused from a fresh answer alone: asked once, not twice.
+        let e2 = c
+            .check(0x30_0600, 0x1_0000, "send", 0, driver(&now, &asked))
+            .unwrap_err();
+        assert_eq!(e2, e);
+        assert_eq!(asked.get(), 2);
     }
 
     #[test]
