@@ -335,6 +335,10 @@ impl Communicator {
             let zero_copy = c.backend.zero_copy_call(send as u64, recv as u64, bytes);
             let algo = c.resolve_call(algo, dtype, bytes, zero_copy);
             c.flight.path(algo);
+            c.flight.device_work(|| {
+                c.backend
+                    .stamps_all_reduce(send as u64, recv as u64, count, dtype, op, algo)
+            });
             crate::host_profile::lap(crate::host_profile::Phase::Checks);
             // SAFETY: checked above; the caller vouches for the memory.
             let r = unsafe {
@@ -399,6 +403,7 @@ impl Communicator {
                 }
             };
             c.flight.path(algo);
+            c.flight.device_work(|| false);
             // SAFETY: checked above; the caller vouches for the memory.
             unsafe { c.backend.add_rms_norm_raw(args, algo, stream) }
         })
@@ -611,6 +616,7 @@ impl Communicator {
             stream: self.backend.own_stream().unwrap_or(std::ptr::null_mut()),
         });
         self.flight.path(c.algo);
+        self.flight.device_work(|| false);
         let r = self.test_buffers().run(&c);
         self.flight.end(r.is_ok());
         r.map_err(|e| self.flight.note(e))
@@ -850,6 +856,7 @@ impl Communicator {
         let id = sg_call(what, self.rank(), recvcount, dtype, op, send, recv, stream);
         self.recorded(id, |c| {
             c.check_sg_args(what, send, recv, shards, dtype)?;
+            c.flight.device_work(|| false);
             // Count 0 included: see `all_reduce_raw`.
             // SAFETY: checked above; the caller vouches for the memory.
             unsafe {
@@ -888,6 +895,7 @@ impl Communicator {
         );
         self.recorded(id, |c| {
             c.check_sg_args(what, send, recv, shards, dtype)?;
+            c.flight.device_work(|| false);
             // Count 0 included: see `all_reduce_raw`.
             // SAFETY: checked above; the caller vouches for the memory.
             unsafe {

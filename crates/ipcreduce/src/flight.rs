@@ -21,8 +21,9 @@
 //! or not, as `ipcreduce-trace-<job>-rank<r>.jsonl` in DIR: the input of `ipcreduce trace
 //! export` for a job that ran to its end.
 //!
-//! `IPCREDUCE_TIMELINE=1` (cuda) adds when each call ran on its stream ([`timeline`]), read
-//! back when the ring is written; `IPCREDUCE_NVTX=1` an NVTX range per call ([`nvtx`]). With
+//! `IPCREDUCE_TIMELINE=1` (cuda) adds when each call ran on its stream ([`timeline`]: events
+//! around its work, or its kernel's phase stamps where it stamps them), read back when the
+//! ring is written; `IPCREDUCE_NVTX=1` an NVTX range per call ([`nvtx`]). With
 //! `IPCREDUCE_TRACE` the cuda kernels also stamp their phases per block ([`stamps`]), written
 //! into each call's line of the trace.
 
@@ -370,9 +371,6 @@ impl Recorder {
             dev_start_ns: 0,
             dev_end_ns: 0,
         };
-        if let Some(t) = &mut self.timeline {
-            t.begin(self.calls, id.stream);
-        }
         if let Some(s) = &self.stamps {
             s.set_call(self.calls);
         }
@@ -395,6 +393,23 @@ impl Recorder {
         if let Some(r) = &mut self.nvtx {
             r.path(path.name());
         }
+    }
+
+    /// The current call's work is about to be enqueued on its stream (after its checks):
+    /// where a device timeline is recorded, its span begins here, with an event on the
+    /// stream, unless `stamped()` says its kernel stamps its phases (cuda, `IPCREDUCE_TRACE`),
+    /// whose first start and last end are then its span: events between consecutive kernels
+    /// cost an eager call several microseconds (timeline.rs). `stamped` is asked only then.
+    #[inline]
+    pub fn device_work(&mut self, stamped: impl FnOnce() -> bool) {
+        let Some(t) = &mut self.timeline else { return };
+        let Some(e) = self.ring.get(self.cur).filter(|_| self.calls > 0) else {
+            return;
+        };
+        if stamped() {
+            return;
+        }
+        t.begin(e.seq, e.stream as *mut std::ffi::c_void);
     }
 
     /// Records the end of the current call.
@@ -549,13 +564,30 @@ impl Recorder {
     }
 
     /// The phase stamps per flight call, as its trace line's `phases` field (a call made of
-    /// several kernel calls keeps its last).
-    fn phases(&self) -> std::collections::HashMap<u64, serde_json::Value> {
+    /// several kernel calls keeps its last), and with a device timeline the spans of the
+    /// calls that recorded no events (their kernels' first start and last end).
+    #[allow(clippy::type_complexity)]
+    fn phases(
+        &self,
+    ) -> (
+        std::collections::HashMap<u64, serde_json::Value>,
+        std::collections::HashMap<u64, (u64, u64)>,
+    ) {
         let Some(s) = &self.stamps else {
             return Default::default();
         };
         let (calls, tick) = s.read();
-        calls.iter().map(|c| (c.seq, c.to_json(tick))).collect()
+        let spans = match self.timeline {
+            Some(_) => calls
+                .iter()
+                .filter_map(|c| Some((c.seq, c.span()?)))
+                .collect(),
+            None => Default::default(),
+        };
+        (
+            calls.iter().map(|c| (c.seq, c.to_json(tick))).collect(),
+            spans,
+        )
     }
 
     /// At the communicator's end, while its context still lives: the trace (above), then the
@@ -592,9 +624,9 @@ impl Recorder {
         });
         let mut text = header.to_string();
         text.push('\n');
-        let phases = self.phases();
+        let (phases, stamped) = self.phases();
         for mut e in self.entries().into_iter().filter(|e| e.seq > since) {
-            if let Some(&(b, d)) = spans.get(&e.seq) {
+            if let Some(&(b, d)) = spans.get(&e.seq).or_else(|| stamped.get(&e.seq)) {
                 (e.dev_start_ns, e.dev_end_ns) = (b, d);
             }
             match phases.get(&e.seq) {

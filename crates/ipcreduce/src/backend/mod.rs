@@ -262,6 +262,21 @@ pub trait BackendOps: Send {
         let _ = (send, recv, bytes);
         false
     }
+    /// Whether the all-reduce of these arguments (`algo` resolved), made now, runs a kernel
+    /// that stamps its phases on the device (cuda, while tracing): the flight recorder's
+    /// device timeline then takes its span from the stamps and records no events around it.
+    fn stamps_all_reduce(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        algo: Algorithm,
+    ) -> bool {
+        let _ = (send, recv, count, dtype, op, algo);
+        false
+    }
     /// The tuning table every rank agreed on, for the CTA counts it measured.
     fn use_tuning(&mut self, table: &crate::tune::Table) {
         let _ = table;

@@ -63,6 +63,19 @@ pub struct CallStamps {
 }
 
 impl CallStamps {
+    /// When the call's kernel ran: its first block's start to its last block's end (host
+    /// wall-clock ns), once every block that started has ended (a kernel still running, or
+    /// one stopped inside, has none).
+    pub fn span(&self) -> Option<(u64, u64)> {
+        let started: Vec<&BlockStamps> = self.blocks.iter().filter(|b| b.start.is_some()).collect();
+        let start = started.iter().filter_map(|b| b.start).min()?;
+        let mut end = start;
+        for b in &started {
+            end = end.max(b.end?);
+        }
+        Some((start, end))
+    }
+
     /// The `phases` field of the call's line in a trace file (docs/tracing.md).
     pub fn to_json(&self, tick_ns: u64) -> serde_json::Value {
         let blocks: Vec<serde_json::Value> = self
@@ -225,6 +238,40 @@ pub trait Source: Send + Sync {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_calls_span_is_its_first_start_to_its_last_end() {
+        let block = |block, start, end| BlockStamps {
+            block,
+            start,
+            end,
+            ..Default::default()
+        };
+        let call = |blocks| CallStamps {
+            seq: 4,
+            kseq: 9,
+            blocks,
+        };
+        let done = call(vec![
+            block(0, Some(1_000), Some(5_000)),
+            block(1, Some(900), Some(7_000)),
+            block(2, Some(1_200), Some(6_000)),
+        ]);
+        assert_eq!(done.span(), Some((900, 7_000)));
+        // A block still running (started, no end): no span yet.
+        let running = call(vec![
+            block(0, Some(1_000), Some(5_000)),
+            block(1, Some(900), None),
+        ]);
+        assert_eq!(running.span(), None);
+        // Blocks that never started (their words stale) do not count.
+        let partial = call(vec![
+            block(0, Some(1_000), Some(5_000)),
+            block(1, None, None),
+        ]);
+        assert_eq!(partial.span(), Some((1_000, 5_000)));
+        assert_eq!(call(vec![]).span(), None);
+    }
 
     #[test]
     fn phases_are_stamped_only_while_tracing() {

@@ -1,7 +1,11 @@
 //! The device timeline (cuda, `IPCREDUCE_TIMELINE=1`): when each recorded call ran on its
 //! stream. Two CUDA events per call, recorded on the call's own stream just before the backend
 //! enqueues its work and just after, so the kernels are untouched and the span covers every
-//! path (kernels, copy engines, NCCL). The events live in a ring of at most
+//! path (kernels, copy engines, NCCL). A call whose kernel stamps its phases (with
+//! `IPCREDUCE_TRACE`) records none: its span is its blocks' first start and last end
+//! (`CallStamps::span`), since two timed events between consecutive kernels cost an eager call
+//! 7-8 us (measured on an H100 under MPS: 2.2-4.3x an untraced call up to 256 KiB, where the
+//! stamps alone cost 1.0-1.5x). The events live in a ring of at most
 //! [`MAX_CALLS`] pairs (created on first use, then re-recorded), and are read back only when
 //! the flight ring is written (a failure's dump, or the trace at close): a call not finished by
 //! then has no device span, and nothing ever waits for the stream.
@@ -26,7 +30,9 @@ struct Slot {
     seq: u64,
     begin: sys::CUevent,
     end: sys::CUevent,
-    /// Both events were recorded for `seq` (a call captured into a graph records none).
+    /// The begin event was recorded for `seq` (a call captured into a graph records none).
+    begun: bool,
+    /// Both events were recorded for `seq`.
     recorded: bool,
 }
 
@@ -125,7 +131,9 @@ impl Timeline {
 
     fn slot(&mut self, seq: u64) -> Option<&mut Slot> {
         let i = ((seq - 1) % self.cap as u64) as usize;
-        if i == self.slots.len() {
+        // Calls whose span comes from their kernels' stamps record no events: the slots of
+        // the calls before this one may not exist yet.
+        while self.slots.len() <= i {
             let mut ev = [std::ptr::null_mut(); 2];
             for e in &mut ev {
                 // SAFETY: writes one handle; timing enabled (the default flags).
@@ -140,6 +148,7 @@ impl Timeline {
                 seq: 0,
                 begin: ev[0],
                 end: ev[1],
+                begun: false,
                 recorded: false,
             });
         }
@@ -159,6 +168,7 @@ impl Timeline {
         let plain = ok(r) && status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         let Some(slot) = self.slot(seq) else { return };
         slot.seq = seq;
+        slot.begun = false;
         slot.recorded = false;
         if !plain {
             return;
@@ -166,7 +176,9 @@ impl Timeline {
         let begin = slot.begin;
         // SAFETY: our event, the caller's stream.
         let r = unsafe { sys::cuEventRecord(begin, stream) };
-        if !ok(r) {
+        if ok(r) {
+            slot.begun = true;
+        } else {
             self.fail("cuEventRecord", r);
         }
     }
@@ -177,16 +189,12 @@ impl Timeline {
             return;
         }
         let i = ((seq - 1) % self.cap as u64) as usize;
-        let Some(slot) = self.slots.get(i).filter(|s| s.seq == seq) else {
+        // Begun for this call: its stream was not capturing then, nor is it now (a capture
+        // begins and ends between calls, on the caller's side).
+        let Some(slot) = self.slots.get(i).filter(|s| s.seq == seq && s.begun) else {
             return;
         };
         let end = slot.end;
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: as in begin.
-        let r = unsafe { sys::cuStreamIsCapturing(stream as sys::CUstream, &mut status) };
-        if !ok(r) || status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
-            return;
-        }
         // SAFETY: our event, the caller's stream.
         let r = unsafe { sys::cuEventRecord(end, stream as sys::CUstream) };
         if ok(r) {

@@ -12,6 +12,7 @@
 
 use super::ce;
 use super::identity::{CallIdentity, RegionAt, IDENT_WORDS};
+use super::kernels::MAX_RANKS;
 use super::launcher::{CallArgs, Kernel, KernelArgs, KernelHandle, Launcher, THREADS};
 use super::paths::CudaPath;
 use super::registry::Registry;
@@ -19,6 +20,9 @@ use crate::backend::SgOp;
 use crate::error::Result;
 use crate::plan::Fabric;
 use crate::types::{Algorithm, DType, ReduceOp};
+
+/// Every rank's send and recv as mapped here, for a call on registered buffers.
+type ZeroCopy = ([u64; MAX_RANKS], [u64; MAX_RANKS]);
 
 /// What an eager call's [`Inputs`] came to: everything of its launch but the call number and
 /// the stream. The rest it was derived from is fixed for the communicator's life (the
@@ -78,26 +82,7 @@ pub(super) fn launch(
     let (send, recv, count) = (call.send, call.recv, call.count);
     let (dtype, op) = (call.dtype, call.op);
     let bytes = call.bytes();
-    let zero_copy = registry.peers_of(send, recv, bytes, l.world);
-    // The tuned CTA count of the row for this size, when the call runs that row's algorithm
-    // (on peer memory: tables are not measured staged through host memory, which has its own
-    // measured rule; the staged paths take it, the LL one keeps its own rule below it).
-    let tuned = match l.fabric {
-        Fabric::HostStaged => Some(crate::plan::host_staged_ctas(bytes)),
-        _ => Some(&l.tune)
-            .and_then(|t| t.lookup(l.world, dtype.size(), bytes))
-            .filter(|e| e.algorithm() == Some(algo))
-            .and_then(|e| e.ctas)
-            .map(|c| c as usize),
-    };
-    let (path, grid) = crate::plan::cuda_path(
-        algo,
-        bytes,
-        zero_copy.is_some(),
-        send == recv,
-        &l.limits,
-        tuned,
-    );
+    let (path, grid, zero_copy) = path_of(l, registry, call, algo);
     let f = l.function(path, dtype, op)?;
     l.took(path, grid);
     let zero_copy = zero_copy.filter(|_| path.registered());
@@ -156,6 +141,38 @@ pub(super) fn launch(
         stream: call.stream,
     };
     l.launch(k, &mut args, || what(path, call))
+}
+
+/// The path and grid [`launch`] runs `call` by `algo` with, and every rank's view of its
+/// buffers when they are registered (whether the path reads them in place or not).
+pub(super) fn path_of(
+    l: &Launcher,
+    registry: &Registry,
+    call: &CallArgs,
+    algo: Algorithm,
+) -> (CudaPath, u32, Option<ZeroCopy>) {
+    let bytes = call.bytes();
+    let zero_copy = registry.peers_of(call.send, call.recv, bytes, l.world);
+    // The tuned CTA count of the row for this size, when the call runs that row's algorithm
+    // (on peer memory: tables are not measured staged through host memory, which has its own
+    // measured rule; the staged paths take it, the LL one keeps its own rule below it).
+    let tuned = match l.fabric {
+        Fabric::HostStaged => Some(crate::plan::host_staged_ctas(bytes)),
+        _ => Some(&l.tune)
+            .and_then(|t| t.lookup(l.world, call.dtype.size(), bytes))
+            .filter(|e| e.algorithm() == Some(algo))
+            .and_then(|e| e.ctas)
+            .map(|c| c as usize),
+    };
+    let (path, grid) = crate::plan::cuda_path(
+        algo,
+        bytes,
+        zero_copy.is_some(),
+        call.send == call.recv,
+        &l.limits,
+        tuned,
+    );
+    (path, grid, zero_copy)
 }
 
 /// `last`, if a call of `inputs` may reuse it: eager calls only (a captured call's identity

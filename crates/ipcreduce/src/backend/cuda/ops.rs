@@ -213,6 +213,35 @@ impl BackendOps for CudaComm {
         self.registry.lookup(send, bytes).is_some() && self.registry.lookup(recv, bytes).is_some()
     }
 
+    fn stamps_all_reduce(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        algo: Algorithm,
+    ) -> bool {
+        // As `all_reduce` dispatches: NCCL, count 0 and the job across nodes stamp nothing.
+        if self.launch.phases.is_none()
+            || algo == Algorithm::Nccl
+            || count == 0
+            || self.inter.is_some()
+        {
+            return false;
+        }
+        let call = CallArgs {
+            send,
+            recv,
+            count,
+            dtype,
+            op,
+            stream: std::ptr::null_mut(),
+        };
+        let (path, _, _) = allreduce::path_of(&self.launch, &self.registry, &call, algo);
+        path.phase_stamped()
+    }
+
     fn use_tuning(&mut self, table: &crate::tune::Table) {
         self.launch.tune = table.clone();
         // The kept call's CTA count may have come from the old table.
