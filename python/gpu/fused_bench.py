@@ -157,6 +157,11 @@ for hidden in HIDDEN:
             g.replay()  # one untimed replay: estimate the iterations per timing run
             torch.cuda.synchronize()
             iters = max(3, min(2000, int(ROUND_MS * 1000 / max(timed(g, 3) * CALLS, 1.0))))
+            # Every rank replays as often (each timed its own estimate): a rank that moved on
+            # while a peer still replayed would pair its next call with the peer's replay.
+            n = torch.tensor([iters], device=dev)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX)
+            iters = int(n.item())
             times = [timed(g, iters) for _ in range(ROUNDS)]
             # The checked replay: every call's outputs poisoned, rewritten, checked.
             for o in outs:

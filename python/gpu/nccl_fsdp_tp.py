@@ -155,7 +155,10 @@ def tp_graph_outputs() -> list:
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            y = model(x)
+            # DTensor hands back the row-parallel all-reduce's result as a tensor that waits
+            # for the collective when first used: used inside the capture (the copy), so the
+            # collective's stream joins the capture before it ends.
+            y = model(x).clone()
         for step in range(STEPS):
             x.copy_(batch(step + 1, 16, 256, per_rank=False))
             g.replay()
