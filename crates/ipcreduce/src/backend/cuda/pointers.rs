@@ -29,8 +29,10 @@ use super::registry::find;
 use cudarc::driver::sys;
 
 /// Kept ranges at most; past it the cache starts over (a workload cycling through more
-/// allocations than this re-asks, as every call did before there was a cache).
-const CAPACITY: usize = 64;
+/// allocations than this re-asks, as every call did before there was a cache). Room for many
+/// mapped pieces: a buffer in PyTorch's expandable segments spans one range per 2 or 20 MiB
+/// piece, each kept, and a cache smaller than a job's pieces would ask again on every call.
+const CAPACITY: usize = 1024;
 /// Mapped pieces a buffer's range is followed through; past them the rest is not checked
 /// (PyTorch maps 2 MiB or 20 MiB pieces: 64 cover 128 MiB-1.25 GiB).
 pub(super) const MAX_PIECES: usize = 64;
@@ -168,29 +170,11 @@ impl PointerCache {
         mine: usize,
         mut ask: impl FnMut(u64) -> Result<Facts, String>,
     ) -> Result<(), String> {
-        let mut asked: Vec<Facts> = Vec::new();
-        let mut kept_used = false;
-        let mut find = |at: u64| -> Result<Facts, String> {
-            if let Some(f) = self.get(at) {
-                kept_used = true;
-                return Ok(f);
-            }
-            let f = ask(at)?;
-            asked.push(f);
-            Ok(f)
-        };
-        let mut verdict =
-            find(ptr).and_then(|first| check_range(first, ptr, bytes, what, mine, &mut find));
+        let (mut verdict, mut asked, kept_used) =
+            self.check_once(true, ptr, bytes, what, mine, &mut ask);
         if verdict.is_err() && kept_used {
             self.forget(ptr, bytes as u64);
-            asked.clear();
-            let mut fresh = |at: u64| -> Result<Facts, String> {
-                let f = ask(at)?;
-                asked.push(f);
-                Ok(f)
-            };
-            verdict =
-                fresh(ptr).and_then(|first| check_range(first, ptr, bytes, what, mine, &mut fresh));
+            (verdict, asked, _) = self.check_once(false, ptr, bytes, what, mine, &mut ask);
         }
         if verdict.is_ok() {
             for f in asked {
@@ -198,6 +182,33 @@ impl PointerCache {
             }
         }
         verdict
+    }
+
+    /// One [`check_range`] of the buffer, from kept facts where `use_kept` and there are any,
+    /// else from `ask`; with the facts asked and whether any kept ones were used.
+    fn check_once(
+        &self,
+        use_kept: bool,
+        ptr: u64,
+        bytes: usize,
+        what: &str,
+        mine: usize,
+        ask: &mut impl FnMut(u64) -> Result<Facts, String>,
+    ) -> (Result<(), String>, Vec<Facts>, bool) {
+        let mut asked = Vec::new();
+        let mut kept_used = false;
+        let mut find = |at: u64| -> Result<Facts, String> {
+            if let Some(f) = self.get(at).filter(|_| use_kept) {
+                kept_used = true;
+                return Ok(f);
+            }
+            let f = ask(at)?;
+            asked.push(f);
+            Ok(f)
+        };
+        let verdict =
+            find(ptr).and_then(|first| check_range(first, ptr, bytes, what, mine, &mut find));
+        (verdict, asked, kept_used)
     }
 
     /// Keeps `f` (when its range is known), replacing what overlaps it: the driver's latest
