@@ -856,7 +856,8 @@ impl Communicator {
         let id = sg_call(what, self.rank(), recvcount, dtype, op, send, recv, stream);
         self.recorded(id, |c| {
             c.check_sg_args(what, send, recv, shards, dtype)?;
-            c.flight.device_work(|| false);
+            c.flight
+                .device_work(|| c.backend.stamps_scatter_gather(shards.total));
             // Count 0 included: see `all_reduce_raw`.
             // SAFETY: checked above; the caller vouches for the memory.
             unsafe {
@@ -895,7 +896,8 @@ impl Communicator {
         );
         self.recorded(id, |c| {
             c.check_sg_args(what, send, recv, shards, dtype)?;
-            c.flight.device_work(|| false);
+            c.flight
+                .device_work(|| c.backend.stamps_scatter_gather(shards.total));
             // Count 0 included: see `all_reduce_raw`.
             // SAFETY: checked above; the caller vouches for the memory.
             unsafe {

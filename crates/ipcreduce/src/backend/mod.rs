@@ -277,6 +277,12 @@ pub trait BackendOps: Send {
         let _ = (send, recv, count, dtype, op, algo);
         false
     }
+    /// Whether a reduce-scatter or all-gather of `total` elements over all shards, made now,
+    /// runs a kernel that stamps its phases (as [`Self::stamps_all_reduce`]).
+    fn stamps_scatter_gather(&self, total: usize) -> bool {
+        let _ = total;
+        false
+    }
     /// The tuning table every rank agreed on, for the CTA counts it measured.
     fn use_tuning(&mut self, table: &crate::tune::Table) {
         let _ = table;

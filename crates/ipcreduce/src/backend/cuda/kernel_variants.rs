@@ -105,12 +105,19 @@ impl Group {
 
 impl CudaPath {
     /// Whether the path's kernels stamp their phases when traced (prims.cuh): the all-reduce
-    /// kernels of ll.cu, staged.cu and zerocopy.cu. The others keep their plain variant while
-    /// tracing (their budgets were not measured with the stamps).
+    /// kernels of ll.cu, staged.cu and zerocopy.cu, and the reduce-scatter and all-gather
+    /// kernels of scatter_gather.cu (their start, end and barriers). The copy-engine and fused
+    /// kernels keep their plain variant while tracing (their budgets were not measured with
+    /// the stamps).
     pub fn phase_stamped(self) -> bool {
         matches!(
             Group::of(self),
-            Group::Ll | Group::Ll12 | Group::Staged | Group::ZeroCopy | Group::ZeroCopyDeep
+            Group::Ll
+                | Group::Ll12
+                | Group::Staged
+                | Group::ZeroCopy
+                | Group::ZeroCopyDeep
+                | Group::ScatterGather
         )
     }
 }

@@ -80,7 +80,12 @@ fn traced_kernels_fit_their_register_budget() {
             CudaPath::TwoShotReg,
             CudaPath::OneShotRegDeep,
             CudaPath::TwoShotRegDeep,
+            CudaPath::ReduceScatterStaged,
+            CudaPath::ReduceScatterReg,
+            CudaPath::AllGatherStaged,
+            CudaPath::AllGatherReg,
         ] {
+            assert!(path.phase_stamped(), "{path:?} is not traced");
             for dtype in DType::ALL {
                 let name = path.kernel_name(w, dtype, ReduceOp::Sum);
                 let find = |all: &[Resources]| {

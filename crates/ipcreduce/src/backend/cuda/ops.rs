@@ -242,6 +242,12 @@ impl BackendOps for CudaComm {
         path.phase_stamped()
     }
 
+    fn stamps_scatter_gather(&self, total: usize) -> bool {
+        // Every path of scatter_gather.rs stamps (kernel_variants.rs); an empty call runs the
+        // empty kernel, left to its events as for the all-reduce.
+        self.launch.phases.is_some() && total > 0 && self.inter.is_none()
+    }
+
     fn use_tuning(&mut self, table: &crate::tune::Table) {
         self.launch.tune = table.clone();
         // The kept call's CTA count may have come from the old table.

@@ -44,6 +44,7 @@ template <typename D, typename Op, int W> __device__ void reduce_scatter_staged(
     u32 *ctr = a.counters + 2 * blockIdx.x;
     u32 *st = a.counters + STATE_CALL;
     const u64 call = begin_call(a);
+    TRACE_PHASE(a, PH_START); // (after the closed-counter check: see CALL_CLOSED)
     u32 F = ctr[0];
     const u32 L0 = *(volatile u32 *)&st[3];
     // Bytes per region, a multiple of 16 so every region starts on a whole pack (slot_bytes
@@ -72,6 +73,7 @@ template <typename D, typename Op, int W> __device__ void reduce_scatter_staged(
     }
     if (threadIdx.x == 0) ctr[0] = F;
     finish_call(a, call, true, L0 + (u32)((g.per + chunk - 1) / chunk));
+    TRACE_PHASE(a, PH_END);
 }
 
 template <typename D> __device__ void all_gather_staged(const SgArgs &g) {
@@ -79,6 +81,7 @@ template <typename D> __device__ void all_gather_staged(const SgArgs &g) {
     u32 *ctr = a.counters + 2 * blockIdx.x;
     u32 *st = a.counters + STATE_CALL;
     const u64 call = begin_call(a);
+    TRACE_PHASE(a, PH_START); // (after the closed-counter check: see CALL_CLOSED)
     u32 F = ctr[0];
     const u32 L0 = *(volatile u32 *)&st[3];
     const u64 chunk = a.slot_bytes / D::SIZE;
@@ -101,6 +104,7 @@ template <typename D> __device__ void all_gather_staged(const SgArgs &g) {
     }
     if (threadIdx.x == 0) ctr[0] = F;
     finish_call(a, call, true, L0 + (u32)((g.per + chunk - 1) / chunk));
+    TRACE_PHASE(a, PH_END);
 }
 
 // Every rank's registered send, shifted to one shard.
@@ -115,6 +119,7 @@ template <typename D, typename Op, int W> __device__ void reduce_scatter_reg(con
     u32 *ctr = a.counters + 2 * blockIdx.x;
     u32 F = ctr[0];
     const u64 call = begin_call(a);
+    TRACE_PHASE(a, PH_START); // (after the closed-counter check: see CALL_CLOSED)
     if (barrier(a, F, call, true)) { // inputs ready
         u64 b, e;
         piece<D>(0, sg_shard_len(g, a.rank), gridDim.x, blockIdx.x, b, e);
@@ -125,6 +130,7 @@ template <typename D, typename Op, int W> __device__ void reduce_scatter_reg(con
     }
     if (threadIdx.x == 0) ctr[0] = F;
     finish_call(a, call);
+    TRACE_PHASE(a, PH_END);
 }
 
 // rsend[s]: rank s's own shard as mapped here (its send, or its recv + s*per in place).
@@ -133,6 +139,7 @@ template <typename D> __device__ void all_gather_reg(const SgArgs &g) {
     u32 *ctr = a.counters + 2 * blockIdx.x;
     u32 F = ctr[0];
     const u64 call = begin_call(a);
+    TRACE_PHASE(a, PH_START); // (after the closed-counter check: see CALL_CLOSED)
     if (barrier(a, F, call, true)) { // inputs ready
         for (int k = 0; k < a.world; k++) {
             const int s = (a.rank + k) % a.world;
@@ -144,6 +151,7 @@ template <typename D> __device__ void all_gather_reg(const SgArgs &g) {
     }
     if (threadIdx.x == 0) ctr[0] = F;
     finish_call(a, call);
+    TRACE_PHASE(a, PH_END);
 }
 
 // Entry points: ipcr_reducescatter{,reg}_w<W>_<dtype>_<op> and ipcr_allgather{,reg}_<dtype> (no
