@@ -7,7 +7,8 @@
 #   latency   small-message latency before/after: bf16 sum, two ranks, 8 B - 64 KiB, eager and
 #             CUDA graph (-G 20), plain buffers, every call checked; the binaries of VERSIONS
 #             take turns for REPEAT rounds so a drift of the machine hits all alike; latency.md
-#             has the median of the rounds, their spread (min-max) and the ratios to the first.
+#             has the median of the rounds, their spread (min-max) and the ratios to the first
+#             of the medians and of the fastest rounds.
 #   checks    `check` CASES cases at worlds 2, 4 and 8, plain and registered buffers.
 #   gputests  scripts/device/gpu-tests.sh into OUT_DIR/gpu-tests (the whole GPU suite, the
 #             hostile-call roles included).

@@ -13,7 +13,8 @@
 # Builds nothing (scripts/build-gpu-tests.sh leaves target/release/ipcreduce).
 # Usage: scripts/device/trace-cost.sh OUT_DIR
 # Writes OUT/cost.md (scripts/device/lib/bench_table.py: medians of the rounds, [min-max],
-# ratios), the bench JSON and logs, summary.txt and env.txt. Knobs: REPEAT=3, BUDGET=540.
+# ratios of the medians and of the fastest rounds), the bench JSON and logs, summary.txt and
+# env.txt. Knobs: REPEAT=3, BUDGET=540.
 set -u
 # shellcheck source=lib/steps.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib/steps.sh" || exit 2
