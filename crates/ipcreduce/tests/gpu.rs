@@ -990,8 +990,9 @@ fn rank_pointers() -> i32 {
             d::set_access(base, g, ordinal as i32, rank, || "test access".into()).unwrap();
         }
         let inside = base + g as u64 / 2;
-        let count = g / 4; // f32: from the middle of the piece to the middle of the hole
-                           // What this driver says of the piece and of the hole behind it (in the log).
+        // f32: from the middle of the piece to the middle of the hole.
+        let count = g / 4;
+        // What this driver says of the piece and of the hole behind it (in the log).
         for (name, at) in [("piece", inside), ("hole", base + g as u64)] {
             use sys::CUpointer_attribute as A;
             let attrs = [
