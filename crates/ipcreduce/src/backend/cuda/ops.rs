@@ -222,12 +222,8 @@ impl BackendOps for CudaComm {
         op: ReduceOp,
         algo: Algorithm,
     ) -> bool {
-        // As `all_reduce` dispatches: NCCL, count 0 and the job across nodes stamp nothing.
-        if self.launch.phases.is_none()
-            || algo == Algorithm::Nccl
-            || count == 0
-            || self.inter.is_some()
-        {
+        // Only our kernels within the node stamp (not NCCL, the empty call, the job across nodes).
+        if self.launch.phases.is_none() || self.route(count, algo) != Route::InNode {
             return false;
         }
         let call = CallArgs {
@@ -255,6 +251,19 @@ impl BackendOps for CudaComm {
     }
 }
 
+/// Who runs an all-reduce ([`CudaComm::route`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Route {
+    /// NCCL (`Algorithm::Nccl`).
+    Nccl,
+    /// Count 0: the empty kernel, which compares the identity only.
+    Empty,
+    /// The job spans nodes: the hierarchical all-reduce.
+    AcrossNodes,
+    /// Our kernels (or copy engines) within the node.
+    InNode,
+}
+
 impl CudaComm {
     /// One all-reduce on `call.stream`, in order with the communicator's calls on other
     /// streams.
@@ -266,46 +275,64 @@ impl CudaComm {
     /// across nodes, or one of ours within the node.
     fn all_reduce(&mut self, call: &CallArgs, algo: Algorithm) -> Result<()> {
         self.launch.begin()?;
-        if algo == Algorithm::Nccl {
-            self.launch.last_path = Some(PathInfo {
-                name: "nccl",
-                ctas: 0,
-                registered: false,
-            });
-            let rank = self.rank;
-            let nccl = self.nccl.as_mut().map_err(|why| {
-                Error::invalid(rank, "all_reduce", format!("NCCL unavailable: {why}"))
-            })?;
-            // SAFETY: pointers checked by the caller.
-            return unsafe {
-                nccl.all_reduce(
-                    call.send as *const c_void,
-                    call.recv as *mut c_void,
-                    call.count,
-                    call.dtype,
-                    call.op,
-                    call.stream,
-                )
-            };
-        }
-        if call.count == 0 {
-            return self
+        match self.route(call.count, algo) {
+            Route::Nccl => self.all_reduce_nccl(call),
+            Route::Empty => self
                 .launch
-                .empty(SgOp::AllReduce, call.dtype, call.op, call.stream);
+                .empty(SgOp::AllReduce, call.dtype, call.op, call.stream),
+            Route::AcrossNodes => {
+                let inter = self.inter.as_mut().expect("Route::AcrossNodes has one");
+                hier::all_reduce(&mut self.launch, &self.registry, inter, call, &mut |_| {
+                    Ok(())
+                })
+            }
+            Route::InNode => allreduce::launch(
+                &mut self.launch,
+                &self.registry,
+                &mut self.ce,
+                call,
+                algo,
+                &mut self.prepared,
+            ),
         }
-        if let Some(inter) = self.inter.as_mut() {
-            return hier::all_reduce(&mut self.launch, &self.registry, inter, call, &mut |_| {
-                Ok(())
-            });
+    }
+
+    /// Who runs an all-reduce of `count` elements by `algo` (what [`Self::all_reduce`] does,
+    /// and what [`BackendOps::stamps_all_reduce`] asks).
+    fn route(&self, count: usize, algo: Algorithm) -> Route {
+        if algo == Algorithm::Nccl {
+            Route::Nccl
+        } else if count == 0 {
+            Route::Empty
+        } else if self.inter.is_some() {
+            Route::AcrossNodes
+        } else {
+            Route::InNode
         }
-        allreduce::launch(
-            &mut self.launch,
-            &self.registry,
-            &mut self.ce,
-            call,
-            algo,
-            &mut self.prepared,
-        )
+    }
+
+    /// The all-reduce `call` handed to NCCL.
+    fn all_reduce_nccl(&mut self, call: &CallArgs) -> Result<()> {
+        self.launch.last_path = Some(PathInfo {
+            name: "nccl",
+            ctas: 0,
+            registered: false,
+        });
+        let rank = self.rank;
+        let nccl = self.nccl.as_mut().map_err(|why| {
+            Error::invalid(rank, "all_reduce", format!("NCCL unavailable: {why}"))
+        })?;
+        // SAFETY: pointers checked by the caller.
+        unsafe {
+            nccl.all_reduce(
+                call.send as *const c_void,
+                call.recv as *mut c_void,
+                call.count,
+                call.dtype,
+                call.op,
+                call.stream,
+            )
+        }
     }
 
     /// Checks and enqueues one reduce-scatter (`call.send`: `shards.total` elements,
