@@ -14,7 +14,7 @@
 
 use crate::bench::cuda::CudaRunner;
 use crate::bench::host::HostRunner;
-use crate::bench::{parse_list, sizes, Measure};
+use crate::bench::{measure_sane, parse_list, sizes, Measure};
 use crate::cli::{parse_size, relaunch_with_progress, RankArgs};
 use crate::harness::gather_f64;
 use ipcreduce::error::{Error, Result};
@@ -156,10 +156,10 @@ fn tune_here(args: &TuneArgs) -> Result<()> {
                         iters,
                         graph: (!host).then_some(10),
                     };
-                    let got = match &mut runner {
-                        Runner::Cuda(r) => r.measure(&mut comm, &m)?,
-                        Runner::Host(r) => r.measure(&mut comm, &m)?,
-                    };
+                    let got = measure_sane(&mut comm, &m, |comm| match &mut runner {
+                        Runner::Cuda(r) => r.measure(comm, &m),
+                        Runner::Host(r) => r.measure(comm, &m),
+                    })?;
                     let wrong = got.wrong_calls + got.wrong_final;
                     if wrong != 0 {
                         return Err(Error::invalid(

@@ -26,7 +26,7 @@ pub struct WarmupArgs {
     #[arg(long)]
     pub driver_version: Option<i32>,
     /// Only these kernel groups, comma separated: ll, ll12, staged, zerocopy, zerocopy16, ce,
-    /// scatter_gather (default: all).
+    /// scatter_gather, fused (default: all).
     #[arg(long, value_delimiter = ',')]
     pub only: Option<Vec<String>>,
     /// Compilations at once (default: the usable cores, at most 8).
@@ -268,4 +268,24 @@ fn fill(work: &[(Target, Variant)], jobs: usize) -> i32 {
 
 fn secs(d: Duration) -> String {
     format!("{:.2} s", d.as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Args;
+
+    /// `--only`'s help names every group the option accepts.
+    #[test]
+    fn only_help_names_every_group() {
+        let cmd = WarmupArgs::augment_args(clap::Command::new("warmup"));
+        let only = cmd
+            .get_arguments()
+            .find(|a| a.get_id() == "only")
+            .expect("--only");
+        let help = only.get_help().expect("help").to_string();
+        for g in Group::ALL {
+            assert!(help.contains(g.name()), "{} missing from: {help}", g.name());
+        }
+    }
 }

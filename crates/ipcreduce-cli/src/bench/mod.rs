@@ -22,7 +22,7 @@ mod startup;
 
 use crate::cli::{join, parse_size, refuse, relaunch_with_progress, typed_flag, RankArgs, Usage};
 use crate::harness::{gather_f64, gather_u64, RunMeta};
-use ipcreduce::error::Result;
+use ipcreduce::error::{Error, Result};
 use ipcreduce::types::{Algorithm, BackendKind, DType, ReduceOp};
 use ipcreduce::Communicator;
 
@@ -462,7 +462,7 @@ fn bench(args: &BenchArgs) -> Result<bool> {
                             iters: args.iters,
                             graph,
                         };
-                        let got = runner.measure(&mut comm, &m)?;
+                        let got = measure_sane(&mut comm, &m, |comm| runner.measure(comm, &m))?;
                         let mut row = make_row(&mut comm, &m, mode, registered, &got)?;
                         if algo == Algorithm::Nccl {
                             row.nccl = Some(selection.nccl);
@@ -513,6 +513,55 @@ fn last_path(
             None,
         ),
     }
+}
+
+/// How many times a measurement is taken when a rank's time comes out as nothing or less.
+const SANE_ATTEMPTS: usize = 3;
+
+/// `measure`, taken again when any rank's time per call is zero or negative: what the
+/// machine's noise in the subtracted refresh loop can give (see bench/cuda.rs), never a time
+/// to report. Collective: every rank sees the same gathered times, so all measure again
+/// together; after `SANE_ATTEMPTS` it is an error naming the rank and the times.
+pub(crate) fn measure_sane(
+    comm: &mut Communicator,
+    m: &Measure,
+    mut measure: impl FnMut(&mut Communicator) -> Result<Measured>,
+) -> Result<Measured> {
+    for attempt in 1..=SANE_ATTEMPTS {
+        let got = measure(comm)?;
+        let least = got.rounds[..got.nrounds]
+            .iter()
+            .copied()
+            // NaN-aware: f64::min would drop a NaN round in favour of a good one.
+            .fold(f64::INFINITY, |least, t| {
+                if t.is_nan() || least.is_nan() {
+                    f64::NAN
+                } else {
+                    least.min(t)
+                }
+            });
+        let all = gather_f64(comm, least)?;
+        let Some(bad) = all.iter().position(|t| t.is_nan() || *t <= 0.0) else {
+            return Ok(got);
+        };
+        if attempt == SANE_ATTEMPTS {
+            return Err(Error::invalid(
+                comm.rank(),
+                "bench",
+                format!(
+                    "{} bytes {:?}: rank {bad} timed {:.3} us per call (the calls with the \
+                     refresh {:.3} us, the refresh alone {:.3} us on this rank) in each of \
+                     {SANE_ATTEMPTS} attempts: the machine is too noisy to time this size",
+                    m.count * m.dtype.size(),
+                    m.algo,
+                    all[bad],
+                    got.gross_us,
+                    got.refresh_us
+                ),
+            ));
+        }
+    }
+    unreachable!("the last attempt returns")
 }
 
 /// Gathers one measurement from every rank into a row (collective).
@@ -734,6 +783,76 @@ mod tests {
         assert_eq!(sizes(8, 64, 2), vec![8, 16, 32, 64]);
         assert_eq!(sizes(8, 100, 4), vec![8, 32]);
         assert_eq!(sizes(0, 1, 2), vec![1]);
+    }
+
+    fn single_rank(tag: &str) -> Communicator {
+        let dir =
+            std::env::temp_dir().join(format!("ipcreduce-bench-{tag}-{}", std::process::id()));
+        let info =
+            ipcreduce::bootstrap::RankInfo::new(0, 1, dir.join("s.sock"), "bench-test", None)
+                .unwrap();
+        let config = ipcreduce::Config {
+            backend: ipcreduce::BackendChoice::Host,
+            ..ipcreduce::Config::default()
+        };
+        Communicator::with_rank_info(info, &config).unwrap()
+    }
+
+    fn timed(round: f64) -> Measured {
+        let mut rounds = [0.0; MAX_ROUNDS];
+        rounds[..2].copy_from_slice(&[3.0, round]);
+        Measured {
+            gross_us: 10.0,
+            refresh_us: 10.0 - round,
+            calls: 1,
+            wrong_calls: 0,
+            wrong_final: 0,
+            rounds,
+            nrounds: 2,
+        }
+    }
+
+    fn a_measure() -> Measure {
+        Measure {
+            dtype: DType::F32,
+            op: ReduceOp::Sum,
+            algo: Algorithm::Auto,
+            count: 2,
+            world: 1,
+            seed: 0,
+            warmup: 0,
+            iters: 1,
+            graph: None,
+        }
+    }
+
+    /// A round of nothing or less (the refresh alone timed slower than the calls with it) is
+    /// measured again, and kept only once every round is a time.
+    #[test]
+    fn a_non_positive_time_is_measured_again() {
+        let mut comm = single_rank("again");
+        let mut given = [-14.5, 0.0, f64::NAN, 2.5].into_iter();
+        let mut taken = 0;
+        let got = measure_sane(&mut comm, &a_measure(), |_| {
+            taken += 1;
+            Ok(timed(given.next().unwrap()))
+        });
+        // The third (NaN) is the last attempt: an error, not a time.
+        let e = got
+            .expect_err("three bad attempts are an error")
+            .to_string();
+        assert_eq!(taken, SANE_ATTEMPTS);
+        assert!(
+            e.contains("rank 0 timed NaN us") && e.contains("8 bytes"),
+            "{e}"
+        );
+        let got = measure_sane(&mut comm, &a_measure(), |_| {
+            taken += 1;
+            Ok(timed(if taken < 5 { -1.0 } else { 2.5 }))
+        })
+        .unwrap();
+        assert_eq!(taken, 5);
+        assert_eq!(got.rounds[1], 2.5);
     }
 
     #[test]
