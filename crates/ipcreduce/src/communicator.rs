@@ -760,6 +760,14 @@ impl Communicator {
         self.backend.last_path()
     }
 
+    /// Tells the flight recorder the path the backend took for the call just enqueued (the
+    /// operations whose path the backend chooses alone).
+    fn note_path_taken(&mut self) {
+        if let Some(p) = self.backend.last_path() {
+            self.flight.path_taken(p.name);
+        }
+    }
+
     /// Calls this rank's flight recorder has seen (the latest call's number): the mark that
     /// [`Self::write_trace`] writes the calls after.
     pub fn traced_calls(&self) -> u64 {
@@ -863,7 +871,9 @@ impl Communicator {
             unsafe {
                 c.backend
                     .scatter_gather_raw(what, send, recv, shards, dtype, op, stream)
-            }
+            }?;
+            c.note_path_taken();
+            Ok(())
         })
     }
 
@@ -903,7 +913,9 @@ impl Communicator {
             unsafe {
                 c.backend
                     .scatter_gather_raw(what, send, recv, shards, dtype, ReduceOp::Sum, stream)
-            }
+            }?;
+            c.note_path_taken();
+            Ok(())
         })
     }
 

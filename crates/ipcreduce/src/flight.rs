@@ -72,9 +72,10 @@ pub struct Entry {
     /// 1 for the communicator's first collective call, as the errors' `#N` on the host backend.
     pub seq: u64,
     pub op: SgOp,
-    /// What ran: the resolved algorithm; None where the backend chooses alone (reduce-scatter,
-    /// all-gather).
-    pub path: Option<Algorithm>,
+    /// What ran: the resolved algorithm's name (all-reduce), or the kernel path the backend
+    /// chose alone (reduce-scatter and all-gather on cuda, "reduce-scatter-reg"...); None
+    /// where nothing says (the host backend's reduce-scatter and all-gather).
+    pub path: Option<&'static str>,
     /// The call's count argument (all-gather: sendcount; reduce-scatter: recvcount).
     pub count: u64,
     pub dtype: DType,
@@ -115,7 +116,7 @@ impl Entry {
         serde_json::json!({
             "seq": self.seq,
             "op": self.op.name(),
-            "path": self.path.map(Algorithm::name),
+            "path": self.path,
             "count": self.count,
             "dtype": self.dtype.name(),
             "reduce": self.reduce.name(),
@@ -388,10 +389,20 @@ impl Recorder {
     #[inline]
     pub fn path(&mut self, path: Algorithm) {
         if let Some(e) = self.current() {
-            e.path = Some(path);
+            e.path = Some(path.name());
         }
         if let Some(r) = &mut self.nvtx {
             r.path(path.name());
+        }
+    }
+
+    /// Says which kernel path the current call took, where the backend chose it alone
+    /// (reduce-scatter, all-gather): after it was enqueued, so the range NVTX opened at the
+    /// start keeps the operation's name alone.
+    #[inline]
+    pub fn path_taken(&mut self, name: &'static str) {
+        if let Some(e) = self.current() {
+            e.path.get_or_insert(name);
         }
     }
 
@@ -699,6 +710,29 @@ mod tests {
         let e = r.entries();
         assert_eq!(e.len(), 1);
         assert_eq!((e[0].seq, e[0].state, e[0].end_ns), (1, State::Running, 0));
+    }
+
+    /// The path the backend chose alone is kept where the call named none, and never
+    /// replaces the algorithm an all-reduce resolved; it goes into the JSON line as "path".
+    #[test]
+    fn the_path_taken_fills_only_an_unnamed_path() {
+        let mut r = Recorder::new(4, None);
+        r.begin(&call(8));
+        r.path_taken("reduce-scatter-reg");
+        r.end(true);
+        r.begin(&call(8));
+        r.path(Algorithm::TwoShot);
+        r.path_taken("twoshot-reg");
+        r.end(true);
+        r.begin(&call(8));
+        r.end(true);
+        let e = r.entries();
+        let paths: Vec<Option<&str>> = e.iter().map(|e| e.path).collect();
+        assert_eq!(paths, [Some("reduce-scatter-reg"), Some("twoshot"), None]);
+        let line: serde_json::Value = serde_json::from_str(&e[0].to_json()).unwrap();
+        assert_eq!(line["path"], "reduce-scatter-reg");
+        let line: serde_json::Value = serde_json::from_str(&e[2].to_json()).unwrap();
+        assert!(line["path"].is_null(), "{line}");
     }
 
     #[test]

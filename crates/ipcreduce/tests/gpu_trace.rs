@@ -98,21 +98,52 @@ fn rank_phases() -> i32 {
             }
         }
     }
+    // Reduce-scatter and all-gather, plain and registered: their trace lines name the kernel
+    // path the backend chose (the test checks the four names) and carry their stamps.
+    let n = 4096;
+    for (s, r) in [(send.ptr, recv.ptr), (rs.ptr(), rr.ptr())] {
+        // SAFETY: device buffers of this rank's GPU of `bytes` >= n * world * 4, apart.
+        unsafe {
+            c.reduce_scatter_raw(
+                s as *const c_void,
+                r as *mut c_void,
+                n,
+                DType::F32,
+                ReduceOp::Sum,
+                std::ptr::null_mut(),
+            )
+            .unwrap_or_else(|e| panic!("reduce-scatter of {n} x f32: {e}"));
+            c.all_gather_raw(
+                s as *const c_void,
+                r as *mut c_void,
+                n,
+                DType::F32,
+                std::ptr::null_mut(),
+            )
+            .unwrap_or_else(|e| panic!("all-gather of {n} x f32: {e}"));
+        }
+    }
     c.synchronize().unwrap();
     drop(c); // writes the trace (IPCREDUCE_TRACE)
     say(format!("DONE {made}"));
     0
 }
 
-/// The all-reduces of one rank's trace file, in order (other recorded calls left out).
-fn calls_of(file: &std::path::Path) -> Vec<Value> {
+/// The calls of one rank's trace file, in order.
+fn lines_of(file: &std::path::Path) -> Vec<Value> {
     let text = std::fs::read_to_string(file).unwrap();
     text.lines()
         .skip(1)
         .filter(|l| !l.trim().is_empty())
         .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .filter(|c| c["op"] == "all_reduce")
         .collect()
+}
+
+/// The all-reduces of one rank's trace file, in order (other recorded calls left out).
+fn calls_of(file: &std::path::Path) -> Vec<Value> {
+    let mut calls = lines_of(file);
+    calls.retain(|c| c["op"] == "all_reduce");
+    calls
 }
 
 fn ns(v: &Value) -> Option<u64> {
@@ -253,7 +284,40 @@ fn phase_stamps_per_block_and_a_late_rank() {
                 }
             }
         }
-        eprintln!("world {world}: {} calls per rank checked", 5 * CALLS);
+        for file in &files {
+            let name = file.file_name().unwrap().to_string_lossy().to_string();
+            let sg: Vec<Value> = lines_of(file)
+                .into_iter()
+                .filter(|c| c["op"] != "all_reduce")
+                .collect();
+            let paths: Vec<&str> = sg
+                .iter()
+                .map(|c| c["path"].as_str().unwrap_or(""))
+                .collect();
+            assert_eq!(
+                paths,
+                [
+                    "reduce-scatter-staged",
+                    "all-gather-staged",
+                    "reduce-scatter-reg",
+                    "all-gather-reg"
+                ],
+                "{name}"
+            );
+            for call in &sg {
+                let blocks = call["phases"]["blocks"].as_array();
+                assert!(
+                    blocks.is_some_and(|b| !b.is_empty()),
+                    "{name}: {} #{} has no stamped block",
+                    call["op"],
+                    call["seq"]
+                );
+            }
+        }
+        eprintln!(
+            "world {world}: {} all-reduces and 4 reduce-scatters / all-gathers per rank checked",
+            5 * CALLS
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -116,8 +116,10 @@ pub(super) fn summary(dumps: &[Dump], first: u64, last: u64) -> Option<Summary> 
         for d in dumps {
             let Some(r) = d.recs.get(&seq) else { continue };
             let Some(p) = &r.phases else { continue };
-            path = path.or(r.path.clone());
-            let key = r.path.clone().unwrap_or_else(|| "?".into());
+            // Records that name no path (the host backend's reduce-scatter and all-gather, or
+            // files of older versions) are grouped under their operation's name.
+            let key = r.path.clone().unwrap_or_else(|| r.op.clone());
+            path = path.or(Some(key.clone()));
             let entry = per_path.entry(key).or_default();
             entry.0 += 1;
             let mut longest: BTreeMap<String, f64> = BTreeMap::new();
