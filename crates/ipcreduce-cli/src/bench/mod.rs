@@ -549,7 +549,7 @@ pub(crate) fn measure_sane(
                 comm.rank(),
                 "bench",
                 format!(
-                    "{} bytes {:?}: rank {bad} timed {:.3} us per call (the calls with the \
+                    "{} bytes {}: rank {bad} timed {:.3} us per call (the calls with the \
                      refresh {:.3} us, the refresh alone {:.3} us on this rank) in each of \
                      {SANE_ATTEMPTS} attempts: the machine is too noisy to time this size",
                     m.count * m.dtype.size(),
