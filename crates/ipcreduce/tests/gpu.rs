@@ -798,18 +798,6 @@ fn rank_teardown() -> i32 {
     0
 }
 
-/// Elements of call `i` of the LL wrap test: a 64 KiB call at every multiple of 65,536, calls
-/// of at most 16 KiB between them (so the large call's tail lines are not overwritten), the
-/// same sizes every 65,536 calls.
-fn ll_count(i: usize) -> usize {
-    let j = i % 65_536;
-    if j == 0 {
-        16_384
-    } else {
-        1 + (j.wrapping_mul(2_654_435_761) >> 7) % 4096
-    }
-}
-
 fn rank_ll_wrap() -> i32 {
     let mut c = join();
     let (rank, world) = (c.rank(), c.world());
@@ -826,7 +814,7 @@ fn rank_ll_wrap() -> i32 {
     let mut input = vec![0u8; 64 << 10];
     let mut out = vec![0u8; 64 << 10];
     for i in 0..calls {
-        let count = ll_count(i);
+        let count = common::ll_sizes::ll_count(i);
         let bytes = count * 4;
         // A fresh input every call: a stale line carries the data of 65,536 calls ago.
         let seed = i as u64;
@@ -1411,19 +1399,6 @@ fn the_callers_buffers_are_checked() {
 fn low_latency_sequence_wrap() {
     play_rank_if_child();
     run_role("low_latency_sequence_wrap", "llwrap", &[2], &[]);
-}
-
-#[test]
-fn ll_wrap_sizes_are_built_to_catch_a_16_bit_sequence() {
-    // Pure: the call sizes the LL wrap test relies on.
-    assert_eq!(ll_count(0) * 4, 64 << 10);
-    for i in 1..65_536 {
-        assert!(ll_count(i) * 4 <= 16 << 10, "call {i}");
-        assert_eq!(ll_count(i), ll_count(i + 65_536));
-    }
-    assert_eq!(ll_count(65_536), ll_count(0));
-    let distinct: std::collections::HashSet<_> = (1..65_536).map(ll_count).collect();
-    assert!(distinct.len() > 1000, "sizes vary: {}", distinct.len());
 }
 
 /// Reduce-scatter and all-gather on plain and registered buffers, out of place and in place

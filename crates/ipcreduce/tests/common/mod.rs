@@ -9,6 +9,7 @@
 pub mod chain;
 pub mod cuda;
 pub mod fused_ref;
+pub mod ll_sizes;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::DirBuilderExt;
