@@ -386,8 +386,18 @@ pub fn default_ctas(path: CudaPath, bytes: usize) -> usize {
     const K: usize = 1 << 10;
     const M: usize = 1 << 20;
     match path {
-        // One thread per 16-byte pair of LL lines: more CTAs as the message grows, up to the cap.
-        CudaPath::OneShotLl => bytes.div_ceil(16).div_ceil(512),
+        // One thread per 16-byte pair of LL lines. Up to 512 pairs (8 KiB) one CTA: a second
+        // one made an 8 KiB call ~0.7 us slower (graph, two ranks under MPS on one H100,
+        // 2026-12-05: 4.3-4.4 us against 3.7 with one), as if the cost were the blocks'
+        // meeting at the end of the call. Then CTAs of 256 pairs up to 64 KiB: 10 % faster at
+        // 16 KiB than 512 (4.33 against 4.81 us), 5-6 % at 32-64 KiB; 128 pairs was within
+        // 2 % of 256 there and 30 % slower at 4 KiB. Above 64 KiB (not measured that way) 512
+        // pairs a CTA, never fewer CTAs than at 64 KiB.
+        CudaPath::OneShotLl => match bytes.div_ceil(16) {
+            0..=512 => 1,
+            pairs @ 513..=4096 => pairs.div_ceil(256),
+            pairs => pairs.div_ceil(512).max(16),
+        },
         // One thread per 12-byte line.
         CudaPath::OneShotLl12 => bytes.div_ceil(12).div_ceil(512),
         // The copy-engine path's local reduce kernel.
@@ -495,19 +505,25 @@ pub fn cuda_path(
     (path, ctas.clamp(1, cap.max(1)) as u32)
 }
 
-/// Threads per block of a call: `full` (the kernels' 512), except a one-block LL call, which
-/// gets one thread per 16-byte pair (LL12: per 12-byte line) rounded up to whole warps: fewer
-/// warps to start and to pass the block's final barrier on the smallest messages' critical
-/// path. LL pairs no block or thread with a peer's (lines are indexed by the message), so ranks
-/// need not agree.
+/// Threads per block of a call: `full` (the kernels' 512), except an LL call, whose blocks
+/// share its 16-byte pairs of lines evenly, a thread each, rounded up to whole warps (at most
+/// `full`: past that the kernel's loops stride over the grid), and a one-block LL12 call (one
+/// thread per 12-byte line): fewer warps to start and to pass the block's final barrier on the
+/// smallest messages' critical path, and the pairs spread over every block of a larger call.
+/// LL pairs no block or thread with a peer's (lines are indexed by the message), so ranks need
+/// not agree.
 pub fn block_threads(path: CudaPath, bytes: usize, grid: u32, full: u32) -> u32 {
     let per_thread = match path {
-        CudaPath::OneShotLl | CudaPath::Empty if grid == 1 => 16,
+        CudaPath::OneShotLl | CudaPath::Empty => 16,
         CudaPath::OneShotLl12 if grid == 1 => 12,
         _ => return full,
     };
     let items = bytes.div_ceil(per_thread).max(1) as u32;
-    items.div_ceil(32).saturating_mul(32).min(full)
+    items
+        .div_ceil(grid.max(1))
+        .div_ceil(32)
+        .saturating_mul(32)
+        .min(full)
 }
 
 /// Cuts `count` elements into chunks of at most `chunk_elems` elements.
@@ -764,7 +780,12 @@ mod tests {
         assert_eq!(cuda_path(two, 100, false, false, &fixed, None).1, 40);
         // LL: one thread per 16 bytes, the override only caps it.
         assert_eq!(cuda_path(one, 8, false, false, &fixed, None).1, 1);
-        assert_eq!(cuda_path(one, 64 << 10, false, false, &fixed, None).1, 8);
+        assert_eq!(cuda_path(one, 64 << 10, false, false, &fixed, None).1, 16);
+        let fixed8 = GridLimits {
+            fixed: Some(8),
+            ..lim
+        };
+        assert_eq!(cuda_path(one, 64 << 10, false, false, &fixed8, None).1, 8);
         let codes: std::collections::HashSet<_> = [
             CudaPath::OneShotStaged,
             CudaPath::TwoShotStaged,
@@ -889,7 +910,8 @@ mod tests {
         let ctas = |b| cuda_path(one, b, false, false, &lim, None).1;
         assert_eq!(ctas(8), 1);
         assert_eq!(ctas(8 << 10), 1);
-        assert_eq!(ctas(64 << 10), 8);
+        assert_eq!(ctas(64 << 10), 16);
+        assert_eq!(ctas(128 << 10), 16);
         assert_eq!(ctas(256 << 10), 32);
         assert_eq!(ctas(1 << 20), 64);
         let shared = GridLimits { cap: 24, ..lim };
@@ -1008,6 +1030,34 @@ mod tests {
     }
 
     #[test]
+    fn ll_ctas_one_up_to_8_kib_then_256_pairs_each_to_64_kib() {
+        let ll = CudaPath::OneShotLl;
+        for (bytes, ctas) in [
+            (0, 1),
+            (8, 1),
+            (4 << 10, 1),
+            (8 << 10, 1),
+            ((8 << 10) + 16, 3), // 513 pairs
+            (16 << 10, 4),
+            (64 << 10, 16),
+            ((64 << 10) + 16, 16), // 4097 pairs: 512 a CTA from here, at least 16 CTAs
+            (128 << 10, 16),
+            (256 << 10, 32),
+            (1 << 20, 128),
+        ] {
+            assert_eq!(default_ctas(ll, bytes), ctas, "{bytes} bytes");
+        }
+        // Every pair has a thread of the rule's grid, and no block has a warp without pairs.
+        for bytes in (1..=(1usize << 20)).step_by(208) {
+            let grid = default_ctas(ll, bytes) as u32;
+            let t = block_threads(ll, bytes, grid, 512) as usize;
+            let pairs = bytes.div_ceil(16);
+            assert!(t * grid as usize >= pairs, "{bytes}: {grid} x {t}");
+            assert!((t - 32) * grid as usize <= pairs, "{bytes}: {grid} x {t}");
+        }
+    }
+
+    #[test]
     fn small_ll_calls_launch_only_the_warps_they_need() {
         let ll = CudaPath::OneShotLl;
         assert_eq!(block_threads(ll, 8, 1, 512), 32);
@@ -1019,8 +1069,15 @@ mod tests {
             let t = block_threads(ll, bytes, 1, 512) as usize;
             assert!(t * 16 >= bytes && t.is_multiple_of(32), "{bytes}: {t}");
         }
-        // Several blocks, or any other path: the full block the kernels are built for.
+        // Several blocks share the pairs: 16 KiB is 1024 pairs, 4 blocks of 256; 9 KiB is 576
+        // pairs, 3 blocks of 192; a grid held below the rule (a cap) gets full blocks, whose
+        // loops stride over the grid.
+        assert_eq!(block_threads(ll, 16 << 10, 4, 512), 256);
+        assert_eq!(block_threads(ll, 9 << 10, 3, 512), 192);
+        assert_eq!(block_threads(ll, 64 << 10, 16, 512), 256);
         assert_eq!(block_threads(ll, 64 << 10, 8, 512), 512);
+        assert_eq!(block_threads(ll, 64 << 10, 2, 512), 512);
+        // Any other path: the full block the kernels are built for.
         assert_eq!(block_threads(CudaPath::TwoShotRegDeep, 8, 1, 512), 512);
         assert_eq!(block_threads(CudaPath::OneShotStaged, 8, 1, 512), 512);
     }
