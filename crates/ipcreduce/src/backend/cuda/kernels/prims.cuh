@@ -421,28 +421,38 @@ __device__ __forceinline__ u64 begin_call(const Args &a, bool post = true) {
 }
 
 // Ends a call: the last block of the grid to get here stores `call` (and, for the staged
-// kernels, the chunk counter L). Every block read the counter at its start, before it counts
-// itself here, so no block sees the new value.
+// kernels, the chunk counter L). What this must ensure, and why no fence is needed for it:
+// (a) no block of this grid reads the counter after the store: every thread read it at its
+//     start (begin_call) and below waits for that read's value (a compare that reads its
+//     register stalls the thread until the load has returned) before the block's barrier; the
+//     block counts itself after the barrier, and the last block stores only after its atomic
+//     saw every block's count. So every read was served before any block counted, let alone
+//     stored. (An unused value could still be in flight, but a value never used changes
+//     nothing.)
+// (b) the next kernel on the stream sees the store and every other write of this grid: kernel
+//     completion makes them visible (with programmatic dependent launch, griddepcontrol.wait
+//     waits for the whole grid to complete and its memory to be flushed).
+// A __threadfence before the count (and one after the store) cost a multi-block call 0.4-0.5
+// us, 9-10 % at 16-256 KiB (two ranks under MPS on one H100, 2026-12-05; fence.acq_rel before
+// the count alone cost about half of that), and neither was needed for (a) or (b).
 __device__ __forceinline__ void finish_call(const Args &a, u64 call, bool set_l = false, u32 L = 0) {
     u32 *st = a.counters + STATE_CALL;
+    // (a): the counter's value is used before the barrier (call is never 0: begin_call adds 1
+    // to a counter that traps at CALL_CLOSED), so its load has returned.
+    if (call == 0) asm volatile("trap;");
     __syncthreads();
     if (gridDim.x == 1) {
-        // The only block: the next kernel on the stream sees the stores (small LL calls run one
-        // block, and skip the fence and the atomic on their critical path).
+        // The only block: no count.
         if (threadIdx.x == 0) {
             *(u64 *)st = call;
             if (set_l) st[3] = L;
         }
         return;
     }
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(&st[2], 1u) == gridDim.x - 1) {
-            st[2] = 0u;
-            *(u64 *)st = call;
-            if (set_l) st[3] = L;
-            __threadfence();
-        }
+    if (threadIdx.x == 0 && atomicAdd(&st[2], 1u) == gridDim.x - 1) {
+        st[2] = 0u;
+        *(u64 *)st = call;
+        if (set_l) st[3] = L;
     }
 }
 
