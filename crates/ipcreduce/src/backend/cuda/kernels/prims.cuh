@@ -423,8 +423,10 @@ __device__ __forceinline__ u64 begin_call(const Args &a, bool post = true) {
 // Ends a call: the last block of the grid to get here stores `call` (and, for the staged
 // kernels, the chunk counter L). What this must ensure, and why no fence is needed for it:
 // (a) no block of this grid reads the counter after the store: every thread read it at its
-//     start (begin_call) and below waits for that read's value (a compare that reads its
-//     register stalls the thread until the load has returned) before the block's barrier; the
+//     start (begin_call; the LL kernels of more than two ranks read it again just before,
+//     current_call, and pass that) and below waits for the value passed as `call` (a compare
+//     that reads its register stalls the thread until the load has returned) before the
+//     block's barrier; the
 //     block counts itself after the barrier, and the last block stores only after its atomic
 //     saw every block's count. So every read was served before any block counted, let alone
 //     stored. (An unused value could still be in flight, but a value never used changes
