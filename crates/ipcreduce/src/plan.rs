@@ -388,11 +388,11 @@ pub fn default_ctas(path: CudaPath, bytes: usize) -> usize {
     match path {
         // One thread per 16-byte pair of LL lines. Up to 512 pairs (8 KiB) one CTA: a second
         // one made an 8 KiB call ~0.7 us slower (graph, two ranks under MPS on one H100,
-        // 2026-12-05: 4.3-4.4 us against 3.7 with one), as if the cost were the blocks'
-        // meeting at the end of the call. Then CTAs of 256 pairs up to 64 KiB: 10 % faster at
-        // 16 KiB than 512 (4.33 against 4.81 us), 5-6 % at 32-64 KiB; 128 pairs was within
-        // 2 % of 256 there and 30 % slower at 4 KiB. Above 64 KiB (not measured that way) 512
-        // pairs a CTA, never fewer CTAs than at 64 KiB.
+        // 2026-12-05: 4.3-4.4 us against 3.7 with one), mostly the fences finish_call had
+        // then (removed since: worth measuring two CTAs at 4-8 KiB again). Then CTAs of 256
+        // pairs up to 64 KiB: 10 % faster at 16 KiB than 512 (4.33 against 4.81 us), 5-6 % at
+        // 32-64 KiB; 128 pairs was within 2 % of 256 there and 30 % slower at 4 KiB. Above 64
+        // KiB (not measured that way) 512 pairs a CTA, never fewer CTAs than at 64 KiB.
         CudaPath::OneShotLl => match bytes.div_ceil(16) {
             0..=512 => 1,
             pairs @ 513..=4096 => pairs.div_ceil(256),

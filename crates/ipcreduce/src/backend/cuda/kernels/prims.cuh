@@ -426,9 +426,8 @@ __device__ __forceinline__ u64 begin_call(const Args &a, bool post = true) {
 //     start (begin_call; the LL kernels of more than two ranks read it again just before,
 //     current_call, and pass that) and below waits for the value passed as `call` (a compare
 //     that reads its register stalls the thread until the load has returned) before the
-//     block's barrier; the
-//     block counts itself after the barrier, and the last block stores only after its atomic
-//     saw every block's count. So every read was served before any block counted, let alone
+//     block's barrier; the block counts itself after the barrier, and the last block stores
+//     only after its atomic saw every block's count. So every read was served before any block counted, let alone
 //     stored. (An unused value could still be in flight, but a value never used changes
 //     nothing.)
 // (b) the next kernel on the stream sees the store and every other write of this grid: kernel
