@@ -433,9 +433,10 @@ __device__ __forceinline__ u64 begin_call(const Args &a, bool post = true) {
 // (b) the next kernel on the stream sees the store and every other write of this grid: kernel
 //     completion makes them visible (with programmatic dependent launch, griddepcontrol.wait
 //     waits for the whole grid to complete and its memory to be flushed).
-// A __threadfence before the count (and one after the store) cost a multi-block call 0.4-0.5
-// us, 9-10 % at 16-256 KiB (two ranks under MPS on one H100, 2026-12-05; fence.acq_rel before
-// the count alone cost about half of that), and neither was needed for (a) or (b).
+// A __threadfence before the count (and one after the store) cost a multi-block call 0.75-1.0
+// us, 14-20 % at 16-256 KiB (graph, two ranks under MPS on one H100, 2026-12-05;
+// fence.acq_rel before the count alone cost about half of that), and neither was needed for
+// (a) or (b).
 __device__ __forceinline__ void finish_call(const Args &a, u64 call, bool set_l = false, u32 L = 0) {
     u32 *st = a.counters + STATE_CALL;
     // (a): the counter's value is used before the barrier (call is never 0: begin_call adds 1
