@@ -46,7 +46,7 @@ struct FusedKernelArgs {
     pad: u32,
 }
 
-/// Rows each block pass takes (the kernel's two halves of 256 lanes).
+/// Rows dealt to a block at a time (a pair, which the block takes one after the other).
 pub(super) const ROWS_PER_PASS: usize = 2;
 
 fn kernel_args(a: KernelArgs, args: &AddRmsNorm, layout: &Layout) -> FusedKernelArgs {
@@ -190,7 +190,8 @@ mod tests {
             .expect("fused.cu is compiled with the other kernels")
             .1;
         assert!(src.contains(&format!("#define FUSED_LANES {}", fused::SS_LANES)));
-        assert_eq!(THREADS as usize, ROWS_PER_PASS * fused::SS_LANES);
+        assert!(src.contains(&format!("#define FUSED_THREADS {THREADS}")));
+        assert!(THREADS as usize >= fused::SS_LANES);
     }
 
     /// The fused kernels compile with NVRTC (no GPU) for Ampere (software e4m3) and Hopper
@@ -227,18 +228,24 @@ mod tests {
             }
             assert!(ptx.contains("cvt.rn.satfinite.e4m3x2.f32"));
         }
+        // Every kernel's figures are printed before the verdict (all over budget named at once).
+        let mut over = Vec::new();
         for w in [2, 4, 8] {
             let all = kernels::resources("sm_90", w).unwrap_or_else(|e| panic!("{e}"));
             for name in names(w) {
                 let k = all.iter().find(|k| k.kernel == name).unwrap();
                 eprintln!(
-                    "{name}: {} registers, {} B spilled",
-                    k.registers, k.spill_bytes
+                    "{name}: {} registers, {} B spilled, {} B stack",
+                    k.registers, k.spill_bytes, k.stack_bytes
                 );
-                assert!(k.registers > 0 && k.registers <= 64, "{k:?}");
-                assert_eq!((k.spill_bytes, k.stack_bytes), (0, 0), "{k:?}");
+                if !(k.registers > 0 && k.registers <= 64)
+                    || (k.spill_bytes, k.stack_bytes) != (0, 0)
+                {
+                    over.push(format!("{k:?}"));
+                }
             }
         }
+        assert!(over.is_empty(), "over the budget: {over:#?}");
         let ptx = kernels::compile("sm_80", 2)
             .unwrap_or_else(|e| panic!("{e}"))
             .to_src();

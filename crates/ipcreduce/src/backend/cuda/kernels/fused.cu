@@ -14,10 +14,10 @@
 // to the all-reduce followed by the reference kernel with that rank's residual, weight and scale
 // (each rank may pass its own).
 //
-// Work split. 512 threads per block (prims.cuh's ENTRY bounds, so the CTA caps hold): the two
-// halves of the block take one row each, thread j of a half being lane j of its row. Rows are
-// dealt to blocks in pairs: in the one-shot kernel local row 2p + h of a chunk goes to half h of
-// block p mod grid (the two-shot kernel deals the pairs to ranks first, see there).
+// Work split. 512 threads per block (prims.cuh's ENTRY bounds, so the CTA caps hold), one row
+// at a time by the whole block (fused_row). Rows are dealt to blocks in pairs: in the one-shot
+// kernel local rows 2p and 2p + 1 of a chunk go to block p mod grid (the two-shot kernel deals
+// the pairs to ranks first, see there), which takes them one after the other.
 //
 // One-shot layout and ordering: staged.cu's, with chunks of whole rows. Chunk k (rows_per_chunk rows,
 // set by the host so that a chunk fits a slot; the same on every rank) lives in slot parity
@@ -28,21 +28,23 @@
 // chunk k+1 follows the barrier of chunk k, the chunk counter L advances by the call's chunks,
 // and there is no end barrier: staged.cu's argument for reuse across chunks and calls holds
 // unchanged. Our own rows are read from the input, never from our slot. Each output element is
-// read (residual, input) and written (residual_out, out) by the one thread of its lane, so
-// residual_out == residual and out == input are safe; peers only read our slot.
+// read (residual, input) and written (residual_out, out) by one thread (fused_row's mapping),
+// and the row's reads precede its barriers, so residual_out == residual and out == input are
+// safe; peers only read our slot.
 //
 // No early trigger of the next kernel (programmatic dependent launch), on either path: the
 // dependent launch happens at completion, after every output is written.
 
 #define FUSED_LANES 256
+#define FUSED_THREADS 512
 
-// Elements a lane takes per step of fused_row (a source's STEP): their loads go out together
-// before the step's stores (residual_out, out), which the compiler may not move loads across
-// (they may alias an input). One element per step made a decode row latency-bound: a
-// 16384-wide row is 64 steps of a half-block, each waiting for its loads. The LL source and the
-// two-shot kernel keep one: more spill there (the LL source's loads are waits), within the
-// 64 registers of two 512-thread blocks per SM.
-#define FUSED_STEP 4
+// A row is taken in segments of FUSED_SEG_PACKS 16-byte packs per thread: every load of a
+// segment (all ranks' elements, the residual) is issued before its first store (residual_out),
+// which the compiler may not move a load across (they may alias an input). One element per
+// lane and step, waiting for each step's loads, made a decode row latency-bound (a 16384-wide
+// row was ~18 us). One pack (a bf16 segment of 4096 elements) is what fits the 64 registers of
+// two 512-thread blocks per SM (two spilled).
+#define FUSED_SEG_PACKS 1
 
 // The fused kernels' argument (backend/cuda/fused.rs `FusedKernelArgs`, field by field): the
 // protocol's arguments (send = input, recv = out, count = tokens * hidden), then the rest.
@@ -102,106 +104,229 @@ template <typename D> __device__ __forceinline__ float fused_load_cg(const char 
     return D::load(b);
 }
 
+// A source of fused_row: `load(r, i)`, element i of rank r's row as f32; where `wide()` (block
+// uniform), `load16(r, b)`, the 16 bytes at byte b of rank r's row (b a multiple of 16).
+
 // Element i of rank r's row: peers' from their slot, ours from our input.
 struct FusedSrc {
     const Args &a;
     u64 slot_row; // byte offset of the row in a slot
     const char *own;
-    static constexpr int STEP = FUSED_STEP;
+    __device__ const char *of(int r) const { return r == a.rank ? own : a.data[r] + slot_row; }
     template <typename D> __device__ float load(int r, u64 i) const {
-        return fused_load_cg<D>((r == a.rank ? own : a.data[r] + slot_row) + i * D::SIZE);
+        return fused_load_cg<D>(of(r) + i * D::SIZE);
+    }
+    __device__ uint4 load16(int r, u64 b) const { return ld_cg16(of(r) + b); }
+    __device__ bool wide() const {
+        bool ok = true;
+        for (int r = 0; r < a.world; r++) ok = ok && aligned16(of(r));
+        return ok;
     }
 };
-// The reference kernel's only source: the all-reduced row.
-template <int S> struct FusedOneSrcOf {
+// The reference kernel's and the two-shot epilogue's only source: the all-reduced row.
+struct FusedOneSrc {
     const char *row;
-    static constexpr int STEP = S;
     template <typename D> __device__ float load(int, u64 i) const { return fused_load_cg<D>(row + i * D::SIZE); }
+    __device__ uint4 load16(int, u64 b) const { return ld_cg16(row + b); }
+    __device__ bool wide() const { return aligned16(row); }
 };
-typedef FusedOneSrcOf<FUSED_STEP> FusedOneSrc;
 
-// One row's sum and epilogue, by one half of the block (`lanes`: its FUSED_LANES floats of
-// shared memory). Every thread of the block calls it together (barriers); a half without a row
-// (`active` false) only takes part in them. Lane j's elements are j, j + FUSED_LANES, ... in
-// increasing order, Src::STEP of them per step: the tree's order, whatever the step.
-template <typename D, int W, typename Src>
-__device__ void fused_row(const FusedArgs &f, const Src &src, int world, u64 row,
-                          bool active, float *lanes) {
-    constexpr int STEP = Src::STEP;
-    const u32 j = threadIdx.x % FUSED_LANES;
-    const u64 H = f.hidden;
-    const u64 o = row * H * D::SIZE;
+// What fused_row shares between the threads of a block: a segment's values of residual_out as
+// f32 (for the lanes' sums of squares), the lanes' sums, and the row's rstd.
+template <typename D> struct FusedShared {
+    static const int SEG = FUSED_THREADS * FUSED_SEG_PACKS * (16 / D::SIZE); // elements
+    float seg[SEG];
+    float lanes[FUSED_LANES];
+    float rstd;
+};
+
+// The f32 elements of a 16-byte pack, and back.
+template <typename D> __device__ __forceinline__ float fused_unpack(const uint4 &w, int u) {
+    return D::load((const char *)&w + u * D::SIZE);
+}
+template <typename D> __device__ __forceinline__ void fused_pack(uint4 &w, int u, float v) {
+    D::store((char *)&w + u * D::SIZE, v);
+}
+
+// One row's sum and epilogue, by the whole block (every thread calls it together: barriers).
+// The numerics' lanes are threads 0..FUSED_LANES-1: lane j's sum of squares takes elements j,
+// j + FUSED_LANES, ... in increasing order from the segment's values in shared memory (segments
+// are whole multiples of FUSED_LANES, so the order runs on across them), then warp 0 adds the
+// lanes' sums in the tree's order. Which thread loads and rounds an element does not enter the
+// numerics: with 16-byte packs (WIDE: every pointer aligned, rows a whole number of packs)
+// thread t takes packs t, t + FUSED_THREADS, ... of a segment, otherwise elements t,
+// t + FUSED_THREADS, ...; each thread reads back (epilogue) only what it stored itself.
+// Indices within a row are 32-bit (the host bounds hidden).
+template <bool WIDE, typename D, int W, typename Src>
+__device__ __forceinline__ void fused_row_as(const FusedArgs &f, const Src &src, int world, u64 row,
+                                             FusedShared<D> &sh) {
+    constexpr int N = 16 / D::SIZE;          // elements per pack
+    constexpr int K = FUSED_SEG_PACKS * N;   // elements per thread and segment
+    constexpr u32 SEG = FusedShared<D>::SEG; // elements per segment
+    const u32 t = threadIdx.x;
+    const u32 H = (u32)f.hidden;
+    const u64 o = row * f.hidden * D::SIZE;
+    const char *residual = f.residual + o;
+    char *residual_out = f.residual_out + o;
+    char *out = f.a.recv + o;
+    const bool one_segment = H <= SEG;
+    // This thread's k-th element of the segment at e0 (the mapping above); in WIDE, k % N == 0
+    // is the first element of a pack.
+    auto elem = [&](u32 e0, int k) -> u32 {
+        return WIDE ? e0 + (t + (u32)(k / N) * FUSED_THREADS) * N + k % N : e0 + t + (u32)k * FUSED_THREADS;
+    };
+    float v[K]; // WIDE: the sums, then residual_out as rounded, then y
     float acc = 0.0f;
-    if (active) {
-        for (u64 i0 = j; i0 < H; i0 += STEP * FUSED_LANES) {
-            float s[STEP], r_in[STEP];
+    for (u32 e0 = 0; e0 < H; e0 += SEG) {
+        // The sums in rank order (the loads of every rank go out before the first store).
 #pragma unroll
-            for (int u = 0; u < STEP; u++) {
-                const u64 i = i0 + (u64)u * FUSED_LANES;
-                s[u] = 0.0f;
-                r_in[u] = 0.0f;
-                if (i < H) {
-                    s[u] = src.template load<D>(0, i);
-                    r_in[u] = D::load(f.residual + o + i * D::SIZE);
-                }
-            }
+        for (int k = 0; k < K; k++) v[k] = 0.0f;
 #pragma unroll
-            for (int r = 1; r < W; r++)
-                if (r < world)
+        for (int r = 0; r < W; r++)
+            if (WIDE && r < world) {
+                if (WIDE) {
 #pragma unroll
-                    for (int u = 0; u < STEP; u++) {
-                        const u64 i = i0 + (u64)u * FUSED_LANES;
-                        if (i < H) s[u] = __fadd_rn(s[u], src.template load<D>(r, i));
+                    for (int m = 0; m < FUSED_SEG_PACKS; m++) {
+                        const u32 i = elem(e0, m * N);
+                        if (i < H) {
+                            const uint4 x = src.load16(r, (u64)i * D::SIZE);
+#pragma unroll
+                            for (int u = 0; u < N; u++)
+                                v[m * N + u] = r == 0 ? fused_unpack<D>(x, u)
+                                                      : __fadd_rn(v[m * N + u], fused_unpack<D>(x, u));
+                        }
                     }
-#pragma unroll
-            for (int u = 0; u < STEP; u++) {
-                const u64 i = i0 + (u64)u * FUSED_LANES;
+                }
+            }
+        if (!WIDE) {
+            // Element by element, the values straight to shared memory (no registers held), the
+            // stores to residual_out after every load of the segment.
+#pragma unroll 1
+            for (int k = 0; k < K; k++) {
+                const u32 i = elem(e0, k);
                 if (i < H) {
-                    const float v = fused_round<D>(__fadd_rn(fused_round<D>(s[u]), r_in[u]));
-                    D::store(f.residual_out + o + i * D::SIZE, v);
-                    acc = __fmaf_rn(v, v, acc);
+                    float x = src.template load<D>(0, i);
+                    // Above four ranks, four ranks' loads at a time: all eight beside the WIDE
+                    // body's values are over the register budget.
+                    if (W <= 4) {
+#pragma unroll
+                        for (int r = 1; r < W; r++)
+                            if (r < world) x = __fadd_rn(x, src.template load<D>(r, i));
+                    } else {
+#pragma unroll 4
+                        for (int r = 1; r < W; r++)
+                            if (r < world) x = __fadd_rn(x, src.template load<D>(r, i));
+                    }
+                    sh.seg[i - e0] = fused_round<D>(__fadd_rn(fused_round<D>(x), D::load(residual + (u64)i * D::SIZE)));
                 }
             }
         }
-    }
-    lanes[j] = acc;
-    __syncthreads();
+        // residual_out = round(round(s) + residual): stored, and kept for the lanes.
+        if (WIDE) {
 #pragma unroll
-    for (u32 h = FUSED_LANES / 2; h > 0; h /= 2) {
-        if (j < h) lanes[j] = __fadd_rn(lanes[j], lanes[j + h]);
+            for (int m = 0; m < FUSED_SEG_PACKS; m++) {
+                const u32 i = elem(e0, m * N);
+                if (i < H) {
+                    const uint4 rr = *(const uint4 *)(residual + (u64)i * D::SIZE);
+                    uint4 w;
+#pragma unroll
+                    for (int u = 0; u < N; u++) {
+                        float &x = v[m * N + u];
+                        x = fused_round<D>(__fadd_rn(fused_round<D>(x), fused_unpack<D>(rr, u)));
+                        fused_pack<D>(w, u, x);
+                        sh.seg[i - e0 + u] = x;
+                    }
+                    *(uint4 *)(residual_out + (u64)i * D::SIZE) = w;
+                }
+            }
+        } else {
+#pragma unroll 4
+            for (int k = 0; k < K; k++) {
+                const u32 i = elem(e0, k);
+                if (i < H) D::store(residual_out + (u64)i * D::SIZE, sh.seg[i - e0]);
+            }
+        }
         __syncthreads();
+        if (t < FUSED_LANES) {
+            const u32 end = min(SEG, H - e0);
+#pragma unroll 4
+            for (u32 c = t; c < end; c += FUSED_LANES) acc = __fmaf_rn(sh.seg[c], sh.seg[c], acc);
+        }
+        // The next segment's values overwrite these.
+        if (e0 + SEG < H) __syncthreads();
     }
-    if (active) {
-        const float ss = lanes[0];
-        const float rstd =
-            __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)H), f.eps)));
-        const float scale = f.fp8_out ? *f.fp8_scale : 1.0f;
-        for (u64 i0 = j; i0 < H; i0 += STEP * FUSED_LANES) {
-            float v[STEP], w[STEP];
+    if (t < FUSED_LANES) sh.lanes[t] = acc;
+    __syncthreads();
+    if (t < 32) {
+        // The tree, lane j += lane j + h for h = 128, ..., 1: warp lane t holds lanes t + 32m
+        // (m < 8) and takes h = 128, 64, 32 in registers, then h = 16, ..., 1 by shuffles (lane t
+        // < h reads lane t + h, as in the tree; the other lanes' values are not read again).
+        float x[8];
 #pragma unroll
-            for (int u = 0; u < STEP; u++) {
-                const u64 i = i0 + (u64)u * FUSED_LANES;
-                v[u] = 0.0f;
-                w[u] = 0.0f;
+        for (int m = 0; m < 8; m++) x[m] = sh.lanes[t + 32 * m];
+#pragma unroll
+        for (int m = 0; m < 4; m++) x[m] = __fadd_rn(x[m], x[m + 4]);
+#pragma unroll
+        for (int m = 0; m < 2; m++) x[m] = __fadd_rn(x[m], x[m + 2]);
+        float ss = __fadd_rn(x[0], x[1]);
+#pragma unroll
+        for (int h = 16; h > 0; h /= 2) ss = __fadd_rn(ss, __shfl_down_sync(0xffffffffu, ss, h));
+        if (t == 0) sh.rstd = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)H), f.eps)));
+    }
+    __syncthreads();
+    const float rstd = sh.rstd;
+    const float scale = f.fp8_out ? *f.fp8_scale : 1.0f;
+    for (u32 e0 = 0; e0 < H; e0 += SEG) {
+        // y = (residual_out * rstd) * weight, residual_out as this thread stored it (in one
+        // segment still in shared memory), in place of v.
+        if (WIDE) {
+#pragma unroll
+            for (int m = 0; m < FUSED_SEG_PACKS; m++) {
+                const u32 i = elem(e0, m * N);
                 if (i < H) {
-                    // residual_out as this thread stored it above.
-                    v[u] = D::load(f.residual_out + o + i * D::SIZE);
-                    w[u] = D::load(f.weight + i * D::SIZE);
+                    const uint4 ww = *(const uint4 *)(f.weight + (u64)i * D::SIZE);
+                    uint4 rr = make_uint4(0u, 0u, 0u, 0u), yy;
+                    if (!one_segment) rr = *(const uint4 *)(residual_out + (u64)i * D::SIZE);
+#pragma unroll
+                    for (int u = 0; u < N; u++) {
+                        float &x = v[m * N + u];
+                        x = one_segment ? sh.seg[i - e0 + u] : fused_unpack<D>(rr, u);
+                        x = __fmul_rn(__fmul_rn(x, rstd), fused_unpack<D>(ww, u));
+                        fused_pack<D>(yy, u, x);
+                    }
+                    *(uint4 *)(out + (u64)i * D::SIZE) = yy;
                 }
             }
+            if (f.fp8_out)
 #pragma unroll
-            for (int u = 0; u < STEP; u++) {
-                const u64 i = i0 + (u64)u * FUSED_LANES;
+                for (int k = 0; k < K; k++) {
+                    const u32 i = elem(e0, k);
+                    if (i < H) f.fp8_out[row * f.hidden + i] = fused_e4m3(__fdiv_rn(v[k], scale));
+                }
+        } else {
+            // residual_out from shared memory in one segment (this segment's, still there).
+#pragma unroll 4
+            for (int k = 0; k < K; k++) {
+                const u32 i = elem(e0, k);
                 if (i < H) {
-                    const float y = __fmul_rn(__fmul_rn(v[u], rstd), w[u]);
-                    D::store(f.a.recv + o + i * D::SIZE, y);
-                    if (f.fp8_out) f.fp8_out[row * H + i] = fused_e4m3(__fdiv_rn(y, scale));
+                    const float x = one_segment ? sh.seg[i - e0] : D::load(residual_out + (u64)i * D::SIZE);
+                    const float y = __fmul_rn(__fmul_rn(x, rstd), D::load(f.weight + (u64)i * D::SIZE));
+                    D::store(out + (u64)i * D::SIZE, y);
+                    if (f.fp8_out) f.fp8_out[row * f.hidden + i] = fused_e4m3(__fdiv_rn(y, scale));
                 }
             }
         }
     }
-    // lanes[0] was read by every thread: the next row's lanes wait for all of them.
+    // sh.rstd and sh.seg were read by every thread: the next row's writes wait for all of them.
     __syncthreads();
+}
+
+template <typename D, int W, typename Src>
+__device__ void fused_row(const FusedArgs &f, const Src &src, int world, u64 row, FusedShared<D> &sh) {
+    const bool wide = (f.hidden * D::SIZE) % 16 == 0 && src.wide() && aligned16(f.residual) &&
+                      aligned16(f.residual_out) && aligned16(f.a.recv) && aligned16(f.weight);
+    if (wide) fused_row_as<true, D, W>(f, src, world, row, sh);
+    else fused_row_as<false, D, W>(f, src, world, row, sh);
 }
 
 // Block b's rows of chunk k (starting at row r0, n rows) from our input into our slot of
@@ -228,7 +353,7 @@ __device__ void fused_copy_in(const FusedArgs &f, u32 L, u64 r0, u64 n) {
 }
 
 template <typename D, int W> __device__ void fused_one_shot(const FusedArgs &f) {
-    __shared__ float lanes[2][FUSED_LANES];
+    __shared__ FusedShared<D> sh;
     const Args &a = f.a;
     u32 *ctr = a.counters + 2 * blockIdx.x;
     u32 *st = a.counters + STATE_CALL;
@@ -238,7 +363,6 @@ template <typename D, int W> __device__ void fused_one_shot(const FusedArgs &f) 
     const u64 rpc = f.rows_per_chunk;
     const u32 chunks = (u32)((f.tokens + rpc - 1) / rpc);
     const u64 row_bytes = f.hidden * D::SIZE;
-    const int half = threadIdx.x / FUSED_LANES;
     fused_copy_in<D>(f, L0, 0, min(rpc, f.tokens));
     for (u32 k = 0; k < chunks; k++) {
         const u64 r0 = (u64)k * rpc;
@@ -246,13 +370,11 @@ template <typename D, int W> __device__ void fused_one_shot(const FusedArgs &f) 
         const u64 off = slot_offset(a, L0 + k);
         if (!barrier(a, F, call, k == 0)) break;
         if (k + 1 < chunks) fused_copy_in<D>(f, L0 + k + 1, r0 + rpc, min(rpc, f.tokens - r0 - rpc));
-        for (u64 p = blockIdx.x; 2 * p < n; p += gridDim.x) {
-            const u64 lr = 2 * p + half;
-            const bool active = lr < n;
-            const u64 lrc = active ? lr : 0;
-            fused_row<D, W>(f, FusedSrc{a, off + lrc * row_bytes, a.send + (r0 + lrc) * row_bytes},
-                            a.world, r0 + lrc, active, lanes[half]);
-        }
+        for (u64 p = blockIdx.x; 2 * p < n; p += gridDim.x)
+#pragma unroll 1
+            for (u64 lr = 2 * p; lr < min(2 * p + 2, n); lr++)
+                fused_row<D, W>(f, FusedSrc{a, off + lr * row_bytes, a.send + (r0 + lr) * row_bytes},
+                                a.world, r0 + lr, sh);
     }
     if (threadIdx.x == 0) ctr[0] = F;
     finish_call(a, call, true, L0 + chunks);
@@ -349,8 +471,7 @@ template <typename D, int W> __device__ void fused_two_sum(const FusedArgs &f, u
         for (u64 lr = 2 * p; lr < min(2 * p + 2, n); lr++) {
             const FusedSrc src{a, off + lr * f.slot_stride, a.send + (r0 + lr) * row_bytes};
             char *dst = slot + lr * f.slot_stride;
-            // One element per step (so the epilogue's FusedOneSrcOf<1>): more spill from two
-            // ranks on (64 registers).
+            // One element at a time: more spill from two ranks on (64 registers).
             for (u64 i = threadIdx.x; i < H; i += blockDim.x) {
                 float s = src.template load<D>(0, i);
 #pragma unroll
@@ -363,7 +484,7 @@ template <typename D, int W> __device__ void fused_two_sum(const FusedArgs &f, u
 }
 
 template <typename D, int W> __device__ void fused_two_shot(const FusedArgs &f) {
-    __shared__ float lanes[2][FUSED_LANES];
+    __shared__ FusedShared<D> sh;
     const Args &a = f.a;
     u32 *ctr = a.counters + 2 * blockIdx.x;
     u32 *st = a.counters + STATE_CALL;
@@ -372,7 +493,6 @@ template <typename D, int W> __device__ void fused_two_shot(const FusedArgs &f) 
     const u32 L0 = *(volatile u32 *)&st[3];
     const u64 rpc = f.rows_per_chunk;
     const u32 chunks = (u32)((f.tokens + rpc - 1) / rpc);
-    const int half = threadIdx.x / FUSED_LANES;
     fused_two_copy_in<D>(f, L0, 0, min(rpc, f.tokens));
     for (u32 k = 0; k < chunks; k++) {
         const u64 r0 = (u64)k * rpc;
@@ -386,11 +506,8 @@ template <typename D, int W> __device__ void fused_two_shot(const FusedArgs &f) 
             for (int r = 0; r < a.world; r++) {
                 const u64 p = q * a.world + r;
                 if (2 * p >= n) break;
-                const u64 lr = 2 * p + half;
-                const bool active = lr < n;
-                const u64 lrc = active ? lr : 2 * p;
-                fused_row<D, 1>(f, FusedOneSrcOf<1>{a.data[r] + off + lrc * f.slot_stride}, 1,
-                                r0 + lrc, active, lanes[half]);
+                for (u64 lr = 2 * p; lr < min(2 * p + 2, n); lr++)
+                    fused_row_as<false, D, 1>(f, FusedOneSrc{a.data[r] + off + lr * f.slot_stride}, 1, r0 + lr, sh);
             }
         if (k + 1 < chunks) fused_two_copy_in<D>(f, L0 + k + 1, r0 + rpc, min(rpc, f.tokens - r0 - rpc));
     }
@@ -400,16 +517,11 @@ template <typename D, int W> __device__ void fused_two_shot(const FusedArgs &f) 
 
 // The reference: no peers, no protocol state (it is not a call: the call counter stays).
 template <typename D> __device__ void fused_reference(const FusedArgs &f) {
-    __shared__ float lanes[2][FUSED_LANES];
-    const int half = threadIdx.x / FUSED_LANES;
+    __shared__ FusedShared<D> sh;
     const u64 row_bytes = f.hidden * D::SIZE;
-    for (u64 p = blockIdx.x; 2 * p < f.tokens; p += gridDim.x) {
-        const u64 row = 2 * p + half;
-        const bool active = row < f.tokens;
-        const u64 rc = active ? row : 0;
-        fused_row<D, 1>(f, FusedOneSrc{f.a.send + rc * row_bytes}, 1, rc, active,
-                        lanes[half]);
-    }
+    for (u64 p = blockIdx.x; 2 * p < f.tokens; p += gridDim.x)
+        for (u64 row = 2 * p; row < min(2 * p + 2, f.tokens); row++)
+            fused_row<D, 1>(f, FusedOneSrc{f.a.send + row * row_bytes}, 1, row, sh);
 }
 
 // Entry points: ipcr_fused{oneshot,twoshot}_w<W>_<dtype> and ipcr_fusedref_<dtype> (sum only: emitted in

@@ -8,16 +8,16 @@
 // slot, no remote read. The host takes this path only when a row is a whole number of lines
 // (hidden * size a multiple of 8) and the call fits the area (at most LL_MAX_BYTES per rank), so
 // every line holds elements of one row, and rows are dealt to blocks as in the one-shot kernel
-// (local row 2p + h to half h of block p mod grid), so every line of a row is pushed, read and
-// cleared by the one half-block that owns the row on every rank.
+// (rows 2p and 2p + 1 to block p mod grid), so every line of a row is pushed, read and cleared
+// by the one block that owns the row on every rank.
 //
 // Lines. ll.cu's argument that a line holds only zero or the current call's flag holds as it
 // is: a line of ours is written only by its source rank, in calls of its parity, and read and
 // cleared only by us in the call that consumes it; a wait accepts a line only with both halves
-// carrying our flag and reports any other non-zero flag as a mismatch. Several lanes read one
-// line (4 bf16 elements, 2 f32 elements per line), so the wait does not clear: lane l mod 256 of
-// the row's half-block clears line l of the row from every peer after fused_row returns, behind
-// the tree's __syncthreads that follow every read of the row. The grid is within the agreed CTA
+// carrying our flag and reports any other non-zero flag as a mismatch. Several threads read one
+// line (4 bf16 elements, 2 f32 elements per line), so the wait does not clear: thread l mod 512
+// of the block clears line l of the row from every peer after fused_row returns, behind its
+// last __syncthreads, which follows every read of the row. The grid is within the agreed CTA
 // cap, so block b of every rank is resident while our block b waits for its lines.
 //
 // Aliasing. Our input is read by the push (before any wait, so before the first __syncthreads
@@ -52,7 +52,8 @@ struct FusedLlSrc {
     u64 line0; // the row's first line
     u32 parity, flag;
     bool *ok;
-    static constexpr int STEP = 1; // one wait at a time (fused.cu's FUSED_STEP)
+    __device__ bool wide() const { return false; } // every element a wait: never in packs
+    __device__ uint4 load16(int, u64) const { return make_uint4(0u, 0u, 0u, 0u); }
     template <typename D> __device__ float load(int r, u64 i) const {
         if (r == a.rank) return D::load(own + i * D::SIZE);
         const u64 b = i * D::SIZE;
@@ -67,43 +68,38 @@ struct FusedLlSrc {
 };
 
 template <typename D, int W> __device__ void fused_ll(const FusedArgs &f) {
-    __shared__ float lanes[2][FUSED_LANES];
+    __shared__ FusedShared<D> sh;
     const Args &a = f.a;
     const u64 call = begin_call(a);
     const u32 flag = opaque(ll_flag(a.digest, call));
     const u32 parity = (u32)call & 1u;
     const u64 row_bytes = f.hidden * D::SIZE, row_lines = row_bytes / 8;
-    const int half = threadIdx.x / FUSED_LANES;
-    const u32 j = threadIdx.x % FUSED_LANES;
-    // Push: the lines of the block's rows, every peer in rotated order (links load evenly).
+    // Push: the lines of the block's pair of rows, every peer in rotated order (links load
+    // evenly).
     for (u64 p = blockIdx.x; 2 * p < f.tokens; p += gridDim.x) {
-        const u64 row = 2 * p + half;
-        if (row >= f.tokens) continue;
-        const char *src = a.send + row * row_bytes;
-        for (u64 l = j; l < row_lines; l += FUSED_LANES) {
-            const uint2 w = load_unit(src, l, row_bytes);
+        const u64 l0 = 2 * p * row_lines, l1 = min(2 * p + 2, f.tokens) * row_lines;
+        for (u64 l = l0 + threadIdx.x; l < l1; l += blockDim.x) {
+            const uint2 w = load_unit(a.send, l, f.tokens * row_bytes);
 #pragma unroll
             for (int k = 1; k < W; k++) {
                 if (k >= a.world) break;
                 const int r = a.rank + k < a.world ? a.rank + k : a.rank + k - a.world;
-                ll_put(ll_line(a, r, parity, a.rank, row * row_lines + l), w.x, w.y, flag);
+                ll_put(ll_line(a, r, parity, a.rank, l), w.x, w.y, flag);
             }
         }
     }
     bool ok = true;
-    for (u64 p = blockIdx.x; 2 * p < f.tokens; p += gridDim.x) {
-        const u64 lr = 2 * p + half;
-        const bool active = lr < f.tokens;
-        const u64 row = active ? lr : 2 * p;
-        fused_row<D, W>(f, FusedLlSrc{a, a.send + row * row_bytes, row * row_lines, parity, flag, &ok},
-                        a.world, row, active, lanes[half]);
-        // Every lane's reads of the row are behind fused_row's __syncthreads: clear its lines.
-        if (active)
-            for (u64 l = j; l < row_lines; l += FUSED_LANES)
+    for (u64 p = blockIdx.x; 2 * p < f.tokens; p += gridDim.x)
+        for (u64 row = 2 * p; row < min(2 * p + 2, f.tokens); row++) {
+            fused_row<D, W>(f, FusedLlSrc{a, a.send + row * row_bytes, row * row_lines, parity, flag, &ok},
+                            a.world, row, sh);
+            // Every thread's reads of the row are behind fused_row's last __syncthreads: clear
+            // its lines.
+            for (u64 l = threadIdx.x; l < row_lines; l += blockDim.x)
 #pragma unroll
                 for (int r = 0; r < W; r++)
                     if (r < a.world && r != a.rank) ll_clear(ll_line(a, a.rank, parity, r, row * row_lines + l));
-    }
+        }
     finish_call(a, current_call(a));
 }
 
