@@ -162,26 +162,43 @@ fn no_room_is_an_error_not_a_hang() {
 }
 
 /// The promise of [`promised`] is the sources' launch bounds, and shared memory (which
-/// could limit occupancy below them) is used only by the fused kernels, 2 x 256 floats per
-/// block: 4 KiB for two blocks of an SM's 228 KiB ([`check_fits`] measures every kernel
-/// loaded anyway).
+/// could limit occupancy below them) is used only by the fused kernels, one `FusedShared` per
+/// block: a segment of FUSED_THREADS x FUSED_SEG_PACKS 16-byte packs of the narrowest dtype as
+/// f32, the 256 lanes and the rstd, which two blocks of an SM must fit well within its 228 KiB
+/// ([`check_fits`] measures every kernel loaded anyway).
 #[test]
 fn the_promised_blocks_are_the_kernels_launch_bounds() {
     use crate::backend::cuda::kernels::KERNEL_SOURCES;
     let all: String = KERNEL_SOURCES.iter().map(|(_, s)| *s).collect();
     assert!(all.contains("__launch_bounds__(512, MIN_BLOCKS) NAME(const Args a)"));
     assert!(all.contains("__launch_bounds__(512, 2) NAME(const SgArgs g)"));
+    let define = |src: &str, name: &str| -> usize {
+        let at = src
+            .find(&format!("#define {name} "))
+            .unwrap_or_else(|| panic!("fused.cu defines {name}"));
+        let rest = &src[at + name.len() + 9..];
+        rest[..rest.find('\n').unwrap()].trim().parse().unwrap()
+    };
     for (name, src) in KERNEL_SOURCES {
         let shared = src.matches("__shared__").count();
         if name == "fused.cu" || name == "fused_ll.cu" {
-            // fused_ll.cu uses fused.cu's lanes.
-            assert!(name != "fused.cu" || src.contains("#define FUSED_LANES 256"));
             assert_eq!(
                 shared,
-                src.matches("__shared__ float lanes[2][FUSED_LANES];")
-                    .count(),
-                "{name}: shared memory beyond its lanes limits occupancy too"
+                src.matches("__shared__ FusedShared<D> sh;").count(),
+                "{name}: shared memory beyond FusedShared limits occupancy too"
             );
+            if name == "fused.cu" {
+                assert!(src
+                    .contains("float seg[SEG];\n    float lanes[FUSED_LANES];\n    float rstd;\n"));
+                let elements =
+                    define(src, "FUSED_THREADS") * define(src, "FUSED_SEG_PACKS") * 16 / 2;
+                let bytes = 4 * (elements + define(src, "FUSED_LANES") + 1);
+                assert!(
+                    2 * bytes <= 64 << 10,
+                    "two fused blocks take {} bytes",
+                    2 * bytes
+                );
+            }
         } else {
             assert_eq!(shared, 0, "{name}: shared memory limits occupancy too");
         }
