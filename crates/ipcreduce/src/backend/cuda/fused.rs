@@ -43,13 +43,19 @@ struct FusedKernelArgs {
     rows_per_chunk: u64,
     slot_stride: u64,
     eps: f32,
-    pad: u32,
+    row_threads: u32,
 }
 
-/// Rows dealt to a block at a time (a pair, which the block takes one after the other).
+/// Rows dealt to a block at a time (a pair: by the whole block one after the other, or by its
+/// halves at once, [`fused_path::row_threads`]).
 pub(super) const ROWS_PER_PASS: usize = 2;
 
-fn kernel_args(a: KernelArgs, args: &AddRmsNorm, layout: &Layout) -> FusedKernelArgs {
+fn kernel_args(
+    a: KernelArgs,
+    args: &AddRmsNorm,
+    layout: &Layout,
+    row_threads: u32,
+) -> FusedKernelArgs {
     FusedKernelArgs {
         a,
         residual: args.residual as u64,
@@ -62,7 +68,7 @@ fn kernel_args(a: KernelArgs, args: &AddRmsNorm, layout: &Layout) -> FusedKernel
         rows_per_chunk: layout.rows_per_chunk as u64,
         slot_stride: layout.stride as u64,
         eps: args.eps,
-        pad: 0,
+        row_threads,
     }
 }
 
@@ -104,7 +110,13 @@ pub(super) fn launch(
         origin: None,
     };
     let call = call_args(args, s, stream);
-    let mut k = kernel_args(l.kernel_args(&call, &ident, None), args, &layout);
+    let row_threads = fused_path::row_threads(s.hidden * dtype.size(), l.fused_row_threads);
+    let mut k = kernel_args(
+        l.kernel_args(&call, &ident, None),
+        args,
+        &layout,
+        row_threads,
+    );
     let kernel = Kernel {
         f,
         grid,
@@ -162,7 +174,8 @@ pub(super) fn reference(l: &Launcher, args: &AddRmsNorm, stream: sys::CUstream) 
         rows_per_chunk: s.tokens,
         stride: s.hidden * dtype.size(),
     };
-    let mut k = kernel_args(l.kernel_args(&call, &ident, None), args, &all);
+    let row_threads = fused_path::row_threads(s.hidden * dtype.size(), l.fused_row_threads);
+    let mut k = kernel_args(l.kernel_args(&call, &ident, None), args, &all, row_threads);
     let grid = s.tokens.div_ceil(ROWS_PER_PASS).min(1 << 16) as u32;
     let kernel = Kernel {
         f,

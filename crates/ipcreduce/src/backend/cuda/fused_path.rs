@@ -39,6 +39,44 @@ pub fn forced_from_env() -> Result<Option<CudaPath>> {
     parse_forced(std::env::var(FUSED_PATH_VAR).ok().as_deref())
 }
 
+/// The environment variable that forces the threads per row of a block's pair of rows.
+pub const ROW_THREADS_VAR: &str = "IPCREDUCE_FUSED_ROW_THREADS";
+
+/// Rows of at most this many bytes go to a block's halves, a row each at once, when the block
+/// has a pair of them; wider rows to the whole block, one after the other
+/// (kernels/fused.cu fused_pair). Which threads take a row never changes an output bit, so
+/// ranks may differ here; it is a matter of speed only.
+pub const HALVES_MAX_ROW_BYTES: usize = 8192;
+
+/// Threads per row of a block's pair (kernels/fused.cu `FusedArgs::row_threads`): 256 (the
+/// block's halves) for rows of at most [`HALVES_MAX_ROW_BYTES`], 512 above; `forced` wins.
+pub fn row_threads(row_bytes: usize, forced: Option<u32>) -> u32 {
+    forced.unwrap_or(if row_bytes <= HALVES_MAX_ROW_BYTES {
+        256
+    } else {
+        512
+    })
+}
+
+/// `IPCREDUCE_FUSED_ROW_THREADS`'s value: 256 or 512 (unset or empty: by the row's width).
+pub fn parse_row_threads(value: Option<&str>) -> Result<Option<u32>> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
+        return Ok(None);
+    };
+    match v {
+        "256" => Ok(Some(256)),
+        "512" => Ok(Some(512)),
+        _ => Err(Error::Config(format!(
+            "{ROW_THREADS_VAR}={v}: expected 256 or 512"
+        ))),
+    }
+}
+
+/// [`parse_row_threads`] of the process environment.
+pub fn row_threads_from_env() -> Result<Option<u32>> {
+    parse_row_threads(std::env::var(ROW_THREADS_VAR).ok().as_deref())
+}
+
 /// Where a fused call's chunks lie: `rows_per_chunk` rows per chunk, row `lr` of a chunk at
 /// `lr * stride` bytes of the slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,6 +185,24 @@ mod tests {
             out_in_place: false,
             residual_in_place: false,
         }
+    }
+
+    #[test]
+    fn rows_of_a_pair_go_to_the_halves_up_to_8_kib_unless_forced() {
+        assert_eq!(row_threads(4096 * 2, None), 256);
+        assert_eq!(row_threads(8190, None), 256);
+        assert_eq!(row_threads(8192 + 2, None), 512);
+        assert_eq!(row_threads(16384 * 2, None), 512);
+        assert_eq!(row_threads(16384 * 2, Some(256)), 256);
+        assert_eq!(row_threads(64, Some(512)), 512);
+        assert_eq!(parse_row_threads(None).unwrap(), None);
+        assert_eq!(parse_row_threads(Some("")).unwrap(), None);
+        assert_eq!(parse_row_threads(Some(" 256")).unwrap(), Some(256));
+        let e = parse_row_threads(Some("128")).unwrap_err().to_string();
+        assert!(
+            e.contains(ROW_THREADS_VAR) && e.contains("256 or 512"),
+            "{e}"
+        );
     }
 
     #[test]

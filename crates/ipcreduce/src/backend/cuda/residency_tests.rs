@@ -164,7 +164,7 @@ fn no_room_is_an_error_not_a_hang() {
 /// The promise of [`promised`] is the sources' launch bounds, and shared memory (which
 /// could limit occupancy below them) is used only by the fused kernels, one `FusedShared` per
 /// block: a segment of FUSED_THREADS x FUSED_SEG_PACKS 16-byte packs of the narrowest dtype as
-/// f32, the 256 lanes and the rstd, which two blocks of an SM must fit well within its 228 KiB
+/// f32, two rows' 256 lanes and rstd (a block's halves), which two blocks of an SM must fit well within its 228 KiB
 /// ([`check_fits`] measures every kernel loaded anyway).
 #[test]
 fn the_promised_blocks_are_the_kernels_launch_bounds() {
@@ -188,11 +188,12 @@ fn the_promised_blocks_are_the_kernels_launch_bounds() {
                 "{name}: shared memory beyond FusedShared limits occupancy too"
             );
             if name == "fused.cu" {
-                assert!(src
-                    .contains("float seg[SEG];\n    float lanes[FUSED_LANES];\n    float rstd;\n"));
+                assert!(src.contains(
+                    "float seg[SEG];\n    float lanes[2][FUSED_LANES];\n    float rstd[2];\n"
+                ));
                 let elements =
                     define(src, "FUSED_THREADS") * define(src, "FUSED_SEG_PACKS") * 16 / 2;
-                let bytes = 4 * (elements + define(src, "FUSED_LANES") + 1);
+                let bytes = 4 * (elements + 2 * define(src, "FUSED_LANES") + 2);
                 assert!(
                     2 * bytes <= 64 << 10,
                     "two fused blocks take {} bytes",

@@ -14,10 +14,13 @@
 // to the all-reduce followed by the reference kernel with that rank's residual, weight and scale
 // (each rank may pass its own).
 //
-// Work split. 512 threads per block (prims.cuh's ENTRY bounds, so the CTA caps hold), one row
-// at a time by the whole block (fused_row). Rows are dealt to blocks in pairs: in the one-shot
-// kernel local rows 2p and 2p + 1 of a chunk go to block p mod grid (the two-shot kernel deals
-// the pairs to ranks first, see there), which takes them one after the other.
+// Work split. 512 threads per block (prims.cuh's ENTRY bounds, so the CTA caps hold). Rows are
+// dealt to blocks in pairs: in the one-shot kernel local rows 2p and 2p + 1 of a chunk go to
+// block p mod grid (the two-shot kernel deals the pairs to ranks first, see there). A block
+// takes a pair (fused_pair) either by the whole block, one row after the other, or by its two
+// halves of 256 threads, a row each at once (FusedArgs::row_threads, chosen by the host per
+// call: a lone row always goes to the whole block). Which threads take a row never enters the
+// numerics (fused_row_as).
 //
 // One-shot layout and ordering: staged.cu's, with chunks of whole rows. Chunk k (rows_per_chunk rows,
 // set by the host so that a chunk fits a slot; the same on every rank) lives in slot parity
@@ -60,7 +63,7 @@ struct FusedArgs {
     u64 rows_per_chunk;      // rows per chunk (a chunk fits a slot)
     u64 slot_stride;         // two-shot: bytes per row in a slot (16-byte multiple)
     float eps;
-    u32 pad;
+    u32 row_threads;         // threads per row of a pair: FUSED_THREADS or FUSED_THREADS / 2
 };
 
 // f32 -> e4m3, round to nearest even, finite values saturated to +-448, NaN -> 0x7F.
@@ -131,14 +134,22 @@ struct FusedOneSrc {
     __device__ bool wide() const { return aligned16(row); }
 };
 
-// What fused_row shares between the threads of a block: a segment's values of residual_out as
-// f32 (for the lanes' sums of squares), the lanes' sums, and the row's rstd.
+// What fused_row shares between the threads of a row: a segment's values of residual_out as
+// f32 (for the lanes' sums of squares), the lanes' sums, and the row's rstd. A block's halves
+// (two rows at once) take half of seg each, and a lanes and rstd each.
 template <typename D> struct FusedShared {
     static const int SEG = FUSED_THREADS * FUSED_SEG_PACKS * (16 / D::SIZE); // elements
     float seg[SEG];
-    float lanes[FUSED_LANES];
-    float rstd;
+    float lanes[2][FUSED_LANES];
+    float rstd[2];
 };
+
+// The barrier of the G threads that take a row (G = FUSED_THREADS or FUSED_THREADS / 2): the
+// whole block's (named barrier 1) or its half's (1 and 2; prims.cuh uses only barrier 0). Like
+// __syncthreads, it orders the shared and global memory accesses of the threads it joins.
+__device__ __forceinline__ void fused_sync(u32 G) {
+    asm volatile("bar.sync %0, %1;" ::"r"(threadIdx.x < G ? 1 : 2), "r"(G) : "memory");
+}
 
 // The f32 elements of a 16-byte pack, and back.
 template <typename D> __device__ __forceinline__ float fused_unpack(const uint4 &w, int u) {
@@ -148,22 +159,29 @@ template <typename D> __device__ __forceinline__ void fused_pack(uint4 &w, int u
     D::store((char *)&w + u * D::SIZE, v);
 }
 
-// One row's sum and epilogue, by the whole block (every thread calls it together: barriers).
-// The numerics' lanes are threads 0..FUSED_LANES-1: lane j's sum of squares takes elements j,
-// j + FUSED_LANES, ... in increasing order from the segment's values in shared memory (segments
-// are whole multiples of FUSED_LANES, so the order runs on across them), then warp 0 adds the
-// lanes' sums in the tree's order. Which thread loads and rounds an element does not enter the
-// numerics: with 16-byte packs (WIDE: every pointer aligned, rows a whole number of packs)
-// thread t takes packs t, t + FUSED_THREADS, ... of a segment, otherwise elements t,
-// t + FUSED_THREADS, ...; each thread reads back (epilogue) only what it stored itself.
-// Indices within a row are 32-bit (the host bounds hidden).
+// One row's sum and epilogue, by G threads (the whole block, G = FUSED_THREADS, or one half of
+// it, G = FUSED_THREADS / 2: every thread of them calls it together, barriers). t is a thread's
+// place among the G. The numerics' lanes are t = 0..FUSED_LANES-1: lane j's sum of squares
+// takes elements j, j + FUSED_LANES, ... in increasing order from the segment's values in
+// shared memory (segments are whole multiples of FUSED_LANES, so the order runs on across
+// them), then the first warp adds the lanes' sums in the tree's order. Which thread loads and
+// rounds an element does not enter the numerics: with 16-byte packs (WIDE: every pointer
+// aligned, rows a whole number of packs) thread t takes packs t, t + G, ... of a segment,
+// otherwise elements t, t + G, ...; each thread reads back (epilogue) only what it stored
+// itself. Indices within a row are 32-bit (the host bounds hidden).
+// G is a run-time value (one body of code for both: two would be over the register budget).
 template <bool WIDE, typename D, int W, typename Src>
 __device__ __forceinline__ void fused_row_as(const FusedArgs &f, const Src &src, int world, u64 row,
-                                             FusedShared<D> &sh) {
-    constexpr int N = 16 / D::SIZE;          // elements per pack
-    constexpr int K = FUSED_SEG_PACKS * N;   // elements per thread and segment
-    constexpr u32 SEG = FusedShared<D>::SEG; // elements per segment
-    const u32 t = threadIdx.x;
+                                             FusedShared<D> &sh, u32 G) {
+    static_assert(FUSED_THREADS / 2 >= FUSED_LANES, "a lane per thread at most");
+    constexpr int N = 16 / D::SIZE;        // elements per pack
+    constexpr int K = FUSED_SEG_PACKS * N; // elements per thread and segment
+    const u32 SEG = G == FUSED_THREADS ? FusedShared<D>::SEG : FusedShared<D>::SEG / 2; // elements per segment
+    // (No division by G: it is a power of two, but not a constant.)
+    const u32 half = threadIdx.x < G ? 0 : 1; // 0 for the whole block
+    const u32 t = threadIdx.x & (G - 1);
+    float *seg = sh.seg + half * SEG;
+    float *lanes = sh.lanes[half];
     const u32 H = (u32)f.hidden;
     const u64 o = row * f.hidden * D::SIZE;
     const char *residual = f.residual + o;
@@ -173,7 +191,7 @@ __device__ __forceinline__ void fused_row_as(const FusedArgs &f, const Src &src,
     // This thread's k-th element of the segment at e0 (the mapping above); in WIDE, k % N == 0
     // is the first element of a pack.
     auto elem = [&](u32 e0, int k) -> u32 {
-        return WIDE ? e0 + (t + (u32)(k / N) * FUSED_THREADS) * N + k % N : e0 + t + (u32)k * FUSED_THREADS;
+        return WIDE ? e0 + (t + (u32)(k / N) * G) * N + k % N : e0 + t + (u32)k * G;
     };
     float v[K]; // WIDE: the sums, then residual_out as rounded, then y
     float acc = 0.0f;
@@ -181,23 +199,31 @@ __device__ __forceinline__ void fused_row_as(const FusedArgs &f, const Src &src,
         // The sums in rank order (the loads of every rank go out before the first store).
 #pragma unroll
         for (int k = 0; k < K; k++) v[k] = 0.0f;
+        if (WIDE) {
+            auto add_rank = [&](int r) {
 #pragma unroll
-        for (int r = 0; r < W; r++)
-            if (WIDE && r < world) {
-                if (WIDE) {
+                for (int m = 0; m < FUSED_SEG_PACKS; m++) {
+                    const u32 i = elem(e0, m * N);
+                    if (i < H) {
+                        const uint4 x = src.load16(r, (u64)i * D::SIZE);
 #pragma unroll
-                    for (int m = 0; m < FUSED_SEG_PACKS; m++) {
-                        const u32 i = elem(e0, m * N);
-                        if (i < H) {
-                            const uint4 x = src.load16(r, (u64)i * D::SIZE);
-#pragma unroll
-                            for (int u = 0; u < N; u++)
-                                v[m * N + u] = r == 0 ? fused_unpack<D>(x, u)
-                                                      : __fadd_rn(v[m * N + u], fused_unpack<D>(x, u));
-                        }
+                        for (int u = 0; u < N; u++)
+                            v[m * N + u] = r == 0 ? fused_unpack<D>(x, u) : __fadd_rn(v[m * N + u], fused_unpack<D>(x, u));
                     }
                 }
+            };
+            // f32 above four ranks: four ranks' packs at a time (all of them at once spill; the
+            // 16-bit types fit with every rank's loads at once, and spill in batches).
+            if (W <= 4 || D::SIZE != 4) {
+#pragma unroll
+                for (int r = 0; r < W; r++)
+                    if (r < world) add_rank(r);
+            } else {
+#pragma unroll 4
+                for (int r = 0; r < W; r++)
+                    if (r < world) add_rank(r);
             }
+        }
         if (!WIDE) {
             // Element by element, the values straight to shared memory (no registers held), the
             // stores to residual_out after every load of the segment.
@@ -217,7 +243,7 @@ __device__ __forceinline__ void fused_row_as(const FusedArgs &f, const Src &src,
                         for (int r = 1; r < W; r++)
                             if (r < world) x = __fadd_rn(x, src.template load<D>(r, i));
                     }
-                    sh.seg[i - e0] = fused_round<D>(__fadd_rn(fused_round<D>(x), D::load(residual + (u64)i * D::SIZE)));
+                    seg[i - e0] = fused_round<D>(__fadd_rn(fused_round<D>(x), D::load(residual + (u64)i * D::SIZE)));
                 }
             }
         }
@@ -234,7 +260,7 @@ __device__ __forceinline__ void fused_row_as(const FusedArgs &f, const Src &src,
                         float &x = v[m * N + u];
                         x = fused_round<D>(__fadd_rn(fused_round<D>(x), fused_unpack<D>(rr, u)));
                         fused_pack<D>(w, u, x);
-                        sh.seg[i - e0 + u] = x;
+                        seg[i - e0 + u] = x;
                     }
                     *(uint4 *)(residual_out + (u64)i * D::SIZE) = w;
                 }
@@ -243,27 +269,27 @@ __device__ __forceinline__ void fused_row_as(const FusedArgs &f, const Src &src,
 #pragma unroll 4
             for (int k = 0; k < K; k++) {
                 const u32 i = elem(e0, k);
-                if (i < H) D::store(residual_out + (u64)i * D::SIZE, sh.seg[i - e0]);
+                if (i < H) D::store(residual_out + (u64)i * D::SIZE, seg[i - e0]);
             }
         }
-        __syncthreads();
+        fused_sync(G);
         if (t < FUSED_LANES) {
             const u32 end = min(SEG, H - e0);
 #pragma unroll 4
-            for (u32 c = t; c < end; c += FUSED_LANES) acc = __fmaf_rn(sh.seg[c], sh.seg[c], acc);
+            for (u32 c = t; c < end; c += FUSED_LANES) acc = __fmaf_rn(seg[c], seg[c], acc);
         }
         // The next segment's values overwrite these.
-        if (e0 + SEG < H) __syncthreads();
+        if (e0 + SEG < H) fused_sync(G);
     }
-    if (t < FUSED_LANES) sh.lanes[t] = acc;
-    __syncthreads();
+    if (t < FUSED_LANES) lanes[t] = acc;
+    fused_sync(G);
     if (t < 32) {
         // The tree, lane j += lane j + h for h = 128, ..., 1: warp lane t holds lanes t + 32m
         // (m < 8) and takes h = 128, 64, 32 in registers, then h = 16, ..., 1 by shuffles (lane t
         // < h reads lane t + h, as in the tree; the other lanes' values are not read again).
         float x[8];
 #pragma unroll
-        for (int m = 0; m < 8; m++) x[m] = sh.lanes[t + 32 * m];
+        for (int m = 0; m < 8; m++) x[m] = lanes[t + 32 * m];
 #pragma unroll
         for (int m = 0; m < 4; m++) x[m] = __fadd_rn(x[m], x[m + 4]);
 #pragma unroll
@@ -271,10 +297,10 @@ __device__ __forceinline__ void fused_row_as(const FusedArgs &f, const Src &src,
         float ss = __fadd_rn(x[0], x[1]);
 #pragma unroll
         for (int h = 16; h > 0; h /= 2) ss = __fadd_rn(ss, __shfl_down_sync(0xffffffffu, ss, h));
-        if (t == 0) sh.rstd = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)H), f.eps)));
+        if (t == 0) sh.rstd[half] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)H), f.eps)));
     }
-    __syncthreads();
-    const float rstd = sh.rstd;
+    fused_sync(G);
+    const float rstd = sh.rstd[half];
     const float scale = f.fp8_out ? *f.fp8_scale : 1.0f;
     for (u32 e0 = 0; e0 < H; e0 += SEG) {
         // y = (residual_out * rstd) * weight, residual_out as this thread stored it (in one
@@ -290,7 +316,7 @@ __device__ __forceinline__ void fused_row_as(const FusedArgs &f, const Src &src,
 #pragma unroll
                     for (int u = 0; u < N; u++) {
                         float &x = v[m * N + u];
-                        x = one_segment ? sh.seg[i - e0 + u] : fused_unpack<D>(rr, u);
+                        x = one_segment ? seg[i - e0 + u] : fused_unpack<D>(rr, u);
                         x = __fmul_rn(__fmul_rn(x, rstd), fused_unpack<D>(ww, u));
                         fused_pack<D>(yy, u, x);
                     }
@@ -309,7 +335,7 @@ __device__ __forceinline__ void fused_row_as(const FusedArgs &f, const Src &src,
             for (int k = 0; k < K; k++) {
                 const u32 i = elem(e0, k);
                 if (i < H) {
-                    const float x = one_segment ? sh.seg[i - e0] : D::load(residual_out + (u64)i * D::SIZE);
+                    const float x = one_segment ? seg[i - e0] : D::load(residual_out + (u64)i * D::SIZE);
                     const float y = __fmul_rn(__fmul_rn(x, rstd), D::load(f.weight + (u64)i * D::SIZE));
                     D::store(out + (u64)i * D::SIZE, y);
                     if (f.fp8_out) f.fp8_out[row * f.hidden + i] = fused_e4m3(__fdiv_rn(y, scale));
@@ -317,16 +343,29 @@ __device__ __forceinline__ void fused_row_as(const FusedArgs &f, const Src &src,
             }
         }
     }
-    // sh.rstd and sh.seg were read by every thread: the next row's writes wait for all of them.
-    __syncthreads();
+    // rstd and seg were read by every thread: the next row's writes wait for all of them.
+    fused_sync(G);
 }
 
+// fused_row_as with 16-byte packs where the row's pointers allow (uniform across the G threads).
 template <typename D, int W, typename Src>
-__device__ void fused_row(const FusedArgs &f, const Src &src, int world, u64 row, FusedShared<D> &sh) {
+__device__ void fused_row(const FusedArgs &f, const Src &src, int world, u64 row, FusedShared<D> &sh, u32 G) {
     const bool wide = (f.hidden * D::SIZE) % 16 == 0 && src.wide() && aligned16(f.residual) &&
                       aligned16(f.residual_out) && aligned16(f.a.recv) && aligned16(f.weight);
-    if (wide) fused_row_as<true, D, W>(f, src, world, row, sh);
-    else fused_row_as<false, D, W>(f, src, world, row, sh);
+    if (wide) fused_row_as<true, D, W>(f, src, world, row, sh, G);
+    else fused_row_as<false, D, W>(f, src, world, row, sh, G);
+}
+
+// The rows lr0 and lr0 + 1 of a pair (n of them, 1 or 2; block-uniform) by the block: at once by
+// its halves where there are two and the host asks for it (row_threads), else one after the
+// other. row_of.run(lr, G) runs fused_row (or a fused_row_as) of local row lr by G threads.
+template <typename RowOf>
+__device__ __forceinline__ void fused_pair(const FusedArgs &f, u64 lr0, u64 n, const RowOf &row_of) {
+    const bool halves = n == 2 && f.row_threads == FUSED_THREADS / 2;
+    const u32 G = halves ? FUSED_THREADS / 2 : FUSED_THREADS;
+    const u64 first = halves && threadIdx.x >= G ? lr0 + 1 : lr0;
+#pragma unroll 1
+    for (u64 lr = first; lr < first + (halves ? 1 : n); lr++) row_of.run(lr, G);
 }
 
 // Block b's rows of chunk k (starting at row r0, n rows) from our input into our slot of
@@ -352,6 +391,18 @@ __device__ void fused_copy_in(const FusedArgs &f, u32 L, u64 r0, u64 n) {
     }
 }
 
+// Local row lr of the one-shot chunk at slot offset `off` (row r0).
+template <typename D, int W> struct FusedOneShotRow {
+    const FusedArgs &f;
+    u64 off, r0;
+    FusedShared<D> &sh;
+    __device__ void run(u64 lr, u32 G) const {
+        const u64 row_bytes = f.hidden * D::SIZE;
+        fused_row<D, W>(f, FusedSrc{f.a, off + lr * row_bytes, f.a.send + (r0 + lr) * row_bytes}, f.a.world,
+                        r0 + lr, sh, G);
+    }
+};
+
 template <typename D, int W> __device__ void fused_one_shot(const FusedArgs &f) {
     __shared__ FusedShared<D> sh;
     const Args &a = f.a;
@@ -370,11 +421,8 @@ template <typename D, int W> __device__ void fused_one_shot(const FusedArgs &f) 
         const u64 off = slot_offset(a, L0 + k);
         if (!barrier(a, F, call, k == 0)) break;
         if (k + 1 < chunks) fused_copy_in<D>(f, L0 + k + 1, r0 + rpc, min(rpc, f.tokens - r0 - rpc));
-        for (u64 p = blockIdx.x; 2 * p < n; p += gridDim.x)
-#pragma unroll 1
-            for (u64 lr = 2 * p; lr < min(2 * p + 2, n); lr++)
-                fused_row<D, W>(f, FusedSrc{a, off + lr * row_bytes, a.send + (r0 + lr) * row_bytes},
-                                a.world, r0 + lr, sh);
+        const FusedOneShotRow<D, W> row_of{f, off, r0, sh};
+        for (u64 p = blockIdx.x; 2 * p < n; p += gridDim.x) fused_pair(f, 2 * p, min((u64)2, n - 2 * p), row_of);
     }
     if (threadIdx.x == 0) ctr[0] = F;
     finish_call(a, call, true, L0 + chunks);
@@ -483,6 +531,18 @@ template <typename D, int W> __device__ void fused_two_sum(const FusedArgs &f, u
     }
 }
 
+// Local row lr of a chunk (row r0) from its sums at `sums` (a slot's chunk), element by element
+// (the two-shot epilogue; the reference's rows, with r0 = 0, are its input).
+template <typename D> struct FusedSumRow {
+    const FusedArgs &f;
+    const char *sums;
+    u64 r0;
+    FusedShared<D> &sh;
+    __device__ void run(u64 lr, u32 G) const {
+        fused_row_as<false, D, 1>(f, FusedOneSrc{sums + lr * f.slot_stride}, 1, r0 + lr, sh, G);
+    }
+};
+
 template <typename D, int W> __device__ void fused_two_shot(const FusedArgs &f) {
     __shared__ FusedShared<D> sh;
     const Args &a = f.a;
@@ -506,8 +566,7 @@ template <typename D, int W> __device__ void fused_two_shot(const FusedArgs &f) 
             for (int r = 0; r < a.world; r++) {
                 const u64 p = q * a.world + r;
                 if (2 * p >= n) break;
-                for (u64 lr = 2 * p; lr < min(2 * p + 2, n); lr++)
-                    fused_row_as<false, D, 1>(f, FusedOneSrc{a.data[r] + off + lr * f.slot_stride}, 1, r0 + lr, sh);
+                fused_pair(f, 2 * p, min((u64)2, n - 2 * p), FusedSumRow<D>{f, a.data[r] + off, r0, sh});
             }
         if (k + 1 < chunks) fused_two_copy_in<D>(f, L0 + k + 1, r0 + rpc, min(rpc, f.tokens - r0 - rpc));
     }
@@ -515,13 +574,19 @@ template <typename D, int W> __device__ void fused_two_shot(const FusedArgs &f) 
     finish_call(a, call, true, L0 + chunks);
 }
 
-// The reference: no peers, no protocol state (it is not a call: the call counter stays).
+// The reference: no peers, no protocol state (it is not a call: the call counter stays). Its
+// rows are its input, 16 bytes at a time where aligned, as the one-shot kernel's.
+template <typename D> struct FusedRefRow {
+    const FusedArgs &f;
+    FusedShared<D> &sh;
+    __device__ void run(u64 row, u32 G) const {
+        fused_row<D, 1>(f, FusedOneSrc{f.a.send + row * f.hidden * D::SIZE}, 1, row, sh, G);
+    }
+};
 template <typename D> __device__ void fused_reference(const FusedArgs &f) {
     __shared__ FusedShared<D> sh;
-    const u64 row_bytes = f.hidden * D::SIZE;
-    for (u64 p = blockIdx.x; 2 * p < f.tokens; p += gridDim.x)
-        for (u64 row = 2 * p; row < min(2 * p + 2, f.tokens); row++)
-            fused_row<D, 1>(f, FusedOneSrc{f.a.send + row * row_bytes}, 1, row, sh);
+    const FusedRefRow<D> row_of{f, sh};
+    for (u64 p = blockIdx.x; 2 * p < f.tokens; p += gridDim.x) fused_pair(f, 2 * p, min((u64)2, f.tokens - 2 * p), row_of);
 }
 
 // Entry points: ipcr_fused{oneshot,twoshot}_w<W>_<dtype> and ipcr_fusedref_<dtype> (sum only: emitted in

@@ -17,12 +17,12 @@
 // carrying our flag and reports any other non-zero flag as a mismatch. Several threads read one
 // line (4 bf16 elements, 2 f32 elements per line), so the wait does not clear: thread l mod 512
 // of the block clears line l of the row from every peer after fused_row returns, behind its
-// last __syncthreads, which follows every read of the row. The grid is within the agreed CTA
+// last barrier, which follows every read of the row. The grid is within the agreed CTA
 // cap, so block b of every rank is resident while our block b waits for its lines.
 //
-// Aliasing. Our input is read by the push (before any wait, so before the first __syncthreads
+// Aliasing. Our input is read by the push (before any wait, so before the first barrier
 // of fused_row) and by the sum of our own rows; out is written in the epilogue after the tree's
-// __syncthreads; residual and residual_out are as in the one-shot kernel.
+// barrier; residual and residual_out are as in the one-shot kernel.
 
 // Waits for peer `from`'s line i of this call (ll_wait without the clear), into `v`.
 __device__ bool fused_ll_wait(const Args &a, u32 parity, int from, u64 i, u32 flag, ulonglong2 &v) {
@@ -92,8 +92,8 @@ template <typename D, int W> __device__ void fused_ll(const FusedArgs &f) {
     for (u64 p = blockIdx.x; 2 * p < f.tokens; p += gridDim.x)
         for (u64 row = 2 * p; row < min(2 * p + 2, f.tokens); row++) {
             fused_row<D, W>(f, FusedLlSrc{a, a.send + row * row_bytes, row * row_lines, parity, flag, &ok},
-                            a.world, row, sh);
-            // Every thread's reads of the row are behind fused_row's last __syncthreads: clear
+                            a.world, row, sh, FUSED_THREADS);
+            // Every thread's reads of the row are behind fused_row's last barrier: clear
             // its lines.
             for (u64 l = threadIdx.x; l < row_lines; l += blockDim.x)
 #pragma unroll
