@@ -14,6 +14,9 @@
 //!   two-shot and LL forced);
 //! - ranks that pass another shape, eps, outputs or algorithm (so another path): a mismatch on
 //!   every rank, promptly.
+//!
+//! `GPU_FUSED_WORLDS` (a list such as "2,4"; default 2, 4 and 8) narrows the sweeps' worlds,
+//! so that a run with little time can take them one step each.
 
 #[path = "gpu_fused/bufs.rs"]
 mod bufs;
@@ -422,11 +425,26 @@ fn expect_done(lines: &[(usize, String)], what: &str) {
     eprintln!("{what}: {} checked per rank", counts[0]);
 }
 
+/// The sweeps' worlds: `GPU_FUSED_WORLDS`, or 2, 4 and 8.
+fn sweep_worlds() -> Vec<usize> {
+    let worlds: Vec<usize> = std::env::var("GPU_FUSED_WORLDS")
+        .unwrap_or_default()
+        .split([',', ' '])
+        .filter(|w| !w.is_empty())
+        .map(|w| w.parse().expect("GPU_FUSED_WORLDS: a list of world sizes"))
+        .collect();
+    if worlds.is_empty() {
+        vec![2, 4, 8]
+    } else {
+        worlds
+    }
+}
+
 #[test]
 fn fused_equals_all_reduce_plus_reference_at_worlds_2_4_8() {
     play_rank_if_child();
     let test = "fused_equals_all_reduce_plus_reference_at_worlds_2_4_8";
-    for world in [2, 4, 8] {
+    for world in sweep_worlds() {
         expect_done(
             &run_role(test, "sweep", world, &[]),
             &format!("sweep world {world}"),
@@ -442,7 +460,7 @@ fn fused_paths_forced_by_the_knob_equal_the_reference_at_worlds_2_4_8() {
     play_rank_if_child();
     let test = "fused_paths_forced_by_the_knob_equal_the_reference_at_worlds_2_4_8";
     for path in ["twoshot", "ll", "oneshot"] {
-        for world in [2, 4, 8] {
+        for world in sweep_worlds() {
             expect_done(
                 &run_role(test, "sweep", world, &[(FUSED_PATH, path)]),
                 &format!("{path} sweep world {world}"),

@@ -42,23 +42,17 @@ pub fn forced_from_env() -> Result<Option<CudaPath>> {
 /// The environment variable that forces the threads per row of a block's pair of rows.
 pub const ROW_THREADS_VAR: &str = "IPCREDUCE_FUSED_ROW_THREADS";
 
-/// Rows of at most this many bytes go to a block's halves, a row each at once, when the block
-/// has a pair of them; wider rows to the whole block, one after the other
-/// (kernels/fused.cu fused_pair). Which threads take a row never changes an output bit, so
-/// ranks may differ here; it is a matter of speed only.
-pub const HALVES_MAX_ROW_BYTES: usize = 8192;
-
-/// Threads per row of a block's pair (kernels/fused.cu `FusedArgs::row_threads`): 256 (the
-/// block's halves) for rows of at most [`HALVES_MAX_ROW_BYTES`], 512 above; `forced` wins.
-pub fn row_threads(row_bytes: usize, forced: Option<u32>) -> u32 {
-    forced.unwrap_or(if row_bytes <= HALVES_MAX_ROW_BYTES {
-        256
-    } else {
-        512
-    })
+/// Threads per row of a block's pair (kernels/fused.cu `FusedArgs::row_threads`): 256, the
+/// block's halves taking a row each at once, unless `forced` (512: the whole block, one row
+/// after the other). A lone row always goes to the whole block. On one H100 (2026-12-06, worlds
+/// 2 and 4 under MPS, hidden 4096-16384 x tokens 8-512, bf16, graph replay) the halves were
+/// 2-10 % faster than the whole block at every shape but 16384 x 512 at world 4 (1 % slower).
+/// Which threads take a row never changes an output bit, so ranks may differ here.
+pub fn row_threads(forced: Option<u32>) -> u32 {
+    forced.unwrap_or(256)
 }
 
-/// `IPCREDUCE_FUSED_ROW_THREADS`'s value: 256 or 512 (unset or empty: by the row's width).
+/// `IPCREDUCE_FUSED_ROW_THREADS`'s value: 256 or 512 (unset or empty: [`row_threads`]'s default).
 pub fn parse_row_threads(value: Option<&str>) -> Result<Option<u32>> {
     let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
         return Ok(None);
@@ -188,13 +182,10 @@ mod tests {
     }
 
     #[test]
-    fn rows_of_a_pair_go_to_the_halves_up_to_8_kib_unless_forced() {
-        assert_eq!(row_threads(4096 * 2, None), 256);
-        assert_eq!(row_threads(8190, None), 256);
-        assert_eq!(row_threads(8192 + 2, None), 512);
-        assert_eq!(row_threads(16384 * 2, None), 512);
-        assert_eq!(row_threads(16384 * 2, Some(256)), 256);
-        assert_eq!(row_threads(64, Some(512)), 512);
+    fn rows_of_a_pair_go_to_the_halves_unless_forced() {
+        assert_eq!(row_threads(None), 256);
+        assert_eq!(row_threads(Some(512)), 512);
+        assert_eq!(row_threads(Some(256)), 256);
         assert_eq!(parse_row_threads(None).unwrap(), None);
         assert_eq!(parse_row_threads(Some("")).unwrap(), None);
         assert_eq!(parse_row_threads(Some(" 256")).unwrap(), Some(256));
