@@ -11,7 +11,6 @@
 //! NCCL's own error for it.
 
 use crate::comm::{lookup, Accel};
-use crate::group;
 use crate::log::{self, Coll};
 use crate::types::*;
 use std::ffi::c_void;
@@ -198,42 +197,6 @@ pub fn forward(call: &Args, why: &str) -> NcclResult {
             // SAFETY: the caller's arguments, unchanged.
             unsafe { f(c.send, c.recv, c.count, c.dtype, c.comm, c.stream) }
         }
-    }
-}
-
-/// `ncclAllReduce`'s and `ncclReduceScatter`'s C signature (nccl.h).
-pub type Reduce = unsafe extern "C" fn(
-    *const c_void,
-    *mut c_void,
-    usize,
-    DataType,
-    RedOp,
-    Comm,
-    Stream,
-) -> NcclResult;
-/// `ncclAllGather`'s.
-pub type Gather =
-    unsafe extern "C" fn(*const c_void, *mut c_void, usize, DataType, Comm, Stream) -> NcclResult;
-
-/// A call from the API: inside a group the group decides, else it runs now.
-fn call(args: Args) -> NcclResult {
-    if group::in_group() {
-        return group::collective(args);
-    }
-    run(&args)
-}
-
-entry! {
-    fn ncclAllReduce / pncclAllReduce(send: *const c_void, recv: *mut c_void, count: usize, datatype: DataType, op: RedOp, comm: Comm, stream: Stream) -> NcclResult {
-        call(Args { coll: Coll::AllReduce, send, recv, count, dtype: datatype, op, comm, stream })
-    }
-
-    fn ncclReduceScatter / pncclReduceScatter(send: *const c_void, recv: *mut c_void, recvcount: usize, datatype: DataType, op: RedOp, comm: Comm, stream: Stream) -> NcclResult {
-        call(Args { coll: Coll::ReduceScatter, send, recv, count: recvcount, dtype: datatype, op, comm, stream })
-    }
-
-    fn ncclAllGather / pncclAllGather(send: *const c_void, recv: *mut c_void, sendcount: usize, datatype: DataType, comm: Comm, stream: Stream) -> NcclResult {
-        call(Args { coll: Coll::AllGather, send, recv, count: sendcount, dtype: datatype, op: op::SUM, comm, stream })
     }
 }
 

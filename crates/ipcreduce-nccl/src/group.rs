@@ -100,6 +100,46 @@ pub fn collective(args: Args) -> NcclResult {
     coll::forward(&args, "inside a group")
 }
 
+thread_local! {
+    /// Communicators initialised inside this thread's open group: (address, blocking, call).
+    static PENDING: std::cell::RefCell<Vec<(usize, bool, String)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Called when this thread's outermost group ends with `result`: the communicators made in
+/// it are complete now. Several at once are ranks of one process (several GPUs per thread),
+/// whose all-gathers would wait on each other: those stay NCCL's.
+fn group_ended(result: NcclResult) -> NcclResult {
+    let pending = PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    if result != SUCCESS || pending.is_empty() {
+        return result;
+    }
+    if pending.len() > 1 {
+        log::note(format_args!(
+            "{} communicators made in one group (several GPUs per thread): every call forwarded",
+            pending.len()
+        ));
+        return result;
+    }
+    let (comm, blocking, what) = &pending[0];
+    crate::comm::accelerate_new(*comm as Comm, *blocking, &format!("{what} (grouped)"))
+}
+
+/// This thread's outermost group ended without running (`ncclGroupSimulateEnd`): the
+/// communicators made in it are left to NCCL.
+fn group_discarded() {
+    PENDING.with(|p| p.borrow_mut().clear());
+}
+
+/// `comm`, made inside this thread's open group (blocking or not, by the entry point `what`):
+/// accelerated when the outermost group ends.
+pub fn made_in_group(comm: Comm, blocking: bool, what: &str) {
+    PENDING.with(|p| {
+        p.borrow_mut()
+            .push((comm as usize, blocking, what.to_string()))
+    });
+}
+
 entry! {
     fn ncclGroupStart / pncclGroupStart() -> NcclResult {
         log::forwarded("ncclGroupStart (deferred)");
@@ -124,7 +164,7 @@ entry! {
         let r = if opened != SUCCESS { opened } else { r };
         if left == 0 {
             // The communicators made in a simulated group stay NCCL's (alike on every rank).
-            crate::comm::group_discarded();
+            group_discarded();
         }
         r
     }
@@ -147,7 +187,7 @@ entry! {
                 s.depth
             });
             let r = if r == SUCCESS { take_error() } else { r };
-            return if depth > 0 && left == 0 { crate::comm::group_ended(r) } else { r };
+            return if depth > 0 && left == 0 { group_ended(r) } else { r };
         }
         // This level never reached NCCL.
         let (left, held) = STATE.with(|s| {
@@ -163,6 +203,6 @@ entry! {
             SUCCESS => held.map_or(SUCCESS, |h| coll::run(&h)),
             e => e,
         };
-        crate::comm::group_ended(r)
+        group_ended(r)
     }
 }

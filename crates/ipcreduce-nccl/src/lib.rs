@@ -13,8 +13,10 @@
 //! | [`types`] | nccl.h's types and numbers |
 //! | [`real`] | finding and loading the real NCCL |
 //! | [`forward`] | the entry points handed on unchanged |
-//! | [`comm`] | communicator life: init, split, destroy, abort, errors |
-//! | [`coll`] | the accelerated collectives |
+//! | [`comm`] | the ipcreduce communicator beside NCCL's, and the registry of them |
+//! | [`comm_entries`] | the entry points of communicator life: init, split, destroy, abort, errors |
+//! | [`coll`] | the accelerated collectives: which calls are ours, running and forwarding them |
+//! | [`coll_entries`] | the collectives' entry points |
 //! | [`avg`] | `ncclAvg`'s division by the world size |
 //! | [`group`] | `ncclGroupStart`/`ncclGroupEnd` |
 //! | [`log`] | `IPCREDUCE_NCCL`, call lines and counts |
@@ -29,7 +31,9 @@
 mod macros;
 pub mod avg;
 pub mod coll;
+pub mod coll_entries;
 pub mod comm;
+pub mod comm_entries;
 pub mod errors;
 pub mod forward;
 pub mod group;

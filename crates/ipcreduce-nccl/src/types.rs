@@ -115,6 +115,20 @@ pub fn error_string(r: NcclResult) -> &'static std::ffi::CStr {
     }
 }
 
+/// `ncclAllReduce`'s and `ncclReduceScatter`'s C signature (nccl.h).
+pub type Reduce = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    DataType,
+    RedOp,
+    Comm,
+    Stream,
+) -> NcclResult;
+/// `ncclAllGather`'s.
+pub type Gather =
+    unsafe extern "C" fn(*const c_void, *mut c_void, usize, DataType, Comm, Stream) -> NcclResult;
+
 #[cfg(test)]
 mod tests {
     use super::*;

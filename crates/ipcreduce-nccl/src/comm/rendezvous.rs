@@ -254,7 +254,7 @@ fn all_gather(
 ) -> Result<Vec<Vec<u8>>, (NcclResult, String)> {
     let world = rank_world(comm)?.1;
     let gather = real_fn!(
-        ncclAllGather as crate::coll::Gather,
+        ncclAllGather as crate::types::Gather,
         Err((SYSTEM_ERROR, "no real NCCL".into()))
     );
     let mut out = vec![0u8; RECORD * world];
