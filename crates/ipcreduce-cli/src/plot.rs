@@ -1,6 +1,7 @@
 //! `ipcreduce plot RESULTS.json [more.json] -o FILE.png`: latency (log-log) and bus bandwidth
 //! against message size, one line per (algorithm, mode, registration), from the JSON that
-//! `bench` writes (also the older files without the registration field).
+//! `bench` writes (also the older files without the registration field); or, from the fused
+//! benchmark's reports, its time and speedup per shape ([`fused`]).
 //!
 //! Reading and grouping ([`series`]) is pure; drawing uses plotters' bitmap backend with a
 //! font compiled into the binary (no system font lookup, so a bare GPU machine renders too).
@@ -10,10 +11,14 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+mod fused;
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct PlotArgs {
     /// Bench JSON files (`ipcreduce bench --json`). Files that split a sweep by size make one
     /// line per (algorithm, mode, registration); lines measured in two files carry the name.
+    /// Or the fused benchmark's reports (python/gpu/fused_bench.py, rank 0's JSON), one line
+    /// per world and hidden size.
     #[arg(required = true)]
     pub inputs: Vec<PathBuf>,
     /// The PNG to write.
@@ -160,7 +165,7 @@ pub(crate) fn register_font() -> Result<(), String> {
 }
 
 /// "8", "32K", "1G": the size at a power of two, nothing between them.
-fn size_label(b: f64) -> String {
+pub(crate) fn size_label(b: f64) -> String {
     if (b.log2() - b.log2().round()).abs() > 1e-6 {
         return String::new();
     }
@@ -316,6 +321,20 @@ pub fn run(args: PlotArgs) -> i32 {
             .iter()
             .map(|p| load(p))
             .collect::<Result<Vec<_>, _>>()?;
+        if docs.iter().any(|(_, d)| fused::is_fused(d)) {
+            if let Some((name, _)) = docs.iter().find(|(_, d)| !fused::is_fused(d)) {
+                return Err(format!(
+                    "{name}: not a fused benchmark report, unlike the others: plot them apart"
+                ));
+            }
+            let lines = fused::lines(&docs)?;
+            let title = args
+                .title
+                .clone()
+                .unwrap_or_else(|| fused::title_of(&docs[0].1));
+            fused::draw(&lines, &title, &args.output)?;
+            return Ok(lines.len());
+        }
         let (dtype, op, lines) = series(&docs, args.dtype.as_deref(), args.op.as_deref())?;
         let title = args
             .title
