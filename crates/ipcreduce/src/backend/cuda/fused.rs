@@ -43,17 +43,18 @@ struct FusedKernelArgs {
     rows_per_chunk: u64,
     slot_stride: u64,
     eps: f32,
-    pass_rows: u32,
+    row_threads: u32,
 }
 
-/// Rows the reference kernel deals to a block at a time (a pair, by the block's halves).
-const REFERENCE_PASS_ROWS: usize = 2;
+/// Rows dealt to a block at a time (a pair: by the whole block one after the other, or by its
+/// halves at once, [`fused_path::row_threads`]).
+pub(super) const ROWS_PER_PASS: usize = 2;
 
 fn kernel_args(
     a: KernelArgs,
     args: &AddRmsNorm,
     layout: &Layout,
-    pass_rows: usize,
+    row_threads: u32,
 ) -> FusedKernelArgs {
     FusedKernelArgs {
         a,
@@ -67,7 +68,7 @@ fn kernel_args(
         rows_per_chunk: layout.rows_per_chunk as u64,
         slot_stride: layout.stride as u64,
         eps: args.eps,
-        pass_rows: pass_rows as u32,
+        row_threads,
     }
 }
 
@@ -109,8 +110,13 @@ pub(super) fn launch(
         origin: None,
     };
     let call = call_args(args, s, stream);
-    let pass_rows = fused_path::pass_rows(&layout, l.world, l.limits.cap);
-    let mut k = kernel_args(l.kernel_args(&call, &ident, None), args, &layout, pass_rows);
+    let row_threads = fused_path::row_threads(l.fused_row_threads);
+    let mut k = kernel_args(
+        l.kernel_args(&call, &ident, None),
+        args,
+        &layout,
+        row_threads,
+    );
     let kernel = Kernel {
         f,
         grid,
@@ -168,13 +174,9 @@ pub(super) fn reference(l: &Launcher, args: &AddRmsNorm, stream: sys::CUstream) 
         rows_per_chunk: s.tokens,
         stride: s.hidden * dtype.size(),
     };
-    let mut k = kernel_args(
-        l.kernel_args(&call, &ident, None),
-        args,
-        &all,
-        REFERENCE_PASS_ROWS,
-    );
-    let grid = s.tokens.div_ceil(REFERENCE_PASS_ROWS).min(1 << 16) as u32;
+    let row_threads = fused_path::row_threads(l.fused_row_threads);
+    let mut k = kernel_args(l.kernel_args(&call, &ident, None), args, &all, row_threads);
+    let grid = s.tokens.div_ceil(ROWS_PER_PASS).min(1 << 16) as u32;
     let kernel = Kernel {
         f,
         grid,
