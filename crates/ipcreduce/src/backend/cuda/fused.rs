@@ -110,12 +110,11 @@ pub(super) fn launch(
         origin: None,
     };
     let call = call_args(args, s, stream);
-    let row_threads = fused_path::row_threads(l.fused_row_threads);
     let mut k = kernel_args(
         l.kernel_args(&call, &ident, None),
         args,
         &layout,
-        row_threads,
+        l.fused_row_threads,
     );
     let kernel = Kernel {
         f,
@@ -174,8 +173,12 @@ pub(super) fn reference(l: &Launcher, args: &AddRmsNorm, stream: sys::CUstream) 
         rows_per_chunk: s.tokens,
         stride: s.hidden * dtype.size(),
     };
-    let row_threads = fused_path::row_threads(l.fused_row_threads);
-    let mut k = kernel_args(l.kernel_args(&call, &ident, None), args, &all, row_threads);
+    let mut k = kernel_args(
+        l.kernel_args(&call, &ident, None),
+        args,
+        &all,
+        l.fused_row_threads,
+    );
     let grid = s.tokens.div_ceil(ROWS_PER_PASS).min(1 << 16) as u32;
     let kernel = Kernel {
         f,

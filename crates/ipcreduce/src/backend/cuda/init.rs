@@ -41,7 +41,8 @@ impl CudaComm {
         }
         // A bad value fails before any exchange with the peers, like a bad Config.
         let fused_forced = super::fused_path::forced_from_env()?;
-        let fused_row_threads = super::fused_path::row_threads_from_env()?;
+        let fused_row_threads =
+            super::fused_path::row_threads(super::fused_path::row_threads_from_env()?);
         let cuda = |op: &str, e: cudarc::driver::DriverError| driver::from_cudarc(rank, op, e);
         let count = cs::CudaContext::device_count().map_err(|e| cuda("cuDeviceGetCount", e))?;
         let ordinal = config.pick_device(

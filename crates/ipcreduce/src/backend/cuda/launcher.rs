@@ -114,8 +114,8 @@ pub(super) struct Launcher {
     pub let_next_launch: bool,
     /// The fused path every fused call takes, if forced (see fused_path.rs).
     pub fused_forced: Option<CudaPath>,
-    /// The threads per row of a fused call's pairs, if forced (see fused_path.rs).
-    pub fused_row_threads: Option<u32>,
+    /// The threads per row of a fused call's pairs (see fused_path.rs).
+    pub fused_row_threads: u32,
     /// The kernels of the last few calls' kinds: a repeated call finds its kernel here,
     /// without the shared table's lock and hash (see [`Launcher::function`]).
     recent: [Option<(FnKey, KernelHandle)>; RECENT_KERNELS],
@@ -146,8 +146,8 @@ pub(super) struct Agreed {
     pub let_next_launch: bool,
     /// The fused path every fused call takes (`IPCREDUCE_FUSED_PATH`), if forced.
     pub fused_forced: Option<CudaPath>,
-    /// `IPCREDUCE_FUSED_ROW_THREADS`, if set.
-    pub fused_row_threads: Option<u32>,
+    /// The threads per row of a fused call's pairs (`IPCREDUCE_FUSED_ROW_THREADS`, or 256).
+    pub fused_row_threads: u32,
 }
 
 impl Launcher {

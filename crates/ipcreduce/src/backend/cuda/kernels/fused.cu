@@ -45,8 +45,8 @@
 // segment (all ranks' elements, the residual) is issued before its first store (residual_out),
 // which the compiler may not move a load across (they may alias an input). One element per
 // lane and step, waiting for each step's loads, made a decode row latency-bound (a 16384-wide
-// row was ~18 us). One pack (a bf16 segment of 4096 elements) is what fits the 64 registers of
-// two 512-thread blocks per SM (two spilled).
+// row was ~18 us). One pack (a bf16 segment of 4096 elements for the whole block, 2048 for a
+// half) is what fits the 64 registers of two 512-thread blocks per SM (two spilled).
 #define FUSED_SEG_PACKS 1
 
 // The fused kernels' argument (backend/cuda/fused.rs `FusedKernelArgs`, field by field): the
