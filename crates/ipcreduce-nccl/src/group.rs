@@ -22,6 +22,8 @@ struct State {
     /// A failure while opening the real group for a call that cannot return it: the group's
     /// end does.
     error: NcclResult,
+    /// Communicators initialised inside the open group: (address, blocking, call).
+    made: Vec<(usize, bool, String)>,
 }
 
 thread_local! {
@@ -100,17 +102,11 @@ pub fn collective(args: Args) -> NcclResult {
     coll::forward(&args, "inside a group")
 }
 
-thread_local! {
-    /// Communicators initialised inside this thread's open group: (address, blocking, call).
-    static PENDING: std::cell::RefCell<Vec<(usize, bool, String)>> =
-        const { std::cell::RefCell::new(Vec::new()) };
-}
-
 /// Called when this thread's outermost group ends with `result`: the communicators made in
 /// it are complete now. Several at once are ranks of one process (several GPUs per thread),
 /// whose all-gathers would wait on each other: those stay NCCL's.
 fn group_ended(result: NcclResult) -> NcclResult {
-    let pending = PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    let pending = STATE.with(|s| std::mem::take(&mut s.borrow_mut().made));
     if result != SUCCESS || pending.is_empty() {
         return result;
     }
@@ -128,14 +124,15 @@ fn group_ended(result: NcclResult) -> NcclResult {
 /// This thread's outermost group ended without running (`ncclGroupSimulateEnd`): the
 /// communicators made in it are left to NCCL.
 fn group_discarded() {
-    PENDING.with(|p| p.borrow_mut().clear());
+    STATE.with(|s| s.borrow_mut().made.clear());
 }
 
 /// `comm`, made inside this thread's open group (blocking or not, by the entry point `what`):
 /// accelerated when the outermost group ends.
 pub fn made_in_group(comm: Comm, blocking: bool, what: &str) {
-    PENDING.with(|p| {
-        p.borrow_mut()
+    STATE.with(|s| {
+        s.borrow_mut()
+            .made
             .push((comm as usize, blocking, what.to_string()))
     });
 }
