@@ -43,18 +43,18 @@ struct FusedKernelArgs {
     rows_per_chunk: u64,
     slot_stride: u64,
     eps: f32,
-    row_threads: u32,
+    pass_rows: u32,
 }
 
-/// Rows dealt to a block at a time (a pair: by the whole block one after the other, or by its
-/// halves at once, [`fused_path::row_threads`]).
-pub(super) const ROWS_PER_PASS: usize = 2;
+/// Rows the reference kernel deals to a block at a time (a pair, by the block's halves).
+#[cfg(feature = "test-support")]
+const REFERENCE_PASS_ROWS: usize = 2;
 
 fn kernel_args(
     a: KernelArgs,
     args: &AddRmsNorm,
     layout: &Layout,
-    row_threads: u32,
+    pass_rows: usize,
 ) -> FusedKernelArgs {
     FusedKernelArgs {
         a,
@@ -68,7 +68,7 @@ fn kernel_args(
         rows_per_chunk: layout.rows_per_chunk as u64,
         slot_stride: layout.stride as u64,
         eps: args.eps,
-        row_threads,
+        pass_rows: pass_rows as u32,
     }
 }
 
@@ -110,12 +110,8 @@ pub(super) fn launch(
         origin: None,
     };
     let call = call_args(args, s, stream);
-    let mut k = kernel_args(
-        l.kernel_args(&call, &ident, None),
-        args,
-        &layout,
-        l.fused_row_threads,
-    );
+    let pass_rows = fused_path::pass_rows(&layout, l.world, l.limits.cap);
+    let mut k = kernel_args(l.kernel_args(&call, &ident, None), args, &layout, pass_rows);
     let kernel = Kernel {
         f,
         grid,
@@ -177,9 +173,9 @@ pub(super) fn reference(l: &Launcher, args: &AddRmsNorm, stream: sys::CUstream) 
         l.kernel_args(&call, &ident, None),
         args,
         &all,
-        l.fused_row_threads,
+        REFERENCE_PASS_ROWS,
     );
-    let grid = s.tokens.div_ceil(ROWS_PER_PASS).min(1 << 16) as u32;
+    let grid = s.tokens.div_ceil(REFERENCE_PASS_ROWS).min(1 << 16) as u32;
     let kernel = Kernel {
         f,
         grid,

@@ -39,38 +39,6 @@ pub fn forced_from_env() -> Result<Option<CudaPath>> {
     parse_forced(std::env::var(FUSED_PATH_VAR).ok().as_deref())
 }
 
-/// The environment variable that forces the threads per row of a block's pair of rows.
-pub const ROW_THREADS_VAR: &str = "IPCREDUCE_FUSED_ROW_THREADS";
-
-/// Threads per row of a block's pair (kernels/fused.cu `FusedArgs::row_threads`): 256, the
-/// block's halves taking a row each at once, unless `forced` (512: the whole block, one row
-/// after the other). A lone row always goes to the whole block. On one H100 (2026-12-06, worlds
-/// 2 and 4 under MPS, hidden 4096-16384 x tokens 8-512, bf16, graph replay) the halves were
-/// 2-10 % faster than the whole block at every shape but 16384 x 512 at world 4 (1 % slower).
-/// Which threads take a row never changes an output bit, so ranks may differ here.
-pub fn row_threads(forced: Option<u32>) -> u32 {
-    forced.unwrap_or(256)
-}
-
-/// `IPCREDUCE_FUSED_ROW_THREADS`'s value: 256 or 512 (unset or empty: [`row_threads`]'s default).
-pub fn parse_row_threads(value: Option<&str>) -> Result<Option<u32>> {
-    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
-        return Ok(None);
-    };
-    match v {
-        "256" => Ok(Some(256)),
-        "512" => Ok(Some(512)),
-        _ => Err(Error::Config(format!(
-            "{ROW_THREADS_VAR}={v}: expected 256 or 512"
-        ))),
-    }
-}
-
-/// [`parse_row_threads`] of the process environment.
-pub fn row_threads_from_env() -> Result<Option<u32>> {
-    parse_row_threads(std::env::var(ROW_THREADS_VAR).ok().as_deref())
-}
-
 /// Where a fused call's chunks lie: `rows_per_chunk` rows per chunk, row `lr` of a chunk at
 /// `lr * stride` bytes of the slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,13 +123,31 @@ pub fn layout(
         })
 }
 
-/// CTAs of a call, from the identity (rows, slot, world) and the agreed cap: one per pair of
-/// rows of a chunk (one-shot), one per pair a rank owns (two-shot: pairs dealt to ranks).
+/// Rows dealt to a block at a time (kernels/fused.cu `FusedArgs::pass_rows`): one row per
+/// block (taken by the whole block) while a chunk's rows, or on two-shot a rank's share of
+/// them, fit within the agreed cap; beyond, pairs (taken by the block's two halves at once).
+/// The LL kernel deals pairs whatever this says. From the identity and the cap alone, so the
+/// same on every rank.
+pub fn pass_rows(l: &Layout, world: usize, cap: usize) -> usize {
+    let rows = match l.path {
+        CudaPath::FusedTwoShot => l.rows_per_chunk.div_ceil(world.max(1)),
+        CudaPath::FusedLl => return 2,
+        _ => l.rows_per_chunk,
+    };
+    if rows <= cap.max(1) {
+        1
+    } else {
+        2
+    }
+}
+
+/// CTAs of a call, from the identity (rows, slot, world) and the agreed cap: one per pass of
+/// rows of a chunk (one-shot), one per pass a rank owns (two-shot: passes dealt to ranks).
 pub fn grid(l: &Layout, world: usize, cap: usize, max_blocks: usize) -> u32 {
-    let pairs = l.rows_per_chunk.div_ceil(super::fused::ROWS_PER_PASS);
+    let passes = l.rows_per_chunk.div_ceil(pass_rows(l, world, cap));
     let per_block = match l.path {
-        CudaPath::FusedTwoShot => pairs.div_ceil(world.max(1)),
-        _ => pairs,
+        CudaPath::FusedTwoShot => passes.div_ceil(world.max(1)),
+        _ => passes,
     };
     per_block.min(cap).clamp(1, max_blocks) as u32
 }
@@ -182,18 +168,31 @@ mod tests {
     }
 
     #[test]
-    fn rows_of_a_pair_go_to_the_halves_unless_forced() {
-        assert_eq!(row_threads(None), 256);
-        assert_eq!(row_threads(Some(512)), 512);
-        assert_eq!(row_threads(Some(256)), 256);
-        assert_eq!(parse_row_threads(None).unwrap(), None);
-        assert_eq!(parse_row_threads(Some("")).unwrap(), None);
-        assert_eq!(parse_row_threads(Some(" 256")).unwrap(), Some(256));
-        let e = parse_row_threads(Some("128")).unwrap_err().to_string();
-        assert!(
-            e.contains(ROW_THREADS_VAR) && e.contains("256 or 512"),
-            "{e}"
-        );
+    fn a_row_per_block_while_the_rows_fit_the_cap_then_pairs() {
+        let l = |path, rows_per_chunk| Layout {
+            path,
+            rows_per_chunk,
+            stride: 8192,
+        };
+        let one = CudaPath::FusedOneShot;
+        let two = CudaPath::FusedTwoShot;
+        // One-shot, cap 64: 8 and 64 rows one per block; 65 and 128 rows in pairs.
+        assert_eq!(pass_rows(&l(one, 8), 2, 64), 1);
+        assert_eq!(grid(&l(one, 8), 2, 64, 1024), 8);
+        assert_eq!(pass_rows(&l(one, 64), 2, 64), 1);
+        assert_eq!(grid(&l(one, 64), 2, 64, 1024), 64);
+        assert_eq!(pass_rows(&l(one, 65), 2, 64), 2);
+        assert_eq!(grid(&l(one, 65), 2, 64, 1024), 33);
+        assert_eq!(grid(&l(one, 128), 2, 64, 1024), 64);
+        assert_eq!(grid(&l(one, 1), 2, 64, 1024), 1);
+        // Two-shot, world 4: a rank's share of 256 rows is 64 (one per block); of 260, 65.
+        assert_eq!(pass_rows(&l(two, 256), 4, 64), 1);
+        assert_eq!(grid(&l(two, 256), 4, 64, 1024), 64);
+        assert_eq!(pass_rows(&l(two, 260), 4, 64), 2);
+        assert_eq!(grid(&l(two, 260), 4, 64, 1024), 33);
+        // LL: pairs always.
+        assert_eq!(pass_rows(&l(CudaPath::FusedLl, 4), 2, 64), 2);
+        assert_eq!(grid(&l(CudaPath::FusedLl, 4), 2, 64, 1024), 2);
     }
 
     #[test]
@@ -298,7 +297,7 @@ mod tests {
     }
 
     #[test]
-    fn two_shot_grids_count_the_pairs_of_one_rank() {
+    fn two_shot_grids_count_the_passes_of_one_rank() {
         let one = Layout {
             path: CudaPath::FusedOneShot,
             rows_per_chunk: 128,
@@ -308,9 +307,12 @@ mod tests {
             path: CudaPath::FusedTwoShot,
             ..one
         };
-        assert_eq!(grid(&one, 4, 128, 128), 64);
-        assert_eq!(grid(&two, 4, 128, 128), 16);
+        // 128 rows within the cap: a row per block; a rank's 32 of them on two-shot.
+        assert_eq!(grid(&one, 4, 128, 128), 128);
+        assert_eq!(grid(&two, 4, 128, 128), 32);
+        // Over the cap: pairs, 8 per rank, cut at the cap.
         assert_eq!(grid(&two, 8, 4, 128), 4);
+        assert_eq!(grid(&one, 4, 64, 128), 64);
         let tiny = Layout {
             rows_per_chunk: 1,
             ..two

@@ -41,8 +41,6 @@ impl CudaComm {
         }
         // A bad value fails before any exchange with the peers, like a bad Config.
         let fused_forced = super::fused_path::forced_from_env()?;
-        let fused_row_threads =
-            super::fused_path::row_threads(super::fused_path::row_threads_from_env()?);
         let cuda = |op: &str, e: cudarc::driver::DriverError| driver::from_cudarc(rank, op, e);
         let count = cs::CudaContext::device_count().map_err(|e| cuda("cuDeviceGetCount", e))?;
         let ordinal = config.pick_device(
@@ -240,7 +238,6 @@ impl CudaComm {
             // Not where ranks share a GPU (unless forced): see let_next_kernel_launch.
             let_next_launch: pdl.trigger(config.pdl_trigger, sharing),
             fused_forced,
-            fused_row_threads,
         };
         let calls = CallLedger::new(rank, abort.clone(), boot.notices());
         // With tracing, the kernels stamp their phases (the traced variants, phase_ring.rs). A

@@ -114,8 +114,6 @@ pub(super) struct Launcher {
     pub let_next_launch: bool,
     /// The fused path every fused call takes, if forced (see fused_path.rs).
     pub fused_forced: Option<CudaPath>,
-    /// The threads per row of a fused call's pairs (see fused_path.rs).
-    pub fused_row_threads: u32,
     /// The kernels of the last few calls' kinds: a repeated call finds its kernel here,
     /// without the shared table's lock and hash (see [`Launcher::function`]).
     recent: [Option<(FnKey, KernelHandle)>; RECENT_KERNELS],
@@ -146,8 +144,6 @@ pub(super) struct Agreed {
     pub let_next_launch: bool,
     /// The fused path every fused call takes (`IPCREDUCE_FUSED_PATH`), if forced.
     pub fused_forced: Option<CudaPath>,
-    /// The threads per row of a fused call's pairs (`IPCREDUCE_FUSED_ROW_THREADS`, or 256).
-    pub fused_row_threads: u32,
 }
 
 impl Launcher {
@@ -198,7 +194,6 @@ impl Launcher {
             origin: None,
             let_next_launch: agreed.let_next_launch,
             fused_forced: agreed.fused_forced,
-            fused_row_threads: agreed.fused_row_threads,
             recent: [None; RECENT_KERNELS],
             phases: None,
         }

@@ -15,12 +15,12 @@
 // (each rank may pass its own).
 //
 // Work split. 512 threads per block (prims.cuh's ENTRY bounds, so the CTA caps hold). Rows are
-// dealt to blocks in pairs: in the one-shot kernel local rows 2p and 2p + 1 of a chunk go to
-// block p mod grid (the two-shot kernel deals the pairs to ranks first, see there). A block
-// takes a pair (fused_pair) either by the whole block, one row after the other, or by its two
-// halves of 256 threads, a row each at once (FusedArgs::row_threads, chosen by the host per
-// call: a lone row always goes to the whole block). Which threads take a row never enters the
-// numerics (fused_row_as).
+// dealt to blocks in passes of P = FusedArgs::pass_rows rows (1, or 2: a pair), chosen by the
+// host from the identity: one row per block while a chunk's rows fit the grid, pairs beyond.
+// In the one-shot kernel local rows Pp .. Pp + P - 1 of a chunk go to block p mod grid (the
+// two-shot kernel deals the passes to ranks first, see there). A lone row is taken by the
+// whole block, a pair by the block's two halves of 256 threads, a row each at once
+// (fused_pass). Which threads take a row never enters the numerics (fused_row_as).
 //
 // One-shot layout and ordering: staged.cu's, with chunks of whole rows. Chunk k (rows_per_chunk rows,
 // set by the host so that a chunk fits a slot; the same on every rank) lives in slot parity
@@ -63,7 +63,7 @@ struct FusedArgs {
     u64 rows_per_chunk;      // rows per chunk (a chunk fits a slot)
     u64 slot_stride;         // two-shot: bytes per row in a slot (16-byte multiple)
     float eps;
-    u32 row_threads;         // threads per row of a pair: FUSED_THREADS or FUSED_THREADS / 2
+    u32 pass_rows;           // rows dealt to a block at a time: 1 or 2
 };
 
 // f32 -> e4m3, round to nearest even, finite values saturated to +-448, NaN -> 0x7F.
@@ -356,16 +356,13 @@ __device__ void fused_row(const FusedArgs &f, const Src &src, int world, u64 row
     else fused_row_as<false, D, W>(f, src, world, row, sh, G);
 }
 
-// The rows lr0 and lr0 + 1 of a pair (n of them, 1 or 2; block-uniform) by the block: at once by
-// its halves where there are two and the host asks for it (row_threads), else one after the
-// other. row_of.run(lr, G) runs fused_row (or a fused_row_as) of local row lr by G threads.
+// The rows of a pass, lr0 .. lr0 + n - 1 (n = 1 or 2; block-uniform), by the block: a lone row
+// by the whole block, a pair by its two halves at once. row_of.run(lr, G) runs fused_row (or a
+// fused_row_as) of local row lr by G threads.
 template <typename RowOf>
-__device__ __forceinline__ void fused_pair(const FusedArgs &f, u64 lr0, u64 n, const RowOf &row_of) {
-    const bool halves = n == 2 && f.row_threads == FUSED_THREADS / 2;
-    const u32 G = halves ? FUSED_THREADS / 2 : FUSED_THREADS;
-    const u64 first = halves && threadIdx.x >= G ? lr0 + 1 : lr0;
-#pragma unroll 1
-    for (u64 lr = first; lr < first + (halves ? 1 : n); lr++) row_of.run(lr, G);
+__device__ __forceinline__ void fused_pass(u64 lr0, u64 n, const RowOf &row_of) {
+    const u32 G = n == 2 ? FUSED_THREADS / 2 : FUSED_THREADS;
+    row_of.run(threadIdx.x >= G ? lr0 + 1 : lr0, G);
 }
 
 // Block b's rows of chunk k (starting at row r0, n rows) from our input into our slot of
@@ -376,8 +373,9 @@ __device__ void fused_copy_in(const FusedArgs &f, u32 L, u64 r0, u64 n) {
     const u64 row_bytes = f.hidden * D::SIZE;
     char *slot = a.data[a.rank] + slot_offset(a, L);
     const bool wide = row_bytes % 16 == 0 && aligned16(a.send);
-    for (u64 p = blockIdx.x; 2 * p < n; p += gridDim.x) {
-        const u64 lr0 = 2 * p, rows = min((u64)2, n - lr0);
+    const u64 P = f.pass_rows;
+    for (u64 p = blockIdx.x; P * p < n; p += gridDim.x) {
+        const u64 lr0 = P * p, rows = min(P, n - lr0);
         char *dst = slot + lr0 * row_bytes;
         const char *src = a.send + (r0 + lr0) * row_bytes;
         const u64 bytes = rows * row_bytes;
@@ -414,6 +412,7 @@ template <typename D, int W> __device__ void fused_one_shot(const FusedArgs &f) 
     const u64 rpc = f.rows_per_chunk;
     const u32 chunks = (u32)((f.tokens + rpc - 1) / rpc);
     const u64 row_bytes = f.hidden * D::SIZE;
+    const u64 P = f.pass_rows;
     fused_copy_in<D>(f, L0, 0, min(rpc, f.tokens));
     for (u32 k = 0; k < chunks; k++) {
         const u64 r0 = (u64)k * rpc;
@@ -422,7 +421,7 @@ template <typename D, int W> __device__ void fused_one_shot(const FusedArgs &f) 
         if (!barrier(a, F, call, k == 0)) break;
         if (k + 1 < chunks) fused_copy_in<D>(f, L0 + k + 1, r0 + rpc, min(rpc, f.tokens - r0 - rpc));
         const FusedOneShotRow<D, W> row_of{f, off, r0, sh};
-        for (u64 p = blockIdx.x; 2 * p < n; p += gridDim.x) fused_pair(f, 2 * p, min((u64)2, n - 2 * p), row_of);
+        for (u64 p = blockIdx.x; P * p < n; p += gridDim.x) fused_pass(P * p, min(P, n - P * p), row_of);
     }
     if (threadIdx.x == 0) ctr[0] = F;
     finish_call(a, call, true, L0 + chunks);
@@ -440,16 +439,16 @@ template <typename D, int W> __device__ void fused_one_shot(const FusedArgs &f) 
 // lr * slot_stride bytes (hidden elements, on a 16-byte stride). The place of a row a peer owns
 // holds our input row, for its owner; the place of a row we own (which no copy-in writes: our
 // own rows are read from our input) holds the row's sum s = round(x_0 + ... + x_{W-1}), for
-// every rank. Local rows go in pairs (the block's two halves): pair p = lr / 2 is owned by rank
-// p mod W and handled by block (p / W) mod grid on every rank (the grid and rows_per_chunk
-// follow from the identity). So block b of every rank touches the same rows of every slot, in
+// every rank. Local rows go in passes of P rows (1 or 2, the host's pass_rows): pass p = lr / P
+// is owned by rank p mod W and handled by block (p / W) mod grid on every rank (the grid,
+// rows_per_chunk and P follow from the identity). So block b of every rank touches the same rows of every slot, in
 // both phases, and in the short last chunk a subset of them.
 //
-// One block, per chunk k: (1) copy-in: our input rows of block b's pairs that a peer owns, into
-// our slot; (2) barrier A_k with block b of every peer; (3) reduce: each row of a pair we own,
+// One block, per chunk k: (1) copy-in: our input rows of block b's passes that a peer owns, into
+// our slot; (2) barrier A_k with block b of every peer; (3) reduce: each row of a pass we own,
 // summed in rank order in f32 from the peers' copies in their slots and our input, rounded to
 // the dtype (the one-shot's first step), stored at the row's place in our slot; (4) barrier B_k
-// with block b of every peer; (5) epilogue: every row of block b's pairs, its sum read from the
+// with block b of every peer; (5) epilogue: every row of block b's passes, its sum read from the
 // owner's slot (ours for our rows) and normalised by fused_row with our residual, weight and
 // scale (the one-shot's numerics and tree: s is the one-shot's s, bit for bit); then copy-in (1)
 // of chunk k+1.
@@ -470,7 +469,7 @@ template <typename D, int W> __device__ void fused_one_shot(const FusedArgs &f) 
 //
 // Aliasing. Our input is read only by us, in (1) and (3) of its chunk, before B_k; with
 // out == input the epilogue (5) of chunk k writes only rows of chunk k, after B_k (and block b
-// only the rows of its pairs, which no other block reads). residual is read only in (5), by the
+// only the rows of its passes, which no other block reads). residual is read only in (5), by the
 // thread that then writes residual_out there (as in the one-shot kernel), and out is written by
 // that thread after the row's tree. Peers only read our slot.
 
@@ -492,31 +491,33 @@ template <typename T> __device__ __forceinline__ void fused_copy(char *dst, cons
     }
 }
 
-// (1): our input rows of block b's pairs a peer owns, of the chunk at row r0 (n rows), into our
+// (1): our input rows of block b's passes a peer owns, of the chunk at row r0 (n rows), into our
 // slot of chunk counter L.
 template <typename D> __device__ void fused_two_copy_in(const FusedArgs &f, u32 L, u64 r0, u64 n) {
     const Args &a = f.a;
     const u64 row_bytes = f.hidden * D::SIZE;
     char *slot = a.data[a.rank] + slot_offset(a, L);
-    for (u64 q = blockIdx.x; 2 * q * a.world < n; q += gridDim.x)
+    const u64 P = f.pass_rows;
+    for (u64 q = blockIdx.x; P * q * a.world < n; q += gridDim.x)
         for (int r = 0; r < a.world; r++) {
             const u64 p = q * a.world + r;
             if (r == a.rank) continue;
-            for (u64 lr = 2 * p; lr < min(2 * p + 2, n); lr++)
+            for (u64 lr = P * p; lr < min(P * p + P, n); lr++)
                 fused_copy<typename FusedUnit<D::SIZE>::T>(slot + lr * f.slot_stride, a.send + (r0 + lr) * row_bytes, f.hidden);
         }
 }
 
-// (3): the sums of block b's pairs we own, of the chunk at slot offset `off` (row r0, n rows),
+// (3): the sums of block b's passes we own, of the chunk at slot offset `off` (row r0, n rows),
 // each element by one thread, in rank order as fused_row sums them, into our slot.
 template <typename D, int W> __device__ void fused_two_sum(const FusedArgs &f, u64 off, u64 r0, u64 n) {
     const Args &a = f.a;
     const u64 H = f.hidden, row_bytes = H * D::SIZE;
     char *slot = a.data[a.rank] + off;
+    const u64 P = f.pass_rows;
     for (u64 q = blockIdx.x;; q += gridDim.x) {
         const u64 p = q * a.world + a.rank;
-        if (2 * p >= n) break;
-        for (u64 lr = 2 * p; lr < min(2 * p + 2, n); lr++) {
+        if (P * p >= n) break;
+        for (u64 lr = P * p; lr < min(P * p + P, n); lr++) {
             const FusedSrc src{a, off + lr * f.slot_stride, a.send + (r0 + lr) * row_bytes};
             char *dst = slot + lr * f.slot_stride;
             // One element at a time: more spill from two ranks on (64 registers).
@@ -553,6 +554,7 @@ template <typename D, int W> __device__ void fused_two_shot(const FusedArgs &f) 
     const u32 L0 = *(volatile u32 *)&st[3];
     const u64 rpc = f.rows_per_chunk;
     const u32 chunks = (u32)((f.tokens + rpc - 1) / rpc);
+    const u64 P = f.pass_rows;
     fused_two_copy_in<D>(f, L0, 0, min(rpc, f.tokens));
     for (u32 k = 0; k < chunks; k++) {
         const u64 r0 = (u64)k * rpc;
@@ -561,12 +563,12 @@ template <typename D, int W> __device__ void fused_two_shot(const FusedArgs &f) 
         if (!barrier(a, F, call, k == 0)) break;
         fused_two_sum<D, W>(f, off, r0, n);
         if (!barrier(a, F, call)) break;
-        // Every pair of block b: pair q * W + r, owned by rank r (block-uniform).
-        for (u64 q = blockIdx.x; 2 * q * a.world < n; q += gridDim.x)
+        // Every pass of block b: pass q * W + r, owned by rank r (block-uniform).
+        for (u64 q = blockIdx.x; P * q * a.world < n; q += gridDim.x)
             for (int r = 0; r < a.world; r++) {
                 const u64 p = q * a.world + r;
-                if (2 * p >= n) break;
-                fused_pair(f, 2 * p, min((u64)2, n - 2 * p), FusedSumRow<D>{f, a.data[r] + off, r0, sh});
+                if (P * p >= n) break;
+                fused_pass(P * p, min(P, n - P * p), FusedSumRow<D>{f, a.data[r] + off, r0, sh});
             }
         if (k + 1 < chunks) fused_two_copy_in<D>(f, L0 + k + 1, r0 + rpc, min(rpc, f.tokens - r0 - rpc));
     }
@@ -586,7 +588,8 @@ template <typename D> struct FusedRefRow {
 template <typename D> __device__ void fused_reference(const FusedArgs &f) {
     __shared__ FusedShared<D> sh;
     const FusedRefRow<D> row_of{f, sh};
-    for (u64 p = blockIdx.x; 2 * p < f.tokens; p += gridDim.x) fused_pair(f, 2 * p, min((u64)2, f.tokens - 2 * p), row_of);
+    const u64 P = f.pass_rows;
+    for (u64 p = blockIdx.x; P * p < f.tokens; p += gridDim.x) fused_pass(P * p, min(P, f.tokens - P * p), row_of);
 }
 
 // Entry points: ipcr_fused{oneshot,twoshot}_w<W>_<dtype> and ipcr_fusedref_<dtype> (sum only: emitted in
