@@ -16,7 +16,8 @@
 //!   every rank, promptly.
 //!
 //! `GPU_FUSED_WORLDS` (a list such as "2,4"; default 2, 4 and 8) narrows the sweeps' worlds,
-//! so that a run with little time can take them one step each.
+//! and `GPU_FUSED_PATHS` (such as "ll"; default all three) the forced sweep's paths, so that a
+//! run with little time can take them one step each.
 
 #[path = "gpu_fused/bufs.rs"]
 mod bufs;
@@ -425,6 +426,25 @@ fn expect_done(lines: &[(usize, String)], what: &str) {
     eprintln!("{what}: {} checked per rank", counts[0]);
 }
 
+/// The forced sweep's paths: `GPU_FUSED_PATHS` (a list such as "ll" or "oneshot,twoshot"), or
+/// all three.
+fn sweep_paths() -> Vec<String> {
+    let paths: Vec<String> = std::env::var("GPU_FUSED_PATHS")
+        .unwrap_or_else(|_| "twoshot,ll,oneshot".into())
+        .split(',')
+        .map(|p| p.trim().to_string())
+        .filter(|p| !p.is_empty())
+        .collect();
+    for p in &paths {
+        assert!(
+            ["twoshot", "ll", "oneshot"].contains(&p.as_str()),
+            "GPU_FUSED_PATHS: twoshot, ll or oneshot, not {p}"
+        );
+    }
+    assert!(!paths.is_empty(), "GPU_FUSED_PATHS names no path");
+    paths
+}
+
 /// The sweeps' worlds: `GPU_FUSED_WORLDS`, or 2, 4 and 8.
 fn sweep_worlds() -> Vec<usize> {
     let worlds: Vec<usize> = std::env::var("GPU_FUSED_WORLDS")
@@ -459,10 +479,10 @@ fn fused_equals_all_reduce_plus_reference_at_worlds_2_4_8() {
 fn fused_paths_forced_by_the_knob_equal_the_reference_at_worlds_2_4_8() {
     play_rank_if_child();
     let test = "fused_paths_forced_by_the_knob_equal_the_reference_at_worlds_2_4_8";
-    for path in ["twoshot", "ll", "oneshot"] {
+    for path in sweep_paths() {
         for world in sweep_worlds() {
             expect_done(
-                &run_role(test, "sweep", world, &[(FUSED_PATH, path)]),
+                &run_role(test, "sweep", world, &[(FUSED_PATH, path.as_str())]),
                 &format!("{path} sweep world {world}"),
             );
         }
