@@ -32,7 +32,7 @@ def main() -> int:
             continue
         shapes = sorted(runs[(world, "old", rounds[0])])
         for shape in shapes:
-            old, new, ratio = [], [], []
+            old, new, ratio, path = [], [], [], "?"
             for r in rounds:
                 o = runs[(world, "old", r)].get(shape)
                 n = runs[(world, "new", r)].get(shape)
@@ -46,9 +46,9 @@ def main() -> int:
                 old.append(o["fused_us"])
                 new.append(n["fused_us"])
                 ratio.append(n["fused_us"] / o["fused_us"])
+                path = n["fused_path"]
             if not ratio:
                 continue
-            path = n["fused_path"]
             print(f"| {world} | {shape[0]} | {shape[1]} | {statistics.median(old):.2f} | "
                   f"{statistics.median(new):.2f} | {min(ratio):.3f}-{max(ratio):.3f} | {path} |")
     return 1 if bad else 0
