@@ -426,21 +426,26 @@ fn expect_done(lines: &[(usize, String)], what: &str) {
     eprintln!("{what}: {} checked per rank", counts[0]);
 }
 
+/// The values of `IPCREDUCE_FUSED_PATH` the forced sweep takes, in its order.
+const FORCED_PATHS: [&str; 3] = ["twoshot", "ll", "oneshot"];
+
 /// The forced sweep's paths: `GPU_FUSED_PATHS` (a list such as "ll" or "oneshot,twoshot"), or
-/// all three.
-fn sweep_paths() -> Vec<String> {
-    let paths: Vec<String> = std::env::var("GPU_FUSED_PATHS")
-        .unwrap_or_else(|_| "twoshot,ll,oneshot".into())
+/// all of [`FORCED_PATHS`].
+fn sweep_paths() -> Vec<&'static str> {
+    let Ok(list) = std::env::var("GPU_FUSED_PATHS") else {
+        return FORCED_PATHS.to_vec();
+    };
+    let paths: Vec<&'static str> = list
         .split(',')
-        .map(|p| p.trim().to_string())
+        .map(str::trim)
         .filter(|p| !p.is_empty())
+        .map(|p| {
+            *FORCED_PATHS
+                .iter()
+                .find(|known| **known == p)
+                .unwrap_or_else(|| panic!("GPU_FUSED_PATHS: twoshot, ll or oneshot, not {p}"))
+        })
         .collect();
-    for p in &paths {
-        assert!(
-            ["twoshot", "ll", "oneshot"].contains(&p.as_str()),
-            "GPU_FUSED_PATHS: twoshot, ll or oneshot, not {p}"
-        );
-    }
     assert!(!paths.is_empty(), "GPU_FUSED_PATHS names no path");
     paths
 }
@@ -482,7 +487,7 @@ fn fused_paths_forced_by_the_knob_equal_the_reference_at_worlds_2_4_8() {
     for path in sweep_paths() {
         for world in sweep_worlds() {
             expect_done(
-                &run_role(test, "sweep", world, &[(FUSED_PATH, path.as_str())]),
+                &run_role(test, "sweep", world, &[(FUSED_PATH, path)]),
                 &format!("{path} sweep world {world}"),
             );
         }
