@@ -403,7 +403,8 @@ impl Communicator {
                 }
             };
             c.flight.path(algo);
-            c.flight.device_work(|| false);
+            c.flight
+                .device_work(|| c.backend.stamps_fused(&shape, args.dtype.size(), algo));
             // SAFETY: checked above; the caller vouches for the memory.
             unsafe { c.backend.add_rms_norm_raw(args, algo, stream) }
         })

@@ -4,7 +4,8 @@
 //! registered one-shot and two-shot); one call of each is made late on purpose by the last
 //! rank. In the trace files every block of every call has start and end stamps, its stamps in
 //! order, within the call's event span; and in the late call every other rank's longest wait
-//! is for the late rank, and about as long as the delay.
+//! is for the late rank, and about as long as the delay. The reduce-scatter, all-gather and
+//! fused add + RMSNorm calls after them are stamped too.
 
 mod common;
 
@@ -26,6 +27,9 @@ const LATE: usize = 2;
 /// Stamps against the event spans: both are put on the host clock through anchors a few
 /// microseconds off, and the events bracket the launch, not the first block.
 const SLACK_NS: u64 = 100_000;
+/// The fused calls' shape (f32): 1 MiB per rank, several rows per block.
+const FUSED_TOKENS: usize = 64;
+const FUSED_HIDDEN: usize = 4096;
 
 fn play_rank_if_child() {
     let Ok(role) = std::env::var(ROLE) else {
@@ -123,6 +127,31 @@ fn rank_phases() -> i32 {
             .unwrap_or_else(|e| panic!("all-gather of {n} x f32: {e}"));
         }
     }
+    // The fused all-reduce + add + RMSNorm on its one-shot and two-shot kernels, twice each:
+    // stamped like the all-reduce (rows summed as `reduce`, two-shot's rows normalised as
+    // `gather`). The values are whatever the buffers hold: only the stamps are checked.
+    let weight = DeviceAlloc::new(FUSED_HIDDEN * 4, rank).unwrap();
+    for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
+        for _ in 0..2 {
+            let args = ipcreduce::AddRmsNorm {
+                input: send.ptr as *const c_void,
+                residual: rs.ptr() as *const c_void,
+                weight: weight.ptr as *const c_void,
+                out: recv.ptr as *mut c_void,
+                residual_out: rr.ptr() as *mut c_void,
+                fp8_out: std::ptr::null_mut(),
+                fp8_scale: std::ptr::null(),
+                tokens: FUSED_TOKENS,
+                hidden: FUSED_HIDDEN,
+                dtype: DType::F32,
+                eps: 1e-6,
+            };
+            // SAFETY: device buffers of this rank's GPU of `bytes` >= tokens * hidden * 4,
+            // apart; the weight holds `hidden` elements.
+            unsafe { c.all_reduce_add_rms_norm_raw(&args, algo, std::ptr::null_mut()) }
+                .unwrap_or_else(|e| panic!("fused {algo}: {e}"));
+        }
+    }
     c.synchronize().unwrap();
     drop(c); // writes the trace (IPCREDUCE_TRACE)
     say(format!("DONE {made}"));
@@ -148,6 +177,16 @@ fn calls_of(file: &std::path::Path) -> Vec<Value> {
 
 fn ns(v: &Value) -> Option<u64> {
     v.as_u64()
+}
+
+/// The rank whose trace file this is (`...-rank<R>.jsonl`).
+fn rank_of(file: &std::path::Path) -> usize {
+    let name = file.file_name().unwrap().to_string_lossy().to_string();
+    name.rsplit("rank")
+        .next()
+        .and_then(|s| s.strip_suffix(".jsonl"))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("{name}"))
 }
 
 /// Checks one call's phases; returns the rank's longest wait per peer (ns).
@@ -252,12 +291,7 @@ fn phase_stamps_per_block_and_a_late_rank() {
         assert_eq!(files.len(), world, "{files:?}");
         for file in &files {
             let name = file.file_name().unwrap().to_string_lossy().to_string();
-            let rank: usize = name
-                .rsplit("rank")
-                .next()
-                .and_then(|s| s.strip_suffix(".jsonl"))
-                .and_then(|s| s.parse().ok())
-                .unwrap_or_else(|| panic!("{name}"));
+            let rank = rank_of(file);
             let calls = calls_of(file);
             assert_eq!(calls.len(), 5 * CALLS, "{name}");
             for call in &calls {
@@ -288,7 +322,7 @@ fn phase_stamps_per_block_and_a_late_rank() {
             let name = file.file_name().unwrap().to_string_lossy().to_string();
             let sg: Vec<Value> = lines_of(file)
                 .into_iter()
-                .filter(|c| c["op"] != "all_reduce")
+                .filter(|c| c["op"] == "reduce_scatter" || c["op"] == "all_gather")
                 .collect();
             let paths: Vec<&str> = sg
                 .iter()
@@ -314,8 +348,43 @@ fn phase_stamps_per_block_and_a_late_rank() {
                 );
             }
         }
+        for file in &files {
+            let name = file.file_name().unwrap().to_string_lossy().to_string();
+            let fused: Vec<Value> = lines_of(file)
+                .into_iter()
+                .filter(|c| c["op"] == "all_reduce_add_rms_norm")
+                .collect();
+            let paths: Vec<&str> = fused
+                .iter()
+                .map(|c| c["path"].as_str().unwrap_or(""))
+                .collect();
+            assert_eq!(
+                paths,
+                ["oneshot", "oneshot", "twoshot", "twoshot"],
+                "{name}"
+            );
+            for call in &fused {
+                let what = format!("{name}: fused #{} ({})", call["seq"], call["path"]);
+                // Order, and within the call's span, as every stamped call.
+                check_call(rank_of(file), call);
+                let two_shot = call["path"] == "twoshot";
+                for b in call["phases"]["blocks"].as_array().unwrap() {
+                    assert!(b["reduce_ns"].is_u64(), "{what}: no reduce stamp: {b}");
+                    assert_eq!(
+                        b["gather_ns"].is_u64(),
+                        two_shot,
+                        "{what}: a normalise stamp on two-shot only: {b}"
+                    );
+                    assert!(
+                        !b["peers"].as_array().unwrap().is_empty(),
+                        "{what}: no peer seen: {b}"
+                    );
+                }
+            }
+        }
         eprintln!(
-            "world {world}: {} all-reduces and 4 reduce-scatters / all-gathers per rank checked",
+            "world {world}: {} all-reduces, 4 reduce-scatters / all-gathers and 4 fused calls \
+             per rank checked",
             5 * CALLS
         );
         let _ = std::fs::remove_dir_all(&dir);

@@ -283,6 +283,12 @@ pub trait BackendOps: Send {
         let _ = total;
         false
     }
+    /// Whether the fused call of shape `s` (elements of `size` bytes, `algo` chosen), made
+    /// now, runs a kernel that stamps its phases (as [`Self::stamps_all_reduce`]).
+    fn stamps_fused(&self, s: &crate::fused::Shape, size: usize, algo: Algorithm) -> bool {
+        let _ = (s, size, algo);
+        false
+    }
     /// The tuning table every rank agreed on, for the CTA counts it measured.
     fn use_tuning(&mut self, table: &crate::tune::Table) {
         let _ = table;

@@ -105,10 +105,11 @@ impl Group {
 
 impl CudaPath {
     /// Whether the path's kernels stamp their phases when traced (prims.cuh): the all-reduce
-    /// kernels of ll.cu, staged.cu and zerocopy.cu, and the reduce-scatter and all-gather
-    /// kernels of scatter_gather.cu (their start, end and barriers). The copy-engine and fused
-    /// kernels keep their plain variant while tracing (their budgets were not measured with
-    /// the stamps).
+    /// kernels of ll.cu, staged.cu and zerocopy.cu, the reduce-scatter and all-gather
+    /// kernels of scatter_gather.cu (their start, end and barriers), and the staged fused
+    /// kernels of fused.cu (start, barriers, rows summed, rows normalised, end). The
+    /// copy-engine path (its chunks are copies, timed by the timeline's events), the fused LL
+    /// kernel and the fused reference (no call) keep their plain variant while tracing.
     pub fn phase_stamped(self) -> bool {
         matches!(
             Group::of(self),
@@ -118,7 +119,7 @@ impl CudaPath {
                 | Group::ZeroCopy
                 | Group::ZeroCopyDeep
                 | Group::ScatterGather
-        )
+        ) || matches!(self, CudaPath::FusedOneShot | CudaPath::FusedTwoShot)
     }
 }
 

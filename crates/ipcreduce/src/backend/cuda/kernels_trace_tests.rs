@@ -84,6 +84,8 @@ fn traced_kernels_fit_their_register_budget() {
             CudaPath::ReduceScatterReg,
             CudaPath::AllGatherStaged,
             CudaPath::AllGatherReg,
+            CudaPath::FusedOneShot,
+            CudaPath::FusedTwoShot,
         ] {
             assert!(path.phase_stamped(), "{path:?} is not traced");
             for dtype in DType::ALL {

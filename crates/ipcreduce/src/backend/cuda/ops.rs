@@ -4,7 +4,10 @@
 //! which runs it through the launcher (launcher.rs).
 
 use super::launcher::CallArgs;
-use super::{allreduce, driver, hier, nccl, pointers, registry, scatter_gather, streams, CudaComm};
+use super::{
+    allreduce, driver, fused_path, hier, nccl, pointers, registry, scatter_gather, streams,
+    CudaComm,
+};
 use crate::backend::{BackendMeta, BackendOps, RegisteredBuffer, SgOp};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
@@ -236,6 +239,22 @@ impl BackendOps for CudaComm {
         };
         let (path, _, _) = allreduce::path_of(&self.launch, &self.registry, &call, algo);
         path.phase_stamped()
+    }
+
+    fn stamps_fused(&self, s: &crate::fused::Shape, size: usize, algo: Algorithm) -> bool {
+        // The path the launch will take (a shape it refuses runs nothing, so no stamps).
+        self.launch.phases.is_some()
+            && s.tokens > 0
+            && self.inter.is_none()
+            && fused_path::layout(
+                self.rank,
+                self.launch.fused_forced,
+                algo,
+                self.launch.slot_bytes,
+                s,
+                size,
+            )
+            .is_ok_and(|l| l.path.phase_stamped())
     }
 
     fn stamps_scatter_gather(&self, total: usize) -> bool {

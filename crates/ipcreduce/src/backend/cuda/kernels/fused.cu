@@ -407,6 +407,7 @@ template <typename D, int W> __device__ void fused_one_shot(const FusedArgs &f) 
     u32 *ctr = a.counters + 2 * blockIdx.x;
     u32 *st = a.counters + STATE_CALL;
     const u64 call = begin_call(a);
+    TRACE_PHASE(a, PH_START); // (after the closed-counter check: see CALL_CLOSED)
     u32 F = ctr[0];
     const u32 L0 = *(volatile u32 *)&st[3];
     const u64 rpc = f.rows_per_chunk;
@@ -423,8 +424,10 @@ template <typename D, int W> __device__ void fused_one_shot(const FusedArgs &f) 
         const FusedOneShotRow<D, W> row_of{f, off, r0, sh};
         for (u64 p = blockIdx.x; P * p < n; p += gridDim.x) fused_pass(P * p, min(P, n - P * p), row_of);
     }
+    TRACE_BLOCK(a, PH_REDUCE); // the last chunk's rows summed and normalised
     if (threadIdx.x == 0) ctr[0] = F;
     finish_call(a, call, true, L0 + chunks);
+    TRACE_PHASE(a, PH_END);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -550,6 +553,7 @@ template <typename D, int W> __device__ void fused_two_shot(const FusedArgs &f) 
     u32 *ctr = a.counters + 2 * blockIdx.x;
     u32 *st = a.counters + STATE_CALL;
     const u64 call = begin_call(a);
+    TRACE_PHASE(a, PH_START); // (after the closed-counter check: see CALL_CLOSED)
     u32 F = ctr[0];
     const u32 L0 = *(volatile u32 *)&st[3];
     const u64 rpc = f.rows_per_chunk;
@@ -562,6 +566,7 @@ template <typename D, int W> __device__ void fused_two_shot(const FusedArgs &f) 
         const u64 off = slot_offset(a, L0 + k);
         if (!barrier(a, F, call, k == 0)) break;
         fused_two_sum<D, W>(f, off, r0, n);
+        TRACE_BLOCK(a, PH_REDUCE); // (the last chunk's stamp stays)
         if (!barrier(a, F, call)) break;
         // Every pass of block b: pass q * W + r, owned by rank r (block-uniform).
         for (u64 q = blockIdx.x; P * q * a.world < n; q += gridDim.x)
@@ -571,9 +576,11 @@ template <typename D, int W> __device__ void fused_two_shot(const FusedArgs &f) 
                 fused_pass(P * p, min(P, n - P * p), FusedSumRow<D>{f, a.data[r] + off, r0, sh});
             }
         if (k + 1 < chunks) fused_two_copy_in<D>(f, L0 + k + 1, r0 + rpc, min(rpc, f.tokens - r0 - rpc));
+        TRACE_BLOCK(a, PH_GATHER); // the chunk's rows normalised (the last chunk's stamp stays)
     }
     if (threadIdx.x == 0) ctr[0] = F;
     finish_call(a, call, true, L0 + chunks);
+    TRACE_PHASE(a, PH_END);
 }
 
 // The reference: no peers, no protocol state (it is not a call: the call counter stays). Its
