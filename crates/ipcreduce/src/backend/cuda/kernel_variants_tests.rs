@@ -142,6 +142,14 @@ fn a_variant_compiles_to_a_cubin_with_its_entry_points_only() {
                 assert!(!cubin_has(&cubin, &name), "{}: holds {name}", v.label());
             }
         }
+        // The phase-stamp variant, which a traced communicator loads, compiles alike.
+        if group.paths().any(CudaPath::phase_stamped) {
+            let v = v.traced(true);
+            let cubin = compile_cubin(v, "sm_90").unwrap_or_else(|e| panic!("{e}"));
+            for (_, name) in v.kernels() {
+                assert!(cubin_has(&cubin, &name), "{}: {name} missing", v.label());
+            }
+        }
     }
     let sg_max = compile_cubin(
         Variant::of(CudaPath::ReduceScatterStaged, 4, DType::F16, ReduceOp::Max),
