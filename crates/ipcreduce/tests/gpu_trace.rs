@@ -179,6 +179,22 @@ fn ns(v: &Value) -> Option<u64> {
     v.as_u64()
 }
 
+/// The lines of `lines` whose operation is one of `ops`, in order.
+fn calls_of_ops<'a>(lines: &'a [Value], ops: &[&str]) -> Vec<&'a Value> {
+    lines
+        .iter()
+        .filter(|c| ops.iter().any(|op| c["op"] == *op))
+        .collect()
+}
+
+/// The `path` of each call ("" where it has none).
+fn paths_of<'a>(calls: &[&'a Value]) -> Vec<&'a str> {
+    calls
+        .iter()
+        .map(|c| c["path"].as_str().unwrap_or(""))
+        .collect()
+}
+
 /// The rank whose trace file this is (`...-rank<R>.jsonl`).
 fn rank_of(file: &std::path::Path) -> usize {
     let name = file.file_name().unwrap().to_string_lossy().to_string();
@@ -320,16 +336,11 @@ fn phase_stamps_per_block_and_a_late_rank() {
         }
         for file in &files {
             let name = file.file_name().unwrap().to_string_lossy().to_string();
-            let sg: Vec<Value> = lines_of(file)
-                .into_iter()
-                .filter(|c| c["op"] == "reduce_scatter" || c["op"] == "all_gather")
-                .collect();
-            let paths: Vec<&str> = sg
-                .iter()
-                .map(|c| c["path"].as_str().unwrap_or(""))
-                .collect();
+            let rank = rank_of(file);
+            let lines = lines_of(file);
+            let sg = calls_of_ops(&lines, &["reduce_scatter", "all_gather"]);
             assert_eq!(
-                paths,
+                paths_of(&sg),
                 [
                     "reduce-scatter-staged",
                     "all-gather-staged",
@@ -347,26 +358,16 @@ fn phase_stamps_per_block_and_a_late_rank() {
                     call["seq"]
                 );
             }
-        }
-        for file in &files {
-            let name = file.file_name().unwrap().to_string_lossy().to_string();
-            let fused: Vec<Value> = lines_of(file)
-                .into_iter()
-                .filter(|c| c["op"] == "all_reduce_add_rms_norm")
-                .collect();
-            let paths: Vec<&str> = fused
-                .iter()
-                .map(|c| c["path"].as_str().unwrap_or(""))
-                .collect();
+            let fused = calls_of_ops(&lines, &["all_reduce_add_rms_norm"]);
             assert_eq!(
-                paths,
+                paths_of(&fused),
                 ["oneshot", "oneshot", "twoshot", "twoshot"],
                 "{name}"
             );
             for call in &fused {
                 let what = format!("{name}: fused #{} ({})", call["seq"], call["path"]);
                 // Order, and within the call's span, as every stamped call.
-                check_call(rank_of(file), call);
+                check_call(rank, call);
                 let two_shot = call["path"] == "twoshot";
                 for b in call["phases"]["blocks"].as_array().unwrap() {
                     assert!(b["reduce_ns"].is_u64(), "{what}: no reduce stamp: {b}");
