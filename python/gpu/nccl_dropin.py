@@ -2,7 +2,9 @@
 preloaded (scripts/device/nccl-dropin.sh): all_reduce (sum/max/min/avg), reduce_scatter_tensor
 (sum/max/min/avg) and all_gather_into_tensor (out of place and in place) of several sizes and
 dtypes, eager (on the default stream, and on cudaStreamLegacy and cudaStreamPerThread by
-handle) and inside a CUDA graph, a broadcast, every result checked against a float64 reference; a few DDP steps whose
+handle) and inside a CUDA graph, a broadcast, all-reduces on tensors inside a symmetric NCCL window
+(ncclMemAlloc pool + ncclCommWindowRegister), every result checked against a float64 reference;
+a few DDP steps whose
 losses the script compares between the two runs; the time of a small all-reduce.
 It imports nothing of ipcreduce: what it runs on is the preload's business.
 Run: torchrun --standalone --nproc_per_node=2 nccl_dropin.py   (DROPIN_TAG names the report)"""
@@ -201,6 +203,51 @@ for replay in range(20):
 graph_checks = checks - eager_checks
 
 
+# A symmetric window (NCCL's memory pool, ncclCommWindowRegister with NCCL_WIN_COLL_SYMMETRIC):
+# all-reduces in place on tensors inside it, at the same offsets on every rank, checked; then
+# deregistered. Preloaded, ipcreduce registers the window too and takes these calls zero-copy
+# where NCCL made the window (the log names the path: *-reg); where NCCL supports no windows on
+# this communicator (ranks on "different hosts" under MPS) it returns none and they are staged.
+def window_checks() -> dict:
+    import ctypes
+    backend = dist.group.WORLD._get_backend(dev)
+    lib = ctypes.CDLL(None)  # the loaded NCCL's symbols (the preload's first)
+    if not (hasattr(backend, "_comm_ptr") and hasattr(backend, "mem_allocator")
+            and hasattr(lib, "ncclCommWindowRegister")):
+        skipped.append("window: this torch/NCCL has no NCCL memory pool or windows")
+        return dict(window="skipped")
+    n_max = 1 << 20
+    pool = torch.cuda.MemPool(backend.mem_allocator)
+    with torch.cuda.use_mem_pool(pool):
+        buf = torch.zeros(2 * n_max, device=dev, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    comm = ctypes.c_void_p(backend._comm_ptr())
+    win = ctypes.c_void_p()
+    rc = lib.ncclCommWindowRegister(comm, ctypes.c_void_p(buf.data_ptr()),
+                                    ctypes.c_size_t(buf.numel() * buf.element_size()),
+                                    ctypes.byref(win), ctypes.c_int(1))
+    expect(rc == 0, f"ncclCommWindowRegister returned {rc}")
+    global salt
+    for n, at in ((4096, 0), (4096, 8192), (65536 + 3, 1000), (n_max, n_max)):
+        salt += 1
+        x = buf[at:at + n]
+        x.copy_(data(rank, n, torch.bfloat16, salt))
+        inputs = [data(r, n, torch.bfloat16, salt) for r in range(world)]
+        for _ in range(2):  # the second call on the same buffer too (registered once)
+            dist.all_reduce(x)
+            expect(close(x, inputs, "sum", torch.bfloat16), f"window all_reduce n={n} at={at}")
+            x.copy_(data(rank, n, torch.bfloat16, salt))
+    torch.cuda.synchronize()
+    rc = lib.ncclCommWindowDeregister(comm, win)
+    expect(rc == 0, f"ncclCommWindowDeregister returned {rc}")
+    made = bool(win.value)
+    del x, buf
+    return dict(window="made by NCCL" if made else "none from NCCL (staged)")
+
+
+window = window_checks()
+
+
 # DDP: the same model, data and seed in both runs; losses compared by the driver script.
 def ddp_losses(steps: int = 5) -> list:
     torch.manual_seed(0)
@@ -258,6 +305,7 @@ graph_us = sorted(time_us(g2.replay, 20) / 50 for _ in range(5))[2]
 
 report = dict(tag=tag, rank=rank, world=world, failures=failures, checks=checks, skipped=skipped,
               eager_checks=eager_checks, graph_checks=graph_checks, ddp_losses=losses,
+              **window,
               allreduce_8k_bf16_eager_us=eager_us, allreduce_8k_bf16_graph_us=graph_us,
               preload=env.get("LD_PRELOAD", ""), torch=torch.__version__,
               nccl=".".join(map(str, torch.cuda.nccl.version())),

@@ -29,6 +29,8 @@ pub struct Accel {
     pub error: Slot,
     /// The kernels of `ncclAvg`'s division, loaded at its first call.
     pub scaler: OnceLock<Result<Scaler, String>>,
+    /// NCCL windows (addresses) also registered with ipcreduce ([`crate::window`]).
+    pub windows: Mutex<Vec<(usize, ipcreduce::RegisteredBuffer)>>,
 }
 
 impl Accel {

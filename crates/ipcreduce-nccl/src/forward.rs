@@ -14,8 +14,6 @@ forward! {
     fn ncclCommUserRank / pncclCommUserRank(comm: Comm, rank: *mut c_int) -> NcclResult = SYSTEM_ERROR;
     fn ncclCommRegister / pncclCommRegister(comm: Comm, buff: *mut c_void, size: usize, handle: *mut *mut c_void) -> NcclResult = SYSTEM_ERROR;
     fn ncclCommDeregister / pncclCommDeregister(comm: Comm, handle: *mut c_void) -> NcclResult = SYSTEM_ERROR;
-    fn ncclCommWindowRegister / pncclCommWindowRegister(comm: Comm, buff: *mut c_void, size: usize, win: *mut Window, flags: c_int) -> NcclResult = SYSTEM_ERROR;
-    fn ncclCommWindowDeregister / pncclCommWindowDeregister(comm: Comm, win: Window) -> NcclResult = SYSTEM_ERROR;
     fn ncclRedOpCreatePreMulSum / pncclRedOpCreatePreMulSum(op: *mut RedOp, scalar: *mut c_void, datatype: DataType, residence: Residence, comm: Comm) -> NcclResult = SYSTEM_ERROR;
     fn ncclRedOpDestroy / pncclRedOpDestroy(op: RedOp, comm: Comm) -> NcclResult = SYSTEM_ERROR;
     fn ncclReduce / pncclReduce(send: *const c_void, recv: *mut c_void, count: usize, datatype: DataType, op: RedOp, root: c_int, comm: Comm, stream: Stream) -> NcclResult = SYSTEM_ERROR;

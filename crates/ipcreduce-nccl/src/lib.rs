@@ -22,6 +22,7 @@
 //! | [`log`] | `IPCREDUCE_NCCL`, call lines and counts |
 //! | [`profile`] | `IPCREDUCE_NCCL_PROFILE=1`: host time per phase |
 //! | [`errors`] | texts for `ncclGetLastError` |
+//! | [`window`] | symmetric windows registered with ipcreduce too: zero-copy collectives |
 
 // The entry points' safety contract is nccl.h's, the same for all of them; they are called
 // from C only.
@@ -41,3 +42,4 @@ pub mod log;
 pub mod profile;
 pub mod real;
 pub mod types;
+pub mod window;

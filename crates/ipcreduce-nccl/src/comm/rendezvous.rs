@@ -170,6 +170,7 @@ pub fn accelerate(comm: Comm) -> Result<Option<Accel>, (NcclResult, String)> {
         comm: Mutex::new(comm),
         error: Slot::default(),
         scaler: std::sync::OnceLock::new(),
+        windows: Mutex::new(Vec::new()),
     }))
 }
 
