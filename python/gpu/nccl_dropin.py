@@ -211,7 +211,14 @@ graph_checks = checks - eager_checks
 def window_checks() -> dict:
     import ctypes
     backend = dist.group.WORLD._get_backend(dev)
-    lib = ctypes.CDLL(None)  # the loaded NCCL's symbols (the preload's first)
+    # The process's symbols, the preload's first (a handle on libnccl itself would bypass
+    # it); without a preload, the NCCL torch loaded, if its symbols are not global.
+    lib = ctypes.CDLL(None)
+    if not hasattr(lib, "ncclCommWindowRegister") and not env.get("LD_PRELOAD"):
+        try:
+            lib = ctypes.CDLL("libnccl.so.2")
+        except OSError:
+            pass
     if not (hasattr(backend, "_comm_ptr") and hasattr(backend, "mem_allocator")
             and hasattr(lib, "ncclCommWindowRegister")):
         skipped.append("window: this torch/NCCL has no NCCL memory pool or windows")
