@@ -126,12 +126,11 @@ pub fn layout(
 /// Rows dealt to a block at a time (kernels/fused.cu `FusedArgs::pass_rows`): one row per
 /// block (taken by the whole block) while a chunk's rows, or on two-shot a rank's share of
 /// them, fit within the agreed cap; beyond, pairs (taken by the block's two halves at once).
-/// The LL kernel deals pairs whatever this says. From the identity and the cap alone, so the
-/// same on every rank.
+/// The LL kernel's call is one chunk. From the identity and the cap alone, so the same on every
+/// rank.
 pub fn pass_rows(l: &Layout, world: usize, cap: usize) -> usize {
     let rows = match l.path {
         CudaPath::FusedTwoShot => l.rows_per_chunk.div_ceil(world.max(1)),
-        CudaPath::FusedLl => return 2,
         _ => l.rows_per_chunk,
     };
     if rows <= cap.max(1) {
@@ -190,9 +189,12 @@ mod tests {
         assert_eq!(grid(&l(two, 256), 4, 64, 1024), 64);
         assert_eq!(pass_rows(&l(two, 260), 4, 64), 2);
         assert_eq!(grid(&l(two, 260), 4, 64, 1024), 33);
-        // LL: pairs always.
-        assert_eq!(pass_rows(&l(CudaPath::FusedLl, 4), 2, 64), 2);
-        assert_eq!(grid(&l(CudaPath::FusedLl, 4), 2, 64, 1024), 2);
+        // LL (the whole call one chunk): as one-shot.
+        let ll = CudaPath::FusedLl;
+        assert_eq!(pass_rows(&l(ll, 4), 2, 64), 1);
+        assert_eq!(grid(&l(ll, 4), 2, 64, 1024), 4);
+        assert_eq!(pass_rows(&l(ll, 100), 2, 64), 2);
+        assert_eq!(grid(&l(ll, 100), 2, 64, 1024), 50);
     }
 
     #[test]

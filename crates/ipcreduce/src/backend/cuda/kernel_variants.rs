@@ -107,9 +107,10 @@ impl CudaPath {
     /// Whether the path's kernels stamp their phases when traced (prims.cuh): the all-reduce
     /// kernels of ll.cu, staged.cu and zerocopy.cu, the reduce-scatter and all-gather
     /// kernels of scatter_gather.cu (their start, end and barriers), and the staged fused
-    /// kernels of fused.cu (start, barriers, rows summed, rows normalised, end). The
-    /// copy-engine path (its chunks are copies, timed by the timeline's events), the fused LL
-    /// kernel and the fused reference (no call) keep their plain variant while tracing.
+    /// and LL fused kernels of fused.cu and fused_ll.cu (start, the peers first seen, rows
+    /// summed, rows normalised, end). The copy-engine path (its chunks are copies, timed by
+    /// the timeline's events) and the fused reference (no call) keep their plain variant while
+    /// tracing.
     pub fn phase_stamped(self) -> bool {
         matches!(
             Group::of(self),
@@ -119,7 +120,10 @@ impl CudaPath {
                 | Group::ZeroCopy
                 | Group::ZeroCopyDeep
                 | Group::ScatterGather
-        ) || matches!(self, CudaPath::FusedOneShot | CudaPath::FusedTwoShot)
+        ) || matches!(
+            self,
+            CudaPath::FusedOneShot | CudaPath::FusedTwoShot | CudaPath::FusedLl
+        )
     }
 }
 

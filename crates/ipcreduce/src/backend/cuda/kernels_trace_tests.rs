@@ -86,6 +86,7 @@ fn traced_kernels_fit_their_register_budget() {
             CudaPath::AllGatherReg,
             CudaPath::FusedOneShot,
             CudaPath::FusedTwoShot,
+            CudaPath::FusedLl,
         ] {
             assert!(path.phase_stamped(), "{path:?} is not traced");
             for dtype in DType::ALL {
