@@ -136,9 +136,10 @@ impl Shape {
 /// it is `Auto`, which the host backend resolves as it does the all-reduce (the same
 /// all-reduce runs inside), and the cuda backend as `OneShot` at every size: on one H200 with
 /// two and four ranks under MPS (2026-12-04, `fused-bench` with each path forced) the one-shot
-/// kernel was the fastest of the three at every shape of hidden 4096-16384 x tokens 1-512:
-/// two-shot took 1.01-3.43x its time, LL 1.25-3.55x (bench/results/2026-12-04-h200-mps-fused-paths/).
-/// Both stay for `TwoShot` and `IPCREDUCE_FUSED_PATH`, to be measured across GPUs. Every input
+/// kernel beat two-shot (1.01-3.43x its time) at every shape of hidden 4096-16384 x tokens
+/// 1-512 (bench/results/2026-12-04-h200-mps-fused-paths/). `OneShot` takes the LL kernel for
+/// short rows and small calls, where that was faster (backend/cuda/fused_path.rs `ll_auto`).
+/// Two-shot stays for `TwoShot` and `IPCREDUCE_FUSED_PATH`, to be measured across GPUs. Every input
 /// is part of the call's identity or agreed at init, so every rank chooses alike.
 pub fn choose(
     requested: Algorithm,

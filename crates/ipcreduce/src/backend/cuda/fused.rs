@@ -86,7 +86,15 @@ pub(super) fn launch(
     if s.tokens == 0 {
         return l.empty(SgOp::AddRmsNorm, dtype, ReduceOp::Sum, stream);
     }
-    let layout = fused_path::layout(l.rank, l.fused_forced, algo, l.slot_bytes, s, dtype.size())?;
+    let layout = fused_path::layout(
+        l.rank,
+        l.world,
+        l.fused_forced,
+        algo,
+        l.slot_bytes,
+        s,
+        dtype.size(),
+    )?;
     let path = layout.path;
     // Every rank derives the grid from the identity (path, rows, slot) and the agreed cap.
     let grid = fused_path::grid(&layout, l.world, l.limits.cap, MAX_BLOCKS);

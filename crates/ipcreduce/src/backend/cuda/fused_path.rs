@@ -1,12 +1,11 @@
 //! Which fused kernel a call runs, and how its chunks lie in the workspace slots.
 //!
 //! The algorithm comes chosen ([`crate::fused::choose`]: `OneShot` or `TwoShot`; `Auto` is
-//! `OneShot`): `OneShot` runs the staged one-shot kernel, `TwoShot` the two-shot one. The LL
-//! kernel runs only where `IPCREDUCE_FUSED_PATH` (read once at init, for the tests and the
-//! benchmark) forces it, as it can force any path for every call: on one H200 it was slower
-//! than the staged one-shot kernel at every shape it takes (`crate::fused::choose`). The path
-//! is part of the call's identity, so ranks that force different ones fail with a mismatch
-//! instead of pairing two kernels.
+//! `OneShot`): `OneShot` runs the LL kernel where it was measured faster ([`ll_auto`]: short
+//! rows, small calls, up to four ranks), the staged one-shot kernel elsewhere; `TwoShot` the
+//! two-shot one. `IPCREDUCE_FUSED_PATH` (read once at init, for the tests and the benchmark)
+//! forces any path for every call. The path is part of the call's identity, so ranks that force
+//! different ones fail with a mismatch instead of pairing two kernels.
 
 use super::kernels::LL_MAX_BYTES;
 use super::paths::CudaPath;
@@ -68,11 +67,31 @@ fn ll_fits(s: &Shape, size: usize) -> bool {
     (s.hidden * size).is_multiple_of(8) && bytes <= LL_MAX_BYTES
 }
 
+/// The widest row, in bytes, that `OneShot` gives the LL kernel. On one H100 under MPS
+/// (2026-12-07, bf16, 1-32 tokens, graphs of 20 calls; bench/results/2026-12-07-h100-ll-fused)
+/// fused-ll took 0.79-0.87 of the staged one-shot kernel's time with rows of 8 KiB (hidden
+/// 4096) at worlds 2 and 4, but 0.94-1.25 with 16 KiB rows and 1.13-1.77 with 32 KiB rows.
+pub const LL_AUTO_MAX_ROW_BYTES: usize = 8192;
+/// The largest call (bytes per rank) `OneShot` gives the LL kernel: the largest measured.
+pub const LL_AUTO_MAX_BYTES: usize = 256 * 1024;
+/// The largest world `OneShot` gives the LL kernel: the largest measured.
+pub const LL_AUTO_MAX_WORLD: usize = 4;
+
+/// Whether `OneShot` runs the call on the LL kernel (see [`LL_AUTO_MAX_ROW_BYTES`]): from the
+/// identity alone (shape, element size, world), so every rank decides alike.
+pub fn ll_auto(s: &Shape, size: usize, world: usize) -> bool {
+    ll_fits(s, size)
+        && s.hidden * size <= LL_AUTO_MAX_ROW_BYTES
+        && s.count() * size <= LL_AUTO_MAX_BYTES
+        && world <= LL_AUTO_MAX_WORLD
+}
+
 /// The path and layout of a call: `forced` if set, else the algorithm's kernel. A row that does
 /// not fit a slot of `slot_bytes` (the agreed workspace's) is an error (on either staged path
 /// the same: see [`row_stride`]).
 pub fn layout(
     rank: usize,
+    world: usize,
     forced: Option<CudaPath>,
     algo: Algorithm,
     slot_bytes: usize,
@@ -81,6 +100,7 @@ pub fn layout(
 ) -> Result<Layout> {
     let path = forced.unwrap_or(match algo {
         Algorithm::TwoShot => CudaPath::FusedTwoShot,
+        _ if ll_auto(s, size, world) => CudaPath::FusedLl,
         _ => CudaPath::FusedOneShot,
     });
     if path == CudaPath::FusedLl {
@@ -220,7 +240,7 @@ mod tests {
 
     #[test]
     fn rows_lie_back_to_back_one_shot_and_on_a_16_byte_stride_two_shot() {
-        let bf16 = |algo, tokens, fp8| layout(0, None, algo, 1 << 20, &s(tokens, 4096, fp8), 2);
+        let bf16 = |algo, tokens, fp8| layout(0, 2, None, algo, 1 << 20, &s(tokens, 4096, fp8), 2);
         let one = bf16(Algorithm::OneShot, 512, false).unwrap();
         assert_eq!(
             (one.path, one.rows_per_chunk, one.stride),
@@ -237,6 +257,7 @@ mod tests {
         let forced = Some(CudaPath::FusedTwoShot);
         let l = layout(
             0,
+            2,
             forced,
             Algorithm::OneShot,
             1 << 20,
@@ -250,20 +271,43 @@ mod tests {
     }
 
     #[test]
-    fn ll_runs_only_forced_and_takes_rows_of_whole_lines() {
-        let path = |algo, tokens, hidden| {
-            layout(0, None, algo, 1 << 20, &s(tokens, hidden, false), 2)
-                .unwrap()
-                .path
+    fn one_shot_takes_ll_for_short_rows_and_small_calls_up_to_four_ranks() {
+        let path = |world, algo, tokens, hidden, size| {
+            layout(
+                0,
+                world,
+                None,
+                algo,
+                1 << 20,
+                &s(tokens, hidden, false),
+                size,
+            )
+            .unwrap()
+            .path
         };
-        // Small calls whose rows are whole lines, which LL could take: the staged kernels.
-        assert_eq!(path(Algorithm::OneShot, 1, 4096), CudaPath::FusedOneShot);
-        assert_eq!(path(Algorithm::Auto, 32, 4096), CudaPath::FusedOneShot);
-        assert_eq!(path(Algorithm::TwoShot, 1, 4096), CudaPath::FusedTwoShot);
+        let (one, auto, two) = (Algorithm::OneShot, Algorithm::Auto, Algorithm::TwoShot);
+        // bf16 rows of 8 KiB (hidden 4096): LL from 1 to 32 tokens (256 KiB), worlds 2-4.
+        assert_eq!(path(2, one, 1, 4096, 2), CudaPath::FusedLl);
+        assert_eq!(path(2, auto, 32, 4096, 2), CudaPath::FusedLl);
+        assert_eq!(path(4, one, 8, 4096, 2), CudaPath::FusedLl);
+        // f32 rows of 8 KiB too; a row that is no whole line (7 bf16 = 14 bytes) is not.
+        assert_eq!(path(3, one, 2, 2048, 4), CudaPath::FusedLl);
+        assert_eq!(path(2, one, 1, 7, 2), CudaPath::FusedOneShot);
+        // Past a bound: 33 tokens (264 KiB), rows of 16 KiB, world 5 and 8.
+        assert_eq!(path(2, one, 33, 4096, 2), CudaPath::FusedOneShot);
+        assert_eq!(path(2, one, 1, 8192, 2), CudaPath::FusedOneShot);
+        assert_eq!(path(5, one, 1, 4096, 2), CudaPath::FusedOneShot);
+        assert_eq!(path(8, one, 1, 4096, 2), CudaPath::FusedOneShot);
+        // Two-shot stays two-shot.
+        assert_eq!(path(2, two, 1, 4096, 2), CudaPath::FusedTwoShot);
+        // The LL layout: the whole call one chunk, rows back to back.
+        let l = layout(0, 2, None, one, 1 << 20, &s(32, 4096, false), 2).unwrap();
+        assert_eq!((l.rows_per_chunk, l.stride), (32, 8192));
         // Forced, the LL area is the only bound; a row that is no whole line is refused.
         let forced = |tokens, hidden| {
             layout(
                 3,
+                2,
                 Some(CudaPath::FusedLl),
                 Algorithm::TwoShot,
                 1 << 20,
@@ -282,17 +326,18 @@ mod tests {
     fn a_row_too_wide_for_the_slot_is_an_error_naming_the_path() {
         // 4096 bf16 = 8192 bytes: two-shot no longer needs room for the outputs.
         let shape = s(4, 4096, true);
-        let l = layout(0, None, Algorithm::TwoShot, 8192, &shape, 2).unwrap();
+        let l = layout(0, 2, None, Algorithm::TwoShot, 8192, &shape, 2).unwrap();
         assert_eq!((l.path, l.rows_per_chunk), (CudaPath::FusedTwoShot, 1));
         let forced = Some(CudaPath::FusedTwoShot);
-        let e = layout(2, forced, Algorithm::Auto, 8176, &shape, 2)
+        let e = layout(2, 2, forced, Algorithm::Auto, 8176, &shape, 2)
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("rank 2") && e.contains("8192 bytes") && e.contains("fused-twoshot"),
             "{e}"
         );
-        let e = layout(0, None, Algorithm::OneShot, 8000, &shape, 2)
+        // (World 8: at 2-4 ranks one-shot would take these rows on the LL kernel, slot-free.)
+        let e = layout(0, 8, None, Algorithm::OneShot, 8000, &shape, 2)
             .unwrap_err()
             .to_string();
         assert!(e.contains("8192 bytes"), "{e}");

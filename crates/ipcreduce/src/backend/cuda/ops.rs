@@ -248,6 +248,7 @@ impl BackendOps for CudaComm {
             && self.inter.is_none()
             && fused_path::layout(
                 self.rank,
+                self.launch.world,
                 self.launch.fused_forced,
                 algo,
                 self.launch.slot_bytes,
