@@ -40,7 +40,7 @@ unset IPCREDUCE_TOPOLOGY IPCREDUCE_DENY_PEER IPCREDUCE_BLOCKS IPCREDUCE_SLOT_BYT
   IPCREDUCE_CE_STAGED_MIN
 export CUDA_VISIBLE_DEVICES=0
 env_txt "CASES=$CASES MAX=$MAX CHUNKS=$CHUNKS ITERS=$ITERS BOUND=$BOUND PHASES=$PHASES BUDGET=$BUDGET
-commit=$(git rev-parse HEAD 2>/dev/null) tests=$(cat target/gpu-tests/gpu.commit 2>/dev/null)"
+tests=$(cat target/gpu-tests/gpu.commit 2>/dev/null)"
 has() { [[ $PHASES == *" $1 "* ]]; }
 
 if has gputests && budget_fits 200; then

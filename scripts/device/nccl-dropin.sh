@@ -49,7 +49,8 @@ export DROPIN_OUT=$OUT
   date -u +%Y-%m-%dT%H:%M:%SZ
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())'
-  git -C "$REPO" rev-parse HEAD 2>/dev/null
+  # The commit the library was built from (the tree's git may be stale on a copied tree).
+  grep -aoEm1 'ipcreduce-nccl build (unknown|[0-9a-f]{12}(-dirty)?)' "$LIB"
   ls -l "$LIB"
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"

@@ -23,7 +23,7 @@ BUDGET=${BUDGET:-200}
 gpu_run_setup
 mkdir -p "$OUT/json"
 export CUDA_VISIBLE_DEVICES=0
-env_txt "MAX=$MAX ITERS=$ITERS BUDGET=$BUDGET commit=$(git rev-parse HEAD 2>/dev/null)
+env_txt "MAX=$MAX ITERS=$ITERS BUDGET=$BUDGET
 $(nvidia-smi --query-gpu=pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current --format=csv 2>&1)"
 
 PROBE=$(mktemp -d)/pcie_link

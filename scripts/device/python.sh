@@ -39,7 +39,6 @@ GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   "$BIN" --version
   python3 -c 'import torch, ipcreduce; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "ipcreduce", ipcreduce.__version__)'
-  git -C "$REPO" rev-parse HEAD 2>/dev/null
   echo "wheel $(basename "$WHEEL")"
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"

@@ -27,7 +27,8 @@ use std::time::Duration;
 #[derive(Parser, Debug)]
 #[command(
     name = "ipcreduce",
-    version,
+    // The commit too: device scripts record it (a copied tree's git may be stale there).
+    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("IPCREDUCE_GIT_COMMIT"), ")"),
     about = "All-reduce between the GPUs or processes of one machine"
 )]
 struct Cli {

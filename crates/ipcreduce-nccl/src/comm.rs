@@ -121,8 +121,10 @@ pub fn accelerate_new(comm: Comm, blocking: bool, what: &str) -> NcclResult {
             log::note_rank(
                 a.rank,
                 format_args!(
-                    "{what}: rank {} of {}: ipcreduce communicator ready",
-                    a.rank, a.world
+                    "{what}: rank {} of {}: ipcreduce communicator ready ({})",
+                    a.rank,
+                    a.world,
+                    crate::BUILD
                 ),
             );
             insert(comm, a);

@@ -28,6 +28,10 @@
 // from C only.
 #![allow(clippy::missing_safety_doc, non_snake_case)]
 
+/// What this library was built from, one contiguous string in the binary (device scripts read
+/// it with `grep -a`; the ready line of `IPCREDUCE_NCCL=log` prints it).
+pub const BUILD: &str = concat!("ipcreduce-nccl build ", env!("IPCREDUCE_GIT_COMMIT"));
+
 #[macro_use]
 mod macros;
 pub mod avg;
