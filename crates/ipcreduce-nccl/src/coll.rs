@@ -53,7 +53,7 @@ pub struct Plan {
 
 /// The accelerated communicator and ipcreduce's plan for `call`, or why it is forwarded.
 pub fn ours(call: &Args) -> Result<(Arc<Accel>, Plan), &'static str> {
-    if !matches!(log::mode(), Ok(log::Mode::On | log::Mode::Log)) {
+    if !log::accelerating() {
         return Err("IPCREDUCE_NCCL=off");
     }
     let a = lookup(call.comm).ok_or("communicator not accelerated")?;
@@ -164,12 +164,7 @@ pub fn run(call: &Args) -> NcclResult {
             }));
             match r {
                 Ok(r) => r.map_or_else(|e| a.fail(&e), |()| SUCCESS),
-                Err(_) => {
-                    let why = format!("rank {}: ipcreduce panicked in {call}", a.rank);
-                    a.abort.abort(why.clone());
-                    a.error.set(&format!("ipcreduce-nccl: {why}"));
-                    INTERNAL_ERROR
-                }
+                Err(_) => a.panicked(call),
             }
         }
         Err(why) => forward(call, why),

@@ -40,6 +40,15 @@ impl Accel {
         code_of(e)
     }
 
+    /// After a panic inside one of our calls (`what`): the communicator aborted (peers learn it
+    /// at once), the reason kept for `ncclGetLastError`, NCCL's internal error returned.
+    pub fn panicked(&self, what: impl std::fmt::Display) -> NcclResult {
+        let why = format!("rank {}: ipcreduce panicked in {what}", self.rank);
+        self.abort.abort(why.clone());
+        self.error.set(&format!("ipcreduce-nccl: {why}"));
+        INTERNAL_ERROR
+    }
+
     /// Divides the `count` elements of `dt` at `p` by the world size, on `stream`.
     ///
     /// # Safety

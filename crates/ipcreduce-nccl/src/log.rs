@@ -45,6 +45,11 @@ pub fn mode() -> Result<Mode, &'static str> {
     .map_err(|e| e.as_str())
 }
 
+/// Whether ipcreduce may take calls (`IPCREDUCE_NCCL=on` or `log`, the default on).
+pub fn accelerating() -> bool {
+    matches!(mode(), Ok(Mode::On | Mode::Log))
+}
+
 /// Whether calls are logged (`IPCREDUCE_NCCL=log`).
 pub fn logging() -> bool {
     mode() == Ok(Mode::Log)

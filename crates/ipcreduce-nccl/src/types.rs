@@ -20,6 +20,7 @@ pub type Stream = *mut c_void;
 
 /// `NCCL_WIN_COLL_SYMMETRIC`: a window whose collectives pass the same offset on every rank.
 pub const WIN_COLL_SYMMETRIC: c_int = 0x01;
+
 /// `ncclDataType_t`, `ncclRedOp_t`, `ncclScalarResidence_t`: C enums, `int` wide.
 pub type DataType = c_int;
 pub type RedOp = c_int;

@@ -115,24 +115,13 @@ pub fn deregister(comm: Comm, window: Window) -> NcclResult {
             SUCCESS
         }
         Ok(Err(e)) => a.fail(&e),
-        Err(_) => {
-            let why = format!(
-                "rank {}: ipcreduce panicked in ncclCommWindowDeregister",
-                a.rank
-            );
-            a.abort.abort(why.clone());
-            a.error.set(&format!("ipcreduce-nccl: {why}"));
-            INTERNAL_ERROR
-        }
+        Err(_) => a.panicked("ncclCommWindowDeregister"),
     }
 }
 
 /// The accelerated communicator behind `comm`, unless `IPCREDUCE_NCCL=off`.
 fn ours(comm: Comm) -> Option<std::sync::Arc<Accel>> {
-    if !matches!(log::mode(), Ok(log::Mode::On | log::Mode::Log)) {
-        return None;
-    }
-    lookup(comm)
+    log::accelerating().then(|| lookup(comm)).flatten()
 }
 
 entry! {

@@ -1,4 +1,6 @@
-//! Records the git commit the binary was built from, for benchmark reports.
+//! The build script of ipcreduce-cli and ipcreduce-nccl: the git commit they are built from,
+//! as `IPCREDUCE_GIT_COMMIT` (`ipcreduce --version`, benchmark reports, `ipcreduce_nccl::BUILD`).
+//! Paths are from the package's directory (crates/<package>).
 fn main() {
     let commit = std::process::Command::new("git")
         .args(["rev-parse", "--short=12", "HEAD"])
