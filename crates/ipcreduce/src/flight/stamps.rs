@@ -1,13 +1,12 @@
 //! Phase stamps (cuda, with `IPCREDUCE_TRACE`): the host's half of the in-kernel stamps of
 //! "Phase stamps" in kernels/prims.cuh. Thread 0 of every block of a traced kernel writes a
 //! %globaltimer stamp at each phase boundary (start, each peer first seen, reduce done, gather
-//! done, end) into a ring of host-mapped pinned memory, one 64-bit word per (call, block,
-//! phase). This module decodes the ring (the cuda backend owns the memory and its clock,
-//! backend/cuda/phase_ring.rs) into per-call, per-block times on the host's wall clock, for
-//! the trace files the flight recorder writes.
+//! done, end) into a ring in device memory, one 64-bit word per (call, block, phase). This
+//! module decodes the ring (the cuda backend owns the memory, copies it into host memory when
+//! the trace is written, and owns the clock: backend/cuda/phase_ring.rs) into per-call,
+//! per-block times on the host's wall clock, for the trace files the flight recorder writes.
 //!
-//! Nothing here calls CUDA: the ring is plain memory the GPU writes, read whenever the trace is
-//! written, even while a kernel hangs.
+//! Nothing here calls CUDA: [`Source::read`] hands over the words.
 
 /// Calls the ring holds (`PH_CALLS`): the slot of call `kseq` is `kseq % CALLS`.
 pub const CALLS: usize = 1024;

@@ -1,9 +1,20 @@
 //! The phase-stamp ring of one communicator (with `IPCREDUCE_TRACE`; see "Phase stamps" in
-//! kernels/prims.cuh and [`crate::flight::stamps`]): host-mapped pinned memory the traced
-//! kernels stamp into, which the host reads without a CUDA call, and the GPU clock's tick and
+//! kernels/prims.cuh and [`crate::flight::stamps`]): device memory the traced kernels stamp
+//! into, copied into a pinned host mirror when the trace is read, and the GPU clock's tick and
 //! anchors against the host's wall clock.
 //!
-//! The anchors come from a one-thread kernel on a private stream that reads %globaltimer and
+//! Why device memory: each stamp written across PCIe into host-mapped memory made an eager
+//! call's kernel end later (the grid's writes are flushed before it completes): 1.26x the
+//! untraced time at 64 KiB and 1.14x at 256 KiB, against 1.04x and 1.06x with the stamps in
+//! device memory (one H100 under MPS, bench/results/2026-12-07-h100-trace-ring/). The ring is
+//! read only when a trace is written (at close, at a failure, `write_trace`), so its copy costs
+//! nothing per call. The copy runs on a private non-blocking stream on a copy engine, so it
+//! does not queue behind a kernel that still waits for a peer (every such wait is bounded and
+//! a timed-out kernel returns: the context stays usable); it is waited for at most
+//! [`ANCHOR_WAIT`], and a copy that has not finished by then leaves the stamps of the previous
+//! read (each word carries its call's tag, so an older word is never taken for a newer call's).
+//!
+//! The anchors come from a one-thread kernel on the same stream that reads %globaltimer and
 //! writes it into mapped memory; the host spins on that word and reads its own clock when it
 //! lands (a PCIe write, about a microsecond). At a read the GPU may be stuck in a call that
 //! waits for a peer: the anchor is then given up after [`ANCHOR_WAIT`] and the start's anchor
@@ -14,7 +25,7 @@ use super::kernels::variants::{self, Target};
 use crate::error::Result;
 use crate::flight::stamps::{self, CallStamps, Clock};
 use cudarc::driver::{safe as cs, sys};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -48,8 +59,17 @@ const ANCHOR_WAIT: Duration = Duration::from_millis(200);
 const CLOCK_WORDS: usize = 3;
 
 pub(super) struct PhaseRing {
+    /// Pinned host memory: the ring's mirror ([`stamps::WORDS`]), then the clock kernel's
+    /// output ([`CLOCK_WORDS`]).
     host: *mut u64,
-    device: u64,
+    /// `host`'s device address (the clock kernel writes its output there).
+    mapped: u64,
+    /// The ring itself, in device memory: the address the traced kernels stamp into.
+    ring: u64,
+    /// A copy of the ring into the mirror did not finish in time and may still run: the ring
+    /// and the mirror are then leaked rather than freed under it, and not copied again.
+    copy_pending: AtomicBool,
+    rank: usize,
     /// Per ring slot: (kernel call number, flight call number) of the call that owns it.
     calls: Mutex<Vec<(u64, u64)>>,
     /// The flight recorder's current call (see [`stamps::Source::set_call`]).
@@ -84,9 +104,10 @@ impl PhaseRing {
     /// The ring of a communicator on `ctx` (current on this thread), its clock kernel compiled
     /// for `target`, the tick and the first anchor measured.
     pub fn new(ctx: &Arc<cs::CudaContext>, target: &Target, rank: usize) -> Result<Arc<PhaseRing>> {
+        let clock = Mutex::new(ClockKernel::new(ctx, target, rank)?);
         let words = stamps::WORDS + CLOCK_WORDS;
         let (host, mapped) = driver::host_alloc_mapped(words * 8, rank)?;
-        let device = match mapped {
+        let mapped = match mapped {
             Ok(d) => d,
             Err(e) => {
                 // SAFETY: just allocated, never used.
@@ -97,12 +118,23 @@ impl PhaseRing {
         let host = host.cast::<u64>();
         // SAFETY: `words` u64 of our own pinned memory; no kernel has its address yet.
         unsafe { std::ptr::write_bytes(host, 0, words) };
+        let ring = match Self::device_ring(rank) {
+            Ok(r) => r,
+            Err(e) => {
+                // SAFETY: allocated above, never used.
+                unsafe { driver::free_host(host.cast()) };
+                return Err(e);
+            }
+        };
         let mut ring = PhaseRing {
             host,
-            device,
+            mapped,
+            ring,
+            copy_pending: AtomicBool::new(false),
             calls: Mutex::new(vec![(0, 0); stamps::CALLS]),
             current: AtomicU64::new(0),
-            clock: Mutex::new(ClockKernel::new(ctx, target, rank)?),
+            clock,
+            rank,
             tick_ns: 0,
             start: (0, 0),
         };
@@ -117,13 +149,67 @@ impl PhaseRing {
         Ok(Arc::new(ring))
     }
 
+    /// The ring in device memory, zeroed (a zero word is no call's: call numbers start at 1).
+    fn device_ring(rank: usize) -> Result<u64> {
+        let bytes = stamps::WORDS * 8;
+        let ring = driver::mem_alloc(bytes, rank)?;
+        // SAFETY: just allocated; no kernel has its address.
+        if let Err(e) =
+            unsafe { driver::zero(ring, bytes, rank, || "zeroing the phase-stamp ring".into()) }
+        {
+            // SAFETY: allocated above, never used.
+            unsafe { driver::mem_free(ring) };
+            return Err(e);
+        }
+        Ok(ring)
+    }
+
     /// The ring's device address for call `kseq`'s kernel arguments (`Args::phases`), which
     /// the call's kernels stamp under the flight recorder's current call.
     pub fn note(&self, kseq: u64) -> u64 {
         let seq = self.current.load(Ordering::Relaxed);
         let mut calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
         calls[kseq as usize % stamps::CALLS] = (kseq, seq);
-        self.device
+        self.ring
+    }
+
+    /// Copies the ring into the mirror, waited for at most [`ANCHOR_WAIT`] (see the module
+    /// doc); false when the mirror keeps the previous read's stamps.
+    fn pull(&self) -> bool {
+        let rank = self.rank;
+        let k = self.clock.lock().unwrap_or_else(|e| e.into_inner());
+        if self.copy_pending.load(Ordering::Acquire) || k.ctx.bind_to_thread().is_err() {
+            return false;
+        }
+        // SAFETY: the mirror is WORDS words of our pinned memory, the ring as many; the copy
+        // is waited for below, or the mirror is never freed (copy_pending).
+        let mirror =
+            unsafe { std::slice::from_raw_parts_mut(self.host.cast::<u8>(), stamps::WORDS * 8) };
+        // SAFETY: as above.
+        if let Err(e) = unsafe { driver::copy_from_device_async(mirror, self.ring, k.stream, rank) }
+        {
+            tracing::warn!(rank, "phase stamps: the ring's copy failed: {e}");
+            return false;
+        }
+        let until = Instant::now() + ANCHOR_WAIT;
+        loop {
+            // SAFETY: a live stream of ours.
+            match unsafe { sys::cuStreamQuery(k.stream) } {
+                sys::CUresult::CUDA_SUCCESS => return true,
+                sys::CUresult::CUDA_ERROR_NOT_READY if Instant::now() <= until => {
+                    std::hint::spin_loop()
+                }
+                r => {
+                    self.copy_pending.store(true, Ordering::Release);
+                    tracing::warn!(
+                        rank,
+                        "phase stamps: the ring's copy did not finish within {ANCHOR_WAIT:?} \
+                         ({r:?}); the trace keeps the stamps read before"
+                    );
+                    return false;
+                }
+            }
+        }
     }
 
     fn word(&self, i: usize) -> u64 {
@@ -136,7 +222,7 @@ impl PhaseRing {
     fn anchor(&self) -> Option<(u64, u64, u64)> {
         let mut k = self.clock.lock().unwrap_or_else(|e| e.into_inner());
         k.mark += 1;
-        let out = self.device + (stamps::WORDS * 8) as u64;
+        let out = self.mapped + (stamps::WORDS * 8) as u64;
         let (mut out, mut spins, mut mark) = (out, TICK_SPINS, k.mark);
         let mut params = [
             (&mut out as *mut u64).cast::<std::ffi::c_void>(),
@@ -217,9 +303,20 @@ impl Drop for ClockKernel {
 
 impl Drop for PhaseRing {
     fn drop(&mut self) {
-        // SAFETY: allocated by cuMemHostAlloc, freed once; the last owner goes after every
-        // kernel that had its address finished (else teardown.rs leaks it).
-        unsafe { driver::free_host(self.host.cast()) }
+        if self.copy_pending.load(Ordering::Acquire) {
+            return; // a copy may still read the ring and write the mirror: both leaked
+        }
+        // The ring's context current on whichever thread drops the last owner.
+        let clock = self.clock.get_mut().unwrap_or_else(|e| e.into_inner());
+        if clock.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        // SAFETY: allocated by cuMemAlloc and cuMemHostAlloc, freed once; the last owner goes
+        // after every kernel that had their addresses finished (else teardown.rs leaks it).
+        unsafe {
+            driver::mem_free(self.ring);
+            driver::free_host(self.host.cast());
+        }
     }
 }
 
@@ -229,6 +326,7 @@ impl stamps::Source for PhaseRing {
     }
 
     fn read(&self) -> (Vec<CallStamps>, u64) {
+        self.pull();
         let at = self.anchor().map(|(gt, ns, _)| (gt, ns));
         let clock = Clock::new(self.tick_ns, self.start, at);
         let calls = self.calls.lock().unwrap_or_else(|e| e.into_inner()).clone();

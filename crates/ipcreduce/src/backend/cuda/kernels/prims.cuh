@@ -132,7 +132,7 @@ struct Args {
     int mode;                    // staged and LL kernels: MODE_* bits (the same on every rank)
     u64 chunk_bytes;             // staged kernels: bytes per chunk (<= slot_bytes, multiple
                                  // of 256; the same on every rank for a call)
-    u64 *phases;                 // host-mapped phase-stamp ring (traced kernels only, see
+    u64 *phases;                 // the phase-stamp ring in device memory (traced kernels only, see
                                  // "Phase stamps"); last, so structs that start with Args keep
                                  // their layout
 };
@@ -237,8 +237,9 @@ __device__ __forceinline__ u64 ld_volatile_u64(const u64 *p) {
 // Phase stamps (-DIPCR_TRACE: a separate module the host loads only while tracing; without the
 // define every TRACE_* below expands to nothing, so the kernels are those of a build without
 // tracing). When on, the block's phase boundaries are stamped with %globaltimer into the ring
-// a.phases, host-mapped pinned memory the host reads at any time, without a CUDA call, even
-// while a kernel hangs (flight/stamps.rs decodes it).
+// a.phases, device memory the host copies out when it writes a trace (phase_ring.rs: stamps
+// written across PCIe into host-mapped memory made an eager call end later), on a copy engine,
+// so also while a kernel waits for a peer (flight/stamps.rs decodes it).
 //
 // Layout: u64 words [PH_CALLS][MAX_BLOCKS][PH_SLOTS], indexed by (host call number mod
 // PH_CALLS, block, phase): each word has one writer per call, so no atomics. A word is
