@@ -200,11 +200,17 @@ impl PhaseRing {
                     std::hint::spin_loop()
                 }
                 r => {
+                    // Not finished in time, or failed: either way it may still be queued.
                     self.copy_pending.store(true, Ordering::Release);
+                    let what = if r == sys::CUresult::CUDA_ERROR_NOT_READY {
+                        format!("did not finish within {ANCHOR_WAIT:?}")
+                    } else {
+                        format!("failed ({r:?})")
+                    };
                     tracing::warn!(
                         rank,
-                        "phase stamps: the ring's copy did not finish within {ANCHOR_WAIT:?} \
-                         ({r:?}); the trace keeps the stamps read before"
+                        "phase stamps: the ring's copy {what}; the trace keeps the stamps read \
+                         before, and the ring is not read again"
                     );
                     return false;
                 }
