@@ -23,7 +23,9 @@
 # target/release/ipcreduce for bench-ours).
 # Usage: scripts/device/nccl-dropin.sh OUT_DIR
 # Knobs: BUDGET=290 (seconds); PARTS="torch fsdp-tp watchdog nccl-tests" (or nccl-time: the
-# nccl-tests part without its -c 1 checks).
+# nccl-tests part without its -c 1 checks); CHECK_MAX=16M, the upper end of the -c 1 sweeps
+# (sizes step by 8x from 8 B: 256M ends at 128 MiB), CHECK_LIMIT=60 (seconds per sweep; raise
+# it with CHECK_MAX).
 # Prints a summary: checks passed/failed, calls per path, the small all-reduce's times.
 set -u
 # shellcheck source=lib/steps.sh source-path=SCRIPTDIR
@@ -139,9 +141,9 @@ elif [ -d "$SRC" ]; then
   [[ $PARTS == *" nccl-tests "* ]] || checks=""
   for t in ${checks:+all_reduce reduce_scatter all_gather}; do
     [ -x "$BUILD/build/${t}_perf" ] || continue
-    # Correctness: every dtype and op, 8 B - 16 MiB, in place and out of place (log: paths).
-    step "nccl-tests-$t-check" 60 env IPCREDUCE_NCCL=log LD_PRELOAD="$LIB" $MPIRUN -x LD_PRELOAD -x IPCREDUCE_NCCL \
-      "$WRAP" "$BUILD/build/${t}_perf" -b 8 -e 16M -f 8 -g 1 -c 1 -d all -o all -n 3 -w 1
+    # Correctness: every dtype and op, 8 B - CHECK_MAX, in place and out of place (log: paths).
+    step "nccl-tests-$t-check" "${CHECK_LIMIT:-60}" env IPCREDUCE_NCCL=log LD_PRELOAD="$LIB" $MPIRUN -x LD_PRELOAD -x IPCREDUCE_NCCL \
+      "$WRAP" "$BUILD/build/${t}_perf" -b 8 -e "${CHECK_MAX:-16M}" -f 8 -g 1 -c 1 -d all -o all -n 3 -w 1
   done
   # The same on the legacy default stream (-y 1: nccl-tests passes stream 0).
   [ -n "$checks" ] && [ -x "$BUILD/build/all_reduce_perf" ] && step nccl-tests-all_reduce-stream0-check 45 \
