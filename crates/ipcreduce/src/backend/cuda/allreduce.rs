@@ -54,6 +54,20 @@ struct Inputs {
     registry: u64,
 }
 
+impl Inputs {
+    fn of(call: &CallArgs, algo: Algorithm, registry: &Registry) -> Inputs {
+        Inputs {
+            send: call.send,
+            recv: call.recv,
+            count: call.count,
+            dtype: call.dtype,
+            op: call.op,
+            algo,
+            registry: registry.changes(),
+        }
+    }
+}
+
 /// Enqueues the all-reduce `call` with algorithm `algo` (a begun call of at least one
 /// element, see [`Launcher::begin`]). `last`: what the last eager call came to, reused when
 /// this one has the same inputs, else replaced by this one's (eager, a kernel of ours: the
@@ -66,15 +80,7 @@ pub(super) fn launch(
     algo: Algorithm,
     last: &mut Option<Prepared>,
 ) -> Result<()> {
-    let inputs = Inputs {
-        send: call.send,
-        recv: call.recv,
-        count: call.count,
-        dtype: call.dtype,
-        op: call.op,
-        algo,
-        registry: registry.changes(),
-    };
+    let inputs = Inputs::of(call, algo, registry);
     let eager = l.origin.is_none();
     if let Some(p) = reusable(last.as_mut(), &inputs, eager) {
         return again(l, p, call);
@@ -175,6 +181,29 @@ pub(super) fn path_of(
     (path, grid, zero_copy)
 }
 
+/// Whether `call` runs a kernel that stamps its phases (asked before its launch while
+/// tracing): the path `last` took when the call has its inputs (a loop's calls work nothing out
+/// twice), else the path worked out as the launch will.
+pub(super) fn phase_stamped(
+    l: &Launcher,
+    registry: &Registry,
+    call: &CallArgs,
+    algo: Algorithm,
+    last: Option<&Prepared>,
+) -> bool {
+    let path = match kept_path(last, &Inputs::of(call, algo, registry)) {
+        Some(path) => path,
+        None => path_of(l, registry, call, algo).0,
+    };
+    path.phase_stamped()
+}
+
+/// The path `last` took, if it was made from `inputs` (eager or captured alike: the path
+/// depends on the inputs alone).
+fn kept_path(last: Option<&Prepared>, inputs: &Inputs) -> Option<CudaPath> {
+    last.filter(|p| p.inputs == *inputs).map(|p| p.path)
+}
+
 /// `last`, if a call of `inputs` may reuse it: eager calls only (a captured call's identity
 /// holds its place in the graph, new each time), of the very same inputs.
 fn reusable<'a>(
@@ -230,8 +259,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn only_an_eager_call_of_the_same_inputs_reuses_the_last() {
+    /// What a one-shot LL call of [`inputs`] left.
+    fn prepared() -> Prepared {
         let ident = CallIdentity {
             op: SgOp::AllReduce,
             path: CudaPath::OneShotLl,
@@ -244,7 +273,7 @@ mod tests {
             fused: None,
             origin: None,
         };
-        let mut p = Prepared {
+        Prepared {
             inputs: inputs(),
             path: CudaPath::OneShotLl,
             f: KernelHandle(std::ptr::null_mut()),
@@ -253,15 +282,13 @@ mod tests {
             args: KernelArgs::default(),
             ident,
             words: ident.encode(),
-        };
-        assert!(reusable(Some(&mut p), &inputs(), true).is_some());
-        assert!(
-            reusable(Some(&mut p), &inputs(), false).is_none(),
-            "captured"
-        );
-        assert!(reusable(None, &inputs(), true).is_none());
+        }
+    }
+
+    /// Each input of a call in turn, changed.
+    fn changed_inputs() -> Vec<Inputs> {
         let other = inputs();
-        for changed in [
+        vec![
             Inputs {
                 send: 0x1010,
                 ..other
@@ -290,8 +317,30 @@ mod tests {
                 registry: 1,
                 ..other
             },
-        ] {
+        ]
+    }
+
+    #[test]
+    fn only_an_eager_call_of_the_same_inputs_reuses_the_last() {
+        let mut p = prepared();
+        assert!(reusable(Some(&mut p), &inputs(), true).is_some());
+        assert!(
+            reusable(Some(&mut p), &inputs(), false).is_none(),
+            "captured"
+        );
+        assert!(reusable(None, &inputs(), true).is_none());
+        for changed in changed_inputs() {
             assert!(reusable(Some(&mut p), &changed, true).is_none());
+        }
+    }
+
+    #[test]
+    fn the_kept_path_answers_only_for_the_same_inputs() {
+        let p = prepared();
+        assert_eq!(kept_path(Some(&p), &inputs()), Some(CudaPath::OneShotLl));
+        assert_eq!(kept_path(None, &inputs()), None);
+        for changed in changed_inputs() {
+            assert_eq!(kept_path(Some(&p), &changed), None);
         }
     }
 }

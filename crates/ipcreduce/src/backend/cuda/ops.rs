@@ -237,8 +237,13 @@ impl BackendOps for CudaComm {
             op,
             stream: std::ptr::null_mut(),
         };
-        let (path, _, _) = allreduce::path_of(&self.launch, &self.registry, &call, algo);
-        path.phase_stamped()
+        allreduce::phase_stamped(
+            &self.launch,
+            &self.registry,
+            &call,
+            algo,
+            self.prepared.as_ref(),
+        )
     }
 
     fn stamps_fused(&self, s: &crate::fused::Shape, size: usize, algo: Algorithm) -> bool {
