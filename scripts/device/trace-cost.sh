@@ -13,7 +13,8 @@
 # Builds nothing (scripts/build-gpu-tests.sh leaves target/release/ipcreduce).
 # Usage: scripts/device/trace-cost.sh OUT_DIR
 # Writes OUT/cost.md (scripts/device/lib/bench_table.py: medians of the rounds, [min-max],
-# ratios of the medians and of the fastest rounds), the bench JSON and logs, summary.txt and
+# ratios of the medians and of the fastest rounds; with `off` and `on` among CONFIGS and `off`
+# not first, also OUT/cost-on-off.md: on against off), the bench JSON and logs, summary.txt and
 # env.txt. Knobs: REPEAT=3, BUDGET=540.
 set -u
 # shellcheck source=lib/steps.sh source-path=SCRIPTDIR
@@ -62,6 +63,12 @@ done
 # shellcheck disable=SC2086 # one argument per configuration
 python3 "$(dirname "$0")/lib/bench_table.py" "$OUT" $CONFIGS >"$OUT/cost.md" || status=1
 cat "$OUT/cost.md"
+# The trace's own cost, on against off of the same build, when both ran and off is not first.
+names=" $(for cb in $CONFIGS; do printf '%s ' "${cb%%=*}"; done)"
+if [[ $names == *" off "* && $names == *" on "* && $names != " off "* ]]; then
+  python3 "$(dirname "$0")/lib/bench_table.py" "$OUT" off on >"$OUT/cost-on-off.md" || status=1
+  cat "$OUT/cost-on-off.md"
+fi
 summary_json "$SUMMARY" >"$OUT/summary.json"
 cat "$SUMMARY"
 exit $status
