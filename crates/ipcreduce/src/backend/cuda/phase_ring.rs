@@ -174,12 +174,12 @@ impl PhaseRing {
     }
 
     /// Copies the ring into the mirror, waited for at most [`ANCHOR_WAIT`] (see the module
-    /// doc); false when the mirror keeps the previous read's stamps.
-    fn pull(&self) -> bool {
+    /// doc); where it cannot, the mirror keeps the previous read's stamps.
+    fn pull(&self) {
         let rank = self.rank;
         let k = self.clock.lock().unwrap_or_else(|e| e.into_inner());
         if self.copy_pending.load(Ordering::Acquire) || k.ctx.bind_to_thread().is_err() {
-            return false;
+            return;
         }
         // SAFETY: the mirror is WORDS words of our pinned memory, the ring as many; the copy
         // is waited for below, or the mirror is never freed (copy_pending).
@@ -189,13 +189,13 @@ impl PhaseRing {
         if let Err(e) = unsafe { driver::copy_from_device_async(mirror, self.ring, k.stream, rank) }
         {
             tracing::warn!(rank, "phase stamps: the ring's copy failed: {e}");
-            return false;
+            return;
         }
         let until = Instant::now() + ANCHOR_WAIT;
         loop {
             // SAFETY: a live stream of ours.
             match unsafe { sys::cuStreamQuery(k.stream) } {
-                sys::CUresult::CUDA_SUCCESS => return true,
+                sys::CUresult::CUDA_SUCCESS => return,
                 sys::CUresult::CUDA_ERROR_NOT_READY if Instant::now() <= until => {
                     std::hint::spin_loop()
                 }
@@ -212,7 +212,7 @@ impl PhaseRing {
                         "phase stamps: the ring's copy {what}; the trace keeps the stamps read \
                          before, and the ring is not read again"
                     );
-                    return false;
+                    return;
                 }
             }
         }
