@@ -9,6 +9,9 @@
 //! registered buffers unchanged) reuses what the last one came to ([`Prepared`]): a training
 //! loop repeats its calls, and the path, kernel, block and arguments, identity words and digest
 //! included, are a function of those inputs and of what is fixed for the communicator's life.
+//! So does a call that differs from the last in its plain (unregistered) buffers alone, as a
+//! framework's calls on freshly allocated tensors do: plain buffers are no part of the path or
+//! the identity, so only the arguments' send and recv change ([`Prepared::moved_to`]).
 
 use super::ce;
 use super::identity::{CallIdentity, RegionAt, IDENT_WORDS};
@@ -54,6 +57,35 @@ struct Inputs {
     registry: u64,
 }
 
+impl Prepared {
+    /// Whether `inputs` differ from the ones this was made from in the buffers alone, in place
+    /// alike, on a path that reads no registered buffer. A call of them whose buffers are not
+    /// registered either runs the same kernel on the same grid with the same identity: the
+    /// path depends on registration and size alone (plan::cuda_path; the one path that takes
+    /// registered buffers and ignores it, LL, is taken by both alike), and plain buffers enter
+    /// neither the identity nor any argument but send and recv.
+    fn moved_to(&self, inputs: &Inputs) -> bool {
+        let (a, b) = (&self.inputs, inputs);
+        !self.path.registered()
+            && (a.send == a.recv) == (b.send == b.recv)
+            && Inputs {
+                send: b.send,
+                recv: b.recv,
+                ..*a
+            } == *b
+    }
+
+    /// Made ready for a call of `inputs` (the same, or [`Prepared::moved_to`] them): its
+    /// buffers in the arguments.
+    fn serve(&mut self, inputs: Inputs) {
+        if self.inputs != inputs {
+            self.args.send = inputs.send;
+            self.args.recv = inputs.recv;
+            self.inputs = inputs;
+        }
+    }
+}
+
 impl Inputs {
     fn of(call: &CallArgs, algo: Algorithm, registry: &Registry) -> Inputs {
         Inputs {
@@ -82,8 +114,13 @@ pub(super) fn launch(
 ) -> Result<()> {
     let inputs = Inputs::of(call, algo, registry);
     let eager = l.origin.is_none();
-    if let Some(p) = reusable(last.as_mut(), &inputs, eager) {
-        return again(l, p, call);
+    let plain = || {
+        registry
+            .peers_of(call.send, call.recv, call.bytes(), l.world)
+            .is_none()
+    };
+    if let Some(p) = reusable(last.as_mut(), &inputs, eager, plain) {
+        return again(l, p, call, inputs);
     }
     let (send, recv, count) = (call.send, call.recv, call.count);
     let (dtype, op) = (call.dtype, call.op);
@@ -191,34 +228,50 @@ pub(super) fn phase_stamped(
     algo: Algorithm,
     last: Option<&Prepared>,
 ) -> bool {
-    let path = match kept_path(last, &Inputs::of(call, algo, registry)) {
+    let plain = || {
+        registry
+            .peers_of(call.send, call.recv, call.bytes(), l.world)
+            .is_none()
+    };
+    let path = match kept_path(last, &Inputs::of(call, algo, registry), plain) {
         Some(path) => path,
         None => path_of(l, registry, call, algo).0,
     };
     path.phase_stamped()
 }
 
-/// The path `last` took, if it was made from `inputs` (eager or captured alike: the path
-/// depends on the inputs alone).
-fn kept_path(last: Option<&Prepared>, inputs: &Inputs) -> Option<CudaPath> {
-    last.filter(|p| p.inputs == *inputs).map(|p| p.path)
+/// The path `last` took, if a call of `inputs` takes it too (eager or captured alike: the path
+/// depends on the inputs alone): the same inputs, or other buffers (`plain`: not registered)
+/// on an unregistered path.
+fn kept_path(
+    last: Option<&Prepared>,
+    inputs: &Inputs,
+    plain: impl FnOnce() -> bool,
+) -> Option<CudaPath> {
+    let p = last?;
+    (p.inputs == *inputs || (p.moved_to(inputs) && plain())).then_some(p.path)
 }
 
 /// `last`, if a call of `inputs` may reuse it: eager calls only (a captured call's identity
-/// holds its place in the graph, new each time), of the very same inputs.
+/// holds its place in the graph, new each time), of the very same inputs, or of other buffers
+/// (`plain`: not registered ones, asked only then) where [`Prepared::moved_to`] allows.
 fn reusable<'a>(
     last: Option<&'a mut Prepared>,
     inputs: &Inputs,
     eager: bool,
+    plain: impl FnOnce() -> bool,
 ) -> Option<&'a mut Prepared> {
-    last.filter(|p| eager && p.inputs == *inputs)
+    let p = last.filter(|_| eager)?;
+    (p.inputs == *inputs || (p.moved_to(inputs) && plain())).then_some(p)
 }
 
-/// The eager call `call`, whose inputs are those `p` was made from: as the full path would
-/// issue it (the path taken, the identity in the ledger, the arguments of this call number).
-fn again(l: &mut Launcher, p: &mut Prepared, call: &CallArgs) -> Result<()> {
+/// The eager call `call` of `inputs`, which `p` may serve ([`reusable`]): as the full path
+/// would issue it (the path taken, the identity in the ledger, the arguments of this call
+/// number and buffers).
+fn again(l: &mut Launcher, p: &mut Prepared, call: &CallArgs, inputs: Inputs) -> Result<()> {
     l.took(p.path, p.grid);
     l.issued(&p.ident, &p.words);
+    p.serve(inputs);
     // In place: the launch copies the arguments, and the kept ones differ only in these.
     p.args.seq = l.seq;
     p.args.phases = l.phases_for_call();
@@ -320,27 +373,87 @@ mod tests {
         ]
     }
 
+    /// The inputs of [`changed_inputs`] that differ in their buffers alone (the first two: the
+    /// second makes the call in place, which the last was not).
+    const MOVED: usize = 2;
+
     #[test]
     fn only_an_eager_call_of_the_same_inputs_reuses_the_last() {
         let mut p = prepared();
-        assert!(reusable(Some(&mut p), &inputs(), true).is_some());
+        let never = || -> bool { panic!("registration asked of the same buffers") };
+        assert!(reusable(Some(&mut p), &inputs(), true, never).is_some());
         assert!(
-            reusable(Some(&mut p), &inputs(), false).is_none(),
+            reusable(Some(&mut p), &inputs(), false, never).is_none(),
             "captured"
         );
-        assert!(reusable(None, &inputs(), true).is_none());
-        for changed in changed_inputs() {
-            assert!(reusable(Some(&mut p), &changed, true).is_none());
+        assert!(reusable(None, &inputs(), true, never).is_none());
+        for changed in &changed_inputs()[MOVED..] {
+            assert!(reusable(Some(&mut p), changed, true, || true).is_none());
         }
+    }
+
+    #[test]
+    fn other_plain_buffers_reuse_the_last_unless_in_place_or_registered() {
+        let mut p = prepared();
+        let moved = Inputs {
+            send: 0x5000,
+            recv: 0x6000,
+            ..inputs()
+        };
+        assert!(reusable(Some(&mut p), &moved, true, || true).is_some());
+        assert!(
+            reusable(Some(&mut p), &moved, true, || false).is_none(),
+            "the new buffers are registered"
+        );
+        assert!(
+            reusable(Some(&mut p), &changed_inputs()[1], true, || true).is_none(),
+            "now in place"
+        );
+        p.path = CudaPath::TwoShotReg;
+        assert!(
+            reusable(Some(&mut p), &moved, true, || true).is_none(),
+            "the last read registered buffers"
+        );
+    }
+
+    #[test]
+    fn a_reused_call_runs_on_its_own_buffers() {
+        let mut p = prepared();
+        p.args.send = 0x1000;
+        p.args.recv = 0x2000;
+        let moved = Inputs {
+            send: 0x5000,
+            recv: 0x6000,
+            ..inputs()
+        };
+        let (words, digest) = (p.words, p.args.digest);
+        assert!(p.moved_to(&moved));
+        p.serve(moved);
+        assert_eq!((p.args.send, p.args.recv), (0x5000, 0x6000));
+        assert!(p.inputs == moved);
+        assert_eq!(p.words, words, "plain buffers are no part of the identity");
+        assert_eq!(p.args.digest, digest);
+        // Back to the first buffers: the same again.
+        p.serve(inputs());
+        assert_eq!((p.args.send, p.args.recv), (0x1000, 0x2000));
     }
 
     #[test]
     fn the_kept_path_answers_only_for_the_same_inputs() {
         let p = prepared();
-        assert_eq!(kept_path(Some(&p), &inputs()), Some(CudaPath::OneShotLl));
-        assert_eq!(kept_path(None, &inputs()), None);
-        for changed in changed_inputs() {
-            assert_eq!(kept_path(Some(&p), &changed), None);
+        let never = || -> bool { panic!("registration asked of the same buffers") };
+        assert_eq!(
+            kept_path(Some(&p), &inputs(), never),
+            Some(CudaPath::OneShotLl)
+        );
+        assert_eq!(kept_path(None, &inputs(), never), None);
+        for changed in &changed_inputs()[MOVED..] {
+            assert_eq!(kept_path(Some(&p), changed, || true), None);
         }
+        assert_eq!(
+            kept_path(Some(&p), &changed_inputs()[0], || true),
+            Some(CudaPath::OneShotLl)
+        );
+        assert_eq!(kept_path(Some(&p), &changed_inputs()[0], || false), None);
     }
 }
