@@ -25,7 +25,8 @@
 # Knobs: BUDGET=290 (seconds); PARTS="torch fsdp-tp watchdog nccl-tests" (or nccl-time: the
 # nccl-tests part without its -c 1 checks); CHECK_MAX=16M, the upper end of the -c 1 sweeps
 # (sizes step by 8x from 8 B: 256M ends at 128 MiB), CHECK_LIMIT=60 (seconds per sweep; raise
-# it with CHECK_MAX).
+# it with CHECK_MAX); CHECK_TOP (unset: none), one more -c 1 run of each collective at exactly
+# that size (256M: the top of NCCL's usual sweep), CHECK_TOP_LIMIT=120.
 # Prints a summary: checks passed/failed, calls per path, the small all-reduce's times.
 set -u
 # shellcheck source=lib/steps.sh source-path=SCRIPTDIR
@@ -144,6 +145,10 @@ elif [ -d "$SRC" ]; then
     # Correctness: every dtype and op, 8 B - CHECK_MAX, in place and out of place (log: paths).
     step "nccl-tests-$t-check" "${CHECK_LIMIT:-60}" env IPCREDUCE_NCCL=log LD_PRELOAD="$LIB" $MPIRUN -x LD_PRELOAD -x IPCREDUCE_NCCL \
       "$WRAP" "$BUILD/build/${t}_perf" -b 8 -e "${CHECK_MAX:-16M}" -f 8 -g 1 -c 1 -d all -o all -n 3 -w 1
+    # The sweep's 8x steps pass the top of the range by; one size on its own.
+    [ -n "${CHECK_TOP:-}" ] && step "nccl-tests-$t-top-check" "${CHECK_TOP_LIMIT:-120}" \
+      env IPCREDUCE_NCCL=log LD_PRELOAD="$LIB" $MPIRUN -x LD_PRELOAD -x IPCREDUCE_NCCL \
+      "$WRAP" "$BUILD/build/${t}_perf" -b "$CHECK_TOP" -e "$CHECK_TOP" -g 1 -c 1 -d all -o all -n 2 -w 1
   done
   # The same on the legacy default stream (-y 1: nccl-tests passes stream 0).
   [ -n "$checks" ] && [ -x "$BUILD/build/all_reduce_perf" ] && step nccl-tests-all_reduce-stream0-check 45 \
