@@ -1,11 +1,12 @@
 //! The kernels' phase stamps on a real GPU (feature `gpu`): ranks are processes of this test
 //! binary sharing one GPU under MPS, traced (`IPCREDUCE_TRACE`, with the event timeline
 //! `IPCREDUCE_TIMELINE=1`). A few calls on each path (LL, staged one-shot and two-shot,
-//! registered one-shot and two-shot); one call of each is made late on purpose by the last
-//! rank. In the trace files every block of every call has start and end stamps, its stamps in
-//! order, within the call's event span; and in the late call every other rank's longest wait
-//! is for the late rank, and about as long as the delay. The reduce-scatter, all-gather and
-//! fused add + RMSNorm calls after them are stamped too.
+//! registered one-shot and two-shot, and at two ranks the copy-engine path); one call of each
+//! is made late on purpose by the last rank. In the trace files every block of every call has
+//! start and end stamps, its stamps in order, within the call's event span; and in the late
+//! call every other rank's longest wait is for the late rank, and about as long as the delay.
+//! The copy-engine calls have one row per barrier and per chunk, the chunks' with their reduce.
+//! The reduce-scatter, all-gather and fused add + RMSNorm calls after them are stamped too.
 
 mod common;
 
@@ -27,6 +28,12 @@ const LATE: usize = 2;
 /// Stamps against the event spans: both are put on the host clock through anchors a few
 /// microseconds off, and the events bracket the launch, not the first block.
 const SLACK_NS: u64 = 100_000;
+/// The all-reduce cases of `rank_phases`.
+const CASES: usize = 6;
+/// The copy-engine case: f32 elements (40 MiB: a 20 MiB share per rank, 3 chunks of at most
+/// 8 MiB), and the size from which registered calls take the copy-engine path at two ranks.
+const CE_COUNT: usize = 10 << 20;
+const CE_MIN_BYTES: usize = 16 << 20;
 /// The fused calls' shape (f32): 1 MiB per rank, several rows per block.
 const FUSED_TOKENS: usize = 64;
 const FUSED_HIDDEN: usize = 4096;
@@ -49,24 +56,27 @@ fn rank_phases() -> i32 {
     let config = Config {
         backend: BackendChoice::Cuda,
         workspace_bytes: Some(4 << 20),
+        ce_min_bytes: Some(CE_MIN_BYTES),
         ..Config::default()
     };
     let mut c = Communicator::init(&config).expect("cuda communicator");
     let (rank, world) = (c.rank(), c.world());
-    let bytes = 8 << 20;
+    let bytes = CE_COUNT * 4;
     let (send, recv) = (
         DeviceAlloc::new(bytes, rank).unwrap(),
         DeviceAlloc::new(bytes, rank).unwrap(),
     );
     let (rs, rr) = (c.alloc(bytes).unwrap(), c.alloc(bytes).unwrap());
     // (count of f32, algorithm, registered): LL, staged one-shot (several chunks), staged
-    // two-shot, registered one-shot and two-shot.
-    let cases = [
+    // two-shot, registered one-shot and two-shot, and the copy-engine path (two ranks; a
+    // registered two-shot at three).
+    let cases: [(usize, Algorithm, bool); CASES] = [
         (1000usize, Algorithm::OneShot, false),
         (1 << 20, Algorithm::OneShot, false),
         (1 << 20, Algorithm::TwoShot, false),
         (100_003, Algorithm::OneShot, true),
         (1 << 20, Algorithm::TwoShot, true),
+        (CE_COUNT, Algorithm::TwoShot, true),
     ];
     let mut made = 0;
     for &(count, algo, registered) in &cases {
@@ -255,6 +265,32 @@ fn check_call(rank: usize, call: &Value) -> Vec<(usize, u64)> {
     waits.into_iter().collect()
 }
 
+/// A copy-engine call's rows (ce.rs `Rows`): a row per chunk whose reduce stamped it, the two
+/// lanes' last barriers, the two lanes' first barriers in the last two rows (their lane slots);
+/// barriers' rows without a reduce.
+fn check_ce_rows(rank: usize, call: &Value) {
+    let what = format!("rank {rank} copy-engine call #{}", call["seq"]);
+    let blocks = call["phases"]["blocks"].as_array().unwrap();
+    let rows: Vec<u64> = blocks
+        .iter()
+        .map(|b| b["block"].as_u64().unwrap())
+        .collect();
+    let chunks = (CE_COUNT * 4 / 2).div_ceil(8 << 20) as u64;
+    let mut want: Vec<u64> = (0..chunks + 2).collect();
+    want.extend([126, 127]);
+    assert_eq!(rows, want, "{what}: rows");
+    for b in blocks {
+        let row = b["block"].as_u64().unwrap();
+        let chunk = row < chunks;
+        assert_eq!(b["reduce_ns"].is_u64(), chunk, "{what}: reduce stamp: {b}");
+        assert_eq!(
+            b["peers"].as_array().unwrap().len(),
+            1,
+            "{what}: the peer seen once: {b}"
+        );
+    }
+}
+
 #[test]
 fn phase_stamps_per_block_and_a_late_rank() {
     play_rank_if_child();
@@ -288,7 +324,7 @@ fn phase_stamps_per_block_and_a_late_rank() {
                         late.push(s.parse::<u64>().unwrap());
                     }
                 } else {
-                    assert_eq!(m, format!("DONE {}", 5 * CALLS), "rank {i}");
+                    assert_eq!(m, format!("DONE {}", CASES * CALLS), "rank {i}");
                     break;
                 }
             }
@@ -296,7 +332,7 @@ fn phase_stamps_per_block_and_a_late_rank() {
         for r in &mut ranks {
             r.wait_ok(T);
         }
-        assert_eq!(late.len(), 5, "{late:?}");
+        assert_eq!(late.len(), CASES, "{late:?}");
         let late_rank = world - 1;
         let mut files: Vec<_> = std::fs::read_dir(&dir)
             .unwrap()
@@ -309,9 +345,12 @@ fn phase_stamps_per_block_and_a_late_rank() {
             let name = file.file_name().unwrap().to_string_lossy().to_string();
             let rank = rank_of(file);
             let calls = calls_of(file);
-            assert_eq!(calls.len(), 5 * CALLS, "{name}");
+            assert_eq!(calls.len(), CASES * CALLS, "{name}");
             for call in &calls {
                 let waits = check_call(rank, call);
+                if world == 2 && call["count"].as_u64() == Some(CE_COUNT as u64) {
+                    check_ce_rows(rank, call);
+                }
                 let seq = call["seq"].as_u64().unwrap();
                 if !late.contains(&seq) {
                     continue;
@@ -386,7 +425,7 @@ fn phase_stamps_per_block_and_a_late_rank() {
         eprintln!(
             "world {world}: {} all-reduces, 4 reduce-scatters / all-gathers and 4 fused calls \
              per rank checked",
-            5 * CALLS
+            CASES * CALLS
         );
         let _ = std::fs::remove_dir_all(&dir);
     }

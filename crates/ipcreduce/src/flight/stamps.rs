@@ -173,8 +173,9 @@ pub fn fit_ns(device_ns: u64, host_ns: u64) -> f64 {
 
 /// The stamps of the kernel calls in `calls` ((kseq, seq) per ring slot; kseq 0: no call yet)
 /// from the ring's words (`word(i)`, volatile reads of the mapped memory). A word is taken
-/// only if its tag is its call's (an older call's in the same slot, or no write yet, is left
-/// out); a block appears only if it stamped something.
+/// only if its tag is its call's and its time is not 0 (an older call's in the same slot, no
+/// write yet, or a word cleared for a later kernel is left out); a block appears only if it
+/// stamped something.
 pub fn decode(word: impl Fn(usize) -> u64, calls: &[(u64, u64)], clock: &Clock) -> Vec<CallStamps> {
     let mut out = Vec::new();
     let mut sorted: Vec<(u64, u64)> = calls.iter().copied().filter(|c| c.0 != 0).collect();
@@ -185,7 +186,10 @@ pub fn decode(word: impl Fn(usize) -> u64, calls: &[(u64, u64)], clock: &Clock) 
         for b in 0..BLOCKS {
             let at = |slot: usize| {
                 let w = word(index(kseq, b, slot));
-                (w != 0 && w >> TIME_BITS == tag).then(|| clock.host_ns(clock.unwrap(w)))
+                // Time 0 under the call's tag: cleared for a kernel that had not stamped it yet
+                // (the copy-engine reduce's words, prims.cuh `phase_clear`).
+                (w & TIME_MASK != 0 && w >> TIME_BITS == tag)
+                    .then(|| clock.host_ns(clock.unwrap(w)))
             };
             let peers: Vec<(usize, u64)> = (0..PEERS)
                 .filter_map(|p| at(PEER + p).map(|t| (p, t)))
@@ -329,5 +333,30 @@ mod tests {
         let j = c.to_json(32);
         assert_eq!(j["blocks"][0]["peers"][0][0], 1);
         assert_eq!(j["tick_ns"], 32);
+    }
+
+    #[test]
+    fn words_cleared_for_a_later_kernel_are_not_stamps() {
+        // A copy-engine chunk's row: its barrier stamped the start and the peer and cleared
+        // the reduce and end (the call's tag, time 0) for the reduce, still running.
+        let clock = Clock::new(32, (1 << 40, 1 << 50), None);
+        let t = (1u64 << 40) + 1_000;
+        let mut ring = vec![0u64; WORDS];
+        ring[index(5, 2, START)] = word(5, t);
+        ring[index(5, 2, PEER + 1)] = word(5, t + 100);
+        ring[index(5, 2, REDUCE)] = word(5, 0);
+        ring[index(5, 2, END)] = word(5, 0);
+        let got = decode(|i| ring[i], &[(5, 9)], &clock);
+        let b = &got[0].blocks[0];
+        assert_eq!((b.block, b.reduce, b.end), (2, None, None));
+        assert!(b.start.is_some());
+        // Still running: the call has no span yet.
+        assert_eq!(got[0].span(), None);
+        // The reduce's blocks raised both words: the row ends.
+        ring[index(5, 2, REDUCE)] = word(5, t + 900);
+        ring[index(5, 2, END)] = word(5, t + 950);
+        let got = decode(|i| ring[i], &[(5, 9)], &clock);
+        let (s, e) = got[0].span().unwrap();
+        assert_eq!(e - s, 950);
     }
 }

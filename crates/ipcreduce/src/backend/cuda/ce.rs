@@ -20,9 +20,15 @@
 //! with the same deadline, abort check and error record as every kernel: no wait here can
 //! hang. Per lane and call: a barrier "inputs ready, outputs free, same call" (with the stamp
 //! check), then barriers per chunk.
+//!
+//! Traced (`IPCREDUCE_TRACE`), the barriers and reduces stamp their phases like every kernel,
+//! one row of the phase-stamp ring each ([`Rows`]): a barrier's start says the copies before it
+//! on its lane are done, its peer stamp when the peer's lane was there too; a chunk's row ends
+//! with its reduce. So a trace shows each chunk's copies and reduce without an event between
+//! them (events would cost an eager call microseconds of host time).
 
 use super::driver;
-use super::kernels::{CHECK_BEGIN, CHECK_STAMPS, MAX_BLOCKS};
+use super::kernels::{CHECK_BEGIN, CHECK_ROW_REDUCED, CHECK_STAMPS, MAX_BLOCKS};
 use super::launcher::{CallArgs, Kernel, KernelArgs, Launcher};
 use super::memory::DeviceAlloc;
 use crate::error::Result;
@@ -142,12 +148,56 @@ impl Engine {
     }
 }
 
+/// The phase-stamp rows of one call's kernels (`Args::trace_row`; what they stamp: ce.cu).
+/// Both paths: lane j's first barrier stamps the row of its lane slot (`FIRST_LANE_SLOT + j`,
+/// where the barrier's peer check stamps the peer). Then the registered path gives chunk k (its
+/// barrier, then its reduce) row k and lane j's last barrier row `chunks + j`; the host-staged
+/// path gives chunk k's barrier on lane 0 (its copy into host memory is done on both ranks) row
+/// 2k and its barrier and reduce on lane 1 row 2k + 1. A kernel whose row would reach the lane
+/// slots is launched without stamps: a call of more than about 60 chunks (0.5 GiB per rank)
+/// shows its first ones.
+struct Rows;
+
+impl Rows {
+    fn first(lane: usize) -> usize {
+        FIRST_LANE_SLOT + lane
+    }
+
+    fn chunk(k: usize) -> usize {
+        k
+    }
+
+    fn last(chunks: usize, lane: usize) -> usize {
+        chunks + lane
+    }
+
+    fn staged_in(k: usize) -> usize {
+        2 * k
+    }
+
+    fn staged_out(k: usize) -> usize {
+        2 * k + 1
+    }
+
+    /// `a` stamps row `row` (the first barriers' lane slots, or a row below them), else
+    /// nothing (no ring).
+    fn set(a: &mut KernelArgs, row: usize, first: bool) {
+        if first || row < FIRST_LANE_SLOT {
+            a.trace_row = row as i32;
+        } else {
+            a.phases = 0;
+        }
+    }
+}
+
 /// What both paths enqueue: copies, barriers, reduces and stream order, on one call's lanes.
 struct Enqueue<'a> {
     l: &'a Launcher,
     lanes: &'a Lanes,
     args: &'a KernelArgs,
     call: &'a CallArgs,
+    /// The phase-stamp variants (tracing).
+    traced: bool,
 }
 
 impl Enqueue<'_> {
@@ -177,8 +227,9 @@ impl Enqueue<'_> {
 
     /// Lane `j`'s barrier with the peer's lane `j`. `first`: the lane's first of the call,
     /// which compares the call's stamps; lane 0's also starts the call (advances the call
-    /// counter, posts the identity).
-    fn barrier(&self, j: usize, first: bool) -> Result<()> {
+    /// counter, posts the identity). Traced, it stamps phase-stamp row `row`, whose reduce and
+    /// end a reduce kernel behind it stamps when `reduced`.
+    fn barrier(&self, j: usize, first: bool, row: usize, reduced: bool) -> Result<()> {
         let mut a = *self.args;
         a.lane = (FIRST_LANE_SLOT + j) as i32;
         a.check = match (first, j) {
@@ -186,8 +237,12 @@ impl Enqueue<'_> {
             (true, _) => CHECK_STAMPS,
             _ => 0,
         };
+        if reduced {
+            a.check |= CHECK_ROW_REDUCED;
+        }
+        Rows::set(&mut a, row, first);
         let k = Kernel {
-            f: self.l.gpu.ce_barrier(),
+            f: self.l.gpu.ce_barrier(self.traced),
             grid: 1,
             threads: BARRIER_THREADS,
             stream: self.lane(j),
@@ -198,7 +253,9 @@ impl Enqueue<'_> {
     }
 
     /// The reduce on lane `j` of `bytes` at byte offset `off` of the call: recv = op(send,
-    /// `theirs`), `theirs` the peer's input as copied here.
+    /// `theirs`), `theirs` the peer's input as copied here. Traced, it ends phase-stamp row
+    /// `row` (its barrier's, which was told so).
+    #[allow(clippy::too_many_arguments)]
     fn reduce(
         &self,
         f: sys::CUfunction,
@@ -207,12 +264,14 @@ impl Enqueue<'_> {
         off: u64,
         bytes: usize,
         theirs: u64,
+        row: usize,
     ) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
         let (dtype, op) = (self.call.dtype, self.call.op);
         let mut a = *self.args;
+        Rows::set(&mut a, row, false);
         a.send += off;
         a.recv += off;
         a.rsend[1 - self.l.rank] = theirs;
@@ -261,7 +320,7 @@ impl Enqueue<'_> {
     fn begin(&self) -> Result<()> {
         for j in 0..LANES {
             self.record_wait(&self.lanes.fork, self.call.stream, self.lane(j))?;
-            self.barrier(j, true)?;
+            self.barrier(j, true, Rows::first(j), false)?;
         }
         Ok(())
     }
@@ -284,11 +343,13 @@ pub(super) fn launch(
     call: &CallArgs,
     ctas: u32,
 ) -> Result<()> {
+    let traced = l.phases.is_some();
     let q = Enqueue {
         l,
         lanes,
         args,
         call,
+        traced,
     };
     let size = call.dtype.size();
     let rank = l.rank;
@@ -302,7 +363,7 @@ pub(super) fn launch(
     let (send, recv, peer_recv) = (args.send, args.recv, args.rrecv[peer]);
     let reduce = l
         .gpu
-        .function(crate::plan::CudaPath::Ce, call.dtype, call.op, rank)?;
+        .function_of(crate::plan::CudaPath::Ce, call.dtype, call.op, traced, rank)?;
     let push = |what: &'static str, bytes: usize| {
         move || format!("copy-engine push of {bytes} bytes ({what}) to rank {peer}")
     };
@@ -313,15 +374,17 @@ pub(super) fn launch(
         let (off, bytes) = part(theirs, k, chunk, size);
         // SAFETY: our send and the peer's registered recv, within the call's bytes.
         unsafe { q.copy(peer_recv + off, send + off, bytes, j, push("input", bytes))? };
-        q.barrier(j, false)?; // the peer's input for our chunk k has landed
         let (off, bytes) = part(mine, k, chunk, size);
+        // The peer's input for our chunk k has landed.
+        q.barrier(j, false, Rows::chunk(k), bytes > 0)?;
         // The peer's input was pushed into our recv.
-        q.reduce(reduce, ctas, j, off, bytes, recv + off)?;
+        q.reduce(reduce, ctas, j, off, bytes, recv + off, Rows::chunk(k))?;
         // SAFETY: as above, our recv.
         unsafe { q.copy(peer_recv + off, recv + off, bytes, j, push("result", bytes))? };
     }
     for j in 0..LANES {
-        q.barrier(j, false)?; // every push into our output has landed
+        // Every push into our output has landed.
+        q.barrier(j, false, Rows::last(chunks, j), false)?;
     }
     q.end()
 }
@@ -355,11 +418,13 @@ pub(super) fn launch_staged(
     chunk_bytes: usize,
     ctas: u32,
 ) -> Result<()> {
+    let traced = l.phases.is_some();
     let q = Enqueue {
         l,
         lanes,
         args,
         call,
+        traced,
     };
     let rank = l.rank;
     let peer = 1 - rank;
@@ -374,9 +439,13 @@ pub(super) fn launch_staged(
         end: args.count as usize,
     };
     let chunks = all.len().div_ceil(chunk).max(1);
-    let reduce = l
-        .gpu
-        .function(crate::plan::CudaPath::CeStaged, call.dtype, call.op, rank)?;
+    let reduce = l.gpu.function_of(
+        crate::plan::CudaPath::CeStaged,
+        call.dtype,
+        call.op,
+        traced,
+        rank,
+    )?;
     let slot = |r: usize, k: usize| args.data[r] + (k as u64 & 1) * args.slot_bytes;
     let half = |k: usize| scratch.ptr + (k as u64 & 1) * (scratch.bytes / 2) as u64;
 
@@ -395,7 +464,7 @@ pub(super) fn launch_staged(
                 )
             })?
         };
-        q.barrier(0, false)?; // chunk k is in both ranks' slots
+        q.barrier(0, false, Rows::staged_in(k), false)?; // chunk k is in both ranks' slots
         q.record_wait(&lanes.ready, q.lane(0), q.lane(1))?;
         // SAFETY: the peer's slot as mapped here, into half k & 1 of our scratch (bytes <= the
         // half).
@@ -404,12 +473,13 @@ pub(super) fn launch_staged(
                 format!("copy-engine copy of {bytes} bytes out of rank {peer}'s host-staged slot")
             })?
         };
-        q.barrier(1, false)?; // both ranks have read chunk k's slots
+        // Both ranks have read chunk k's slots.
+        q.barrier(1, false, Rows::staged_out(k), bytes > 0)?;
         if k + 2 < chunks {
             // Waited for by lane 0 before chunk k + 2; chunk k + 1 records the other event.
             q.record(&lanes.freed[k & 1], q.lane(1))?;
         }
-        q.reduce(reduce, ctas, 1, off, bytes, half(k))?;
+        q.reduce(reduce, ctas, 1, off, bytes, half(k), Rows::staged_out(k))?;
     }
     q.end()
 }
@@ -417,6 +487,49 @@ pub(super) fn launch_staged(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_kernel_of_a_call_stamps_its_own_row_or_none() {
+        let stamped = |row: usize, first: bool| {
+            let mut a = KernelArgs {
+                phases: 0x1000,
+                ..KernelArgs::default()
+            };
+            Rows::set(&mut a, row, first);
+            (a.phases != 0).then_some(a.trace_row as usize)
+        };
+        for chunks in [1usize, 3, 60, 200] {
+            let mut rows = Vec::new();
+            for j in 0..LANES {
+                rows.push(stamped(Rows::first(j), true));
+                rows.push(stamped(Rows::last(chunks, j), false));
+            }
+            for k in 0..chunks {
+                rows.push(stamped(Rows::chunk(k), false));
+            }
+            let mut seen: Vec<usize> = rows.iter().flatten().copied().collect();
+            // The first barriers always; every row inside the ring, none twice.
+            assert!(seen.contains(&(MAX_BLOCKS - 1)) && seen.contains(&(MAX_BLOCKS - 2)));
+            assert!(seen.iter().all(|&r| r < MAX_BLOCKS));
+            let n = seen.len();
+            seen.sort_unstable();
+            seen.dedup();
+            assert_eq!(seen.len(), n, "{chunks} chunks: a row twice");
+            // Every kernel of a call of few chunks stamps.
+            if chunks + LANES <= FIRST_LANE_SLOT {
+                assert_eq!(n, rows.len(), "{chunks} chunks");
+            }
+        }
+        // Host-staged: two rows per chunk.
+        let mut seen: Vec<usize> = (0..100)
+            .flat_map(|k| [Rows::staged_in(k), Rows::staged_out(k)])
+            .filter_map(|r| stamped(r, false))
+            .collect();
+        assert_eq!(seen.len(), FIRST_LANE_SLOT);
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), FIRST_LANE_SLOT);
+    }
 
     #[test]
     fn chunks_cover_each_shard_once() {

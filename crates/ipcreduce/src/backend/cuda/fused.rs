@@ -158,7 +158,9 @@ pub(super) fn reference(l: &Launcher, args: &AddRmsNorm, stream: sys::CUstream) 
     }
     let path = CudaPath::FusedReference;
     let dtype = args.dtype;
-    let f = l.gpu.function(path, dtype, ReduceOp::Sum, l.rank)?;
+    let f = l
+        .gpu
+        .function_of(path, dtype, ReduceOp::Sum, false, l.rank)?;
     let ident = CallIdentity {
         op: SgOp::AddRmsNorm,
         path,

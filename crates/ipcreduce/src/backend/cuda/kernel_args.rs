@@ -35,6 +35,9 @@ pub(super) struct KernelArgs {
     pub lane: i32,
     pub check: i32,
     pub mode: i32,
+    /// Traced copy-engine kernels: their phase-stamp row (`ce::Rows`); the others stamp their
+    /// block's.
+    pub trace_row: i32,
     pub chunk_bytes: u64,
     /// The phase-stamp ring (0: not tracing); set per call (`Launcher::phases_for_call`).
     pub phases: u64,

@@ -106,11 +106,11 @@ impl Group {
 impl CudaPath {
     /// Whether the path's kernels stamp their phases when traced (prims.cuh): the all-reduce
     /// kernels of ll.cu, staged.cu and zerocopy.cu, the reduce-scatter and all-gather
-    /// kernels of scatter_gather.cu (their start, end and barriers), and the staged fused
+    /// kernels of scatter_gather.cu (their start, end and barriers), the staged fused
     /// and LL fused kernels of fused.cu and fused_ll.cu (start, the peers first seen, rows
-    /// summed, rows normalised, end). The copy-engine path (its chunks are copies, timed by
-    /// the timeline's events) and the fused reference (no call) keep their plain variant while
-    /// tracing.
+    /// summed, rows normalised, end), and the copy-engine paths' barriers and reduces of ce.cu
+    /// (a row per barrier and per chunk, ce.rs `Rows`). The fused reference (no call) keeps its
+    /// plain variant while tracing.
     pub fn phase_stamped(self) -> bool {
         matches!(
             Group::of(self),
@@ -120,6 +120,7 @@ impl CudaPath {
                 | Group::ZeroCopy
                 | Group::ZeroCopyDeep
                 | Group::ScatterGather
+                | Group::Ce
         ) || matches!(
             self,
             CudaPath::FusedOneShot | CudaPath::FusedTwoShot | CudaPath::FusedLl

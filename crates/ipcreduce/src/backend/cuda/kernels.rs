@@ -91,9 +91,11 @@ pub const ERR_ABORTED: u32 = 2;
 pub const ERR_MISMATCH: u32 = 3;
 
 /// `Args::check` bits of the copy-engine barrier kernel (`CHECK_*` in prims.cuh): compare the
-/// call's stamps; this barrier starts the call (advances the call counter, posts the identity).
+/// call's stamps; this barrier starts the call (advances the call counter, posts the identity);
+/// (traced) a reduce kernel follows on the lane and ends the barrier's phase-stamp row.
 pub const CHECK_STAMPS: i32 = 1;
 pub const CHECK_BEGIN: i32 = 2;
+pub const CHECK_ROW_REDUCED: i32 = 4;
 
 pub use super::paths::CE_BARRIER_KERNEL;
 
@@ -336,6 +338,7 @@ mod tests {
             ("MODE_ROUND_SHIFT", crate::plan::MODE_ROUND_SHIFT),
             ("CHECK_STAMPS", CHECK_STAMPS as u32),
             ("CHECK_BEGIN", CHECK_BEGIN as u32),
+            ("CHECK_ROW_REDUCED", CHECK_ROW_REDUCED as u32),
         ] {
             let line = format!("#define {name} {value}");
             assert!(src.contains(&line), "kernel source lacks `{line}`");

@@ -200,7 +200,7 @@ impl Launcher {
     }
 
     /// The kernel of `path` for `dtype` and `op`, loaded on its first use (see
-    /// [`Loaded::function`]); the last few are remembered here, newest first.
+    /// [`Loaded::function_of`]); the last few are remembered here, newest first.
     pub fn function(
         &mut self,
         path: CudaPath,

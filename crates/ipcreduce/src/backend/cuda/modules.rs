@@ -36,9 +36,10 @@ pub(super) struct Loaded {
     /// The device's architecture and the tool versions (the cache key's).
     target: Target,
     state: Mutex<State>,
-    /// The copy-engine path's barrier kernel: set by the first copy-engine variant loaded
-    /// (every copy-engine call looks its reduce kernel up, and so loads it, first).
-    ce_barrier: OnceLock<cs::CudaFunction>,
+    /// The copy-engine path's barrier kernel, plain and traced (with the phase stamps): set
+    /// by the first copy-engine variant of its kind loaded (every copy-engine call looks its
+    /// reduce kernel up, and so loads it, first).
+    ce_barrier: [OnceLock<cs::CudaFunction>; 2],
     /// Whether the GPU has programmatic dependent launch (compute capability 9.0 and up).
     pub(super) pdl_capable: bool,
 }
@@ -75,7 +76,7 @@ impl Loaded {
             w,
             target,
             state: Mutex::default(),
-            ce_barrier: OnceLock::new(),
+            ce_barrier: [OnceLock::new(), OnceLock::new()],
             pdl_capable: major >= 9,
         });
         cache.insert((ordinal, w), l.clone());
@@ -83,19 +84,9 @@ impl Loaded {
     }
 
     /// The kernel of `path` for `dtype` and `op` (a raw handle, valid for the life of the
-    /// process), its variant compiled or read from the cache and loaded if this is its first
-    /// use (legal inside a stream capture, see the module's comment).
-    pub(super) fn function(
-        &self,
-        path: CudaPath,
-        dtype: DType,
-        op: ReduceOp,
-        rank: usize,
-    ) -> Result<sys::CUfunction> {
-        self.function_of(path, dtype, op, false, rank)
-    }
-
-    /// [`Loaded::function`], of the variant with the phase stamps when `traced`.
+    /// process), the variant with the phase stamps when `traced`, compiled or read from the
+    /// cache and loaded if this is its first use (legal inside a stream capture, see the
+    /// module's comment).
     pub(super) fn function_of(
         &self,
         path: CudaPath,
@@ -150,7 +141,7 @@ impl Loaded {
                 .load_function(name)
                 .map_err(|e| cuda(&format!("loading kernel {name}"), e))?;
             self.force_load(&f, name, rank)?;
-            let _ = self.ce_barrier.set(f);
+            let _ = self.ce_barrier[usize::from(v.trace)].set(f);
         }
         state.modules.push(module);
         let took = start.elapsed();
@@ -187,11 +178,12 @@ impl Loaded {
         &self.target
     }
 
-    /// The copy-engine path's barrier kernel (null until a copy-engine variant is loaded, which
-    /// the copy-engine path's reduce-kernel lookup does before any barrier launch; a null
-    /// function is refused by the launch, as an error naming the barrier).
-    pub(super) fn ce_barrier(&self) -> sys::CUfunction {
-        self.ce_barrier
+    /// The copy-engine path's barrier kernel, the traced one when `traced` (null until a
+    /// copy-engine variant of that kind is loaded, which the copy-engine path's reduce-kernel
+    /// lookup does before any barrier launch; a null function is refused by the launch, as an
+    /// error naming the barrier).
+    pub(super) fn ce_barrier(&self, traced: bool) -> sys::CUfunction {
+        self.ce_barrier[usize::from(traced)]
             .get()
             .map_or(std::ptr::null_mut(), |f| f.cu_function())
     }

@@ -14,19 +14,36 @@
 // and lane 1's pushes follow its own first barrier, which meets the peer's only once the peer's
 // lane 1 has passed its identity check too. The later barriers and the reduce kernels do not
 // know the call number (call 0: their waits skip the board).
+//
+// Phase stamps (traced): the kernels of a call stamp one row each of the ring (a.trace_row,
+// chosen by the host, ../ce.rs `Rows`; a lane's first barrier's is its lane slot, where
+// barrier_at stamps the peer): a barrier its start (the copies before it on its lane are done),
+// when it saw the peer and its end; a barrier followed by a reduce of the same chunk
+// (CHECK_ROW_REDUCED) leaves its row's reduce and end to that kernel, whose blocks each raise
+// them to their own end.
 
 #if !defined(IPCR_ONE_GROUP) || defined(IPCR_GROUP_CE)
 // One block: a barrier on lane `a.lane`'s counter and flags.
 extern "C" __global__ void __launch_bounds__(32) ipcr_ce_barrier(const Args a) {
     wait_for_previous_kernel();
+    TRACE_ROW(a, PH_START);
     u32 *ctr = a.counters + 2 * a.lane;
     const bool begins = (a.check & CHECK_BEGIN) != 0;
+    const bool first = (a.check & CHECK_STAMPS) != 0;
     // Later barriers do not start a call, but guard the pushes behind them the same way.
     const u64 call = begins ? begin_call(a) : (open_call_counter(a), 0);
     u32 F = ctr[0];
-    barrier_at(a, F, call, (a.check & CHECK_STAMPS) != 0, a.lane);
+    const bool met = barrier_at(a, F, call, first, a.lane);
+    // (A first barrier stamps the peer inside, from the thread that waited for it.)
+    if (met && !first) TRACE_ROW(a, PH_PEER + (1 - a.rank));
     if (threadIdx.x == 0) ctr[0] = F;
     if (begins) finish_call(a, call);
+    if ((a.check & CHECK_ROW_REDUCED) != 0) {
+        TRACE_ROW_CLEAR(a, PH_REDUCE);
+        TRACE_ROW_CLEAR(a, PH_END);
+    } else {
+        TRACE_ROW(a, PH_END);
+    }
 }
 #endif
 
@@ -44,6 +61,9 @@ template <typename D, typename Op> __device__ void ce_reduce(const Args &a) {
     const char *theirs = a.rsend[1 - a.rank];
     reduce_range<D, Op, 2>(CeSrc{a}, OwnDst{a.recv, aligned16(a.recv)}, 2, b, e,
                            aligned16(a.send) && aligned16(a.recv) && aligned16(theirs));
+    // The chunk's row (its barrier's): reduced and ended with the last block.
+    TRACE_ROW_LATEST(a, PH_REDUCE);
+    TRACE_ROW_LATEST(a, PH_END);
 }
 
 // Entry points: ipcr_cereduce_<dtype>_<op> (two ranks only: one kernel in every module).

@@ -130,6 +130,8 @@ struct Args {
     int lane;                    // copy-engine barrier: the counter and flag slot it syncs on
     int check;                   // copy-engine barrier: CHECK_* bits
     int mode;                    // staged and LL kernels: MODE_* bits (the same on every rank)
+    int trace_row;               // traced copy-engine kernels: their row of the phase-stamp
+                                 // ring (the others stamp their block's), see "Phase stamps"
     u64 chunk_bytes;             // staged kernels: bytes per chunk (<= slot_bytes, multiple
                                  // of 256; the same on every rank for a call)
     u64 *phases;                 // the phase-stamp ring in device memory (traced kernels only, see
@@ -143,6 +145,9 @@ struct Args {
 // CHECK_BEGIN: this barrier starts the call (lane 0's first): it advances the call counter and
 // posts the identity (invariant 1).
 #define CHECK_BEGIN 2
+// CHECK_ROW_REDUCED (traced only): a reduce kernel follows this barrier on its lane and stamps
+// the reduce and end of the barrier's row; the barrier clears those two words for it.
+#define CHECK_ROW_REDUCED 4
 
 // Args::mode bits.
 // MODE_PUSH_PASSES (PCIe policy, peer transport): every push into peers' memory is made in
@@ -242,7 +247,11 @@ __device__ __forceinline__ u64 ld_volatile_u64(const u64 *p) {
 // so also while a kernel waits for a peer (flight/stamps.rs decodes it).
 //
 // Layout: u64 words [PH_CALLS][MAX_BLOCKS][PH_SLOTS], indexed by (host call number mod
-// PH_CALLS, block, phase): each word has one writer per call, so no atomics. A word is
+// PH_CALLS, row, phase); a block's row is its index, but the copy-engine kernels' is a.trace_row
+// (the host's choice: a row per barrier and per chunk, ce.cu; a kernel past the rows is
+// launched with a.phases = 0). Each word has one writer per call, so no atomics, except the
+// copy-engine reduce's two words, which every block raises to its own time
+// (`phase_stamp_latest`) after the barrier before it cleared them. A word is
 // {call number mod 2^16 (high 16 bits), globaltimer mod 2^48 (low 48 bits, 78 hours)}: one
 // 64-bit store, which PTX makes single-copy atomic, so the host never reads half of a stamp and
 // tells a stale word (an older call's in the same slot) by its tag. The host restores the high
@@ -256,10 +265,29 @@ __device__ __forceinline__ u64 ld_volatile_u64(const u64 *p) {
 #define PH_CALLS 1024
 #define PH_TIME_MASK ((1ull << 48) - 1)
 #ifdef IPCR_TRACE
-__device__ __forceinline__ void phase_stamp(const Args &a, int slot) {
+__device__ __forceinline__ u64 *phase_word(const Args &a, int row, int slot) {
+    return a.phases + (((a.seq & (PH_CALLS - 1)) * MAX_BLOCKS + row) * PH_SLOTS + slot);
+}
+__device__ __forceinline__ u64 phase_now(const Args &a) {
+    return (a.seq << 48) | (globaltimer() & PH_TIME_MASK);
+}
+__device__ __forceinline__ void phase_stamp_at(const Args &a, int row, int slot) {
     if (a.phases == 0) return;
-    u64 *e = a.phases + (((a.seq & (PH_CALLS - 1)) * MAX_BLOCKS + blockIdx.x) * PH_SLOTS + slot);
-    st_volatile_u64(e, (a.seq << 48) | (globaltimer() & PH_TIME_MASK));
+    st_volatile_u64(phase_word(a, row, slot), phase_now(a));
+}
+__device__ __forceinline__ void phase_stamp(const Args &a, int slot) { phase_stamp_at(a, blockIdx.x, slot); }
+// Row a.trace_row's `slot` raised to now by each block that calls it: the word then holds the
+// last block's time. Its call's tag must be there already (with time 0, "not reached": the
+// barrier before the kernel wrote it), or a stale word of the call 2^16 calls earlier could
+// compare larger.
+__device__ __forceinline__ void phase_stamp_latest(const Args &a, int slot) {
+    if (a.phases == 0) return;
+    atomicMax((unsigned long long *)phase_word(a, a.trace_row, slot), (unsigned long long)phase_now(a));
+}
+// Row a.trace_row's `slot` set to "not reached" for this call (the tag, time 0).
+__device__ __forceinline__ void phase_clear(const Args &a, int slot) {
+    if (a.phases == 0) return;
+    st_volatile_u64(phase_word(a, a.trace_row, slot), a.seq << 48);
 }
 // Thread 0 stamps `phase` (what the block's thread 0 has done, without waiting for the others).
 #define TRACE_PHASE(a, phase)                                                                 \
@@ -278,10 +306,36 @@ __device__ __forceinline__ void phase_stamp(const Args &a, int slot) {
     do {                                                                                      \
         if (cond) phase_stamp(a, PH_PEER + (p));                                              \
     } while (0)
+// The same in row `row` (a barrier's slot: the block's index, or a copy-engine lane's).
+#define TRACE_PEER_AT(a, cond, row, p)                                                        \
+    do {                                                                                      \
+        if (cond) phase_stamp_at(a, row, PH_PEER + (p));                                      \
+    } while (0)
+// Thread 0 stamps `phase` in row a.trace_row (the copy-engine kernels).
+#define TRACE_ROW(a, phase)                                                                   \
+    do {                                                                                      \
+        if (threadIdx.x == 0) phase_stamp_at(a, a.trace_row, phase);                          \
+    } while (0)
+// The whole block is past this point, then thread 0 raises row a.trace_row's `phase` to now
+// (every block of the grid: the row ends with the last one).
+#define TRACE_ROW_LATEST(a, phase)                                                            \
+    do {                                                                                      \
+        __syncthreads();                                                                      \
+        if (threadIdx.x == 0) phase_stamp_latest(a, phase);                                   \
+    } while (0)
+// Thread 0 clears row a.trace_row's `phase` for a later kernel's TRACE_ROW_LATEST.
+#define TRACE_ROW_CLEAR(a, phase)                                                             \
+    do {                                                                                      \
+        if (threadIdx.x == 0) phase_clear(a, phase);                                          \
+    } while (0)
 #else
 #define TRACE_PHASE(a, phase)
 #define TRACE_BLOCK(a, phase)
 #define TRACE_PEER(a, cond, p)
+#define TRACE_PEER_AT(a, cond, row, p)
+#define TRACE_ROW(a, phase)
+#define TRACE_ROW_LATEST(a, phase)
+#define TRACE_ROW_CLEAR(a, phase)
 #endif
 
 // The other half of convert.cuh's wait_for_previous_kernel (MODE_LET_NEXT_LAUNCH, the LL
@@ -464,7 +518,7 @@ __device__ __forceinline__ u64 *stamp_slot(const Args &a, int owner, u32 F, int 
 }
 
 // Block-wide barrier on slot `b` (the block's index, or a copy-engine lane) with the same slot of
-// every peer. Returns false (in every thread of the block) if the wait failed: deadline passed,
+// every peer; traced, a first barrier (`check_stamp`) stamps the peers seen in row `b`. Returns false (in every thread of the block) if the wait failed: deadline passed,
 // host abort, a call that differs from a peer's (`check_stamp`, the first barrier of a call, or
 // the board), or another block failed.
 __device__ bool barrier_at(const Args &a, u32 &F, u64 call, bool check_stamp, int b) {
@@ -486,7 +540,7 @@ __device__ bool barrier_at(const Args &a, u32 &F, u64 call, bool check_stamp, in
                 break;
             }
         }
-        TRACE_PEER(a, !failed && check_stamp, t);
+        TRACE_PEER_AT(a, !failed && check_stamp, b, t);
         if (!failed && check_stamp) {
             u64 theirs = *(volatile u64 *)stamp_slot(a, a.rank, F, b, t);
             if (theirs != a.digest) {
