@@ -346,6 +346,13 @@ impl Communicator {
                     .all_reduce_raw(send, recv, count, dtype, op, algo, stream)
             };
             crate::host_profile::lap(crate::host_profile::Phase::Rest);
+            // The kernel path, for the trace (a count-0 call runs none: the last one's name
+            // would be stale).
+            if r.is_ok() && count > 0 {
+                if let Some(p) = c.backend.last_path() {
+                    c.flight.kernel(p.name);
+                }
+            }
             r
         });
         crate::host_profile::end(r.is_ok());

@@ -76,6 +76,9 @@ pub struct Entry {
     /// chose alone (reduce-scatter and all-gather on cuda, "reduce-scatter-reg"...); None
     /// where nothing says (the host backend's reduce-scatter and all-gather).
     pub path: Option<&'static str>,
+    /// The cuda all-reduce's kernel path (`oneshot-ll`, `twoshot-reg`, `ce`, `nccl`...; what
+    /// `Communicator::last_path` names), set once the call was enqueued; None elsewhere.
+    pub kernel: Option<&'static str>,
     /// The call's count argument (all-gather: sendcount; reduce-scatter: recvcount).
     pub count: u64,
     pub dtype: DType,
@@ -98,6 +101,7 @@ impl Entry {
         seq: 0,
         op: SgOp::AllReduce,
         path: None,
+        kernel: None,
         count: 0,
         dtype: DType::F32,
         reduce: ReduceOp::Sum,
@@ -117,6 +121,7 @@ impl Entry {
             "seq": self.seq,
             "op": self.op.name(),
             "path": self.path,
+            "kernel": self.kernel,
             "count": self.count,
             "dtype": self.dtype.name(),
             "reduce": self.reduce.name(),
@@ -361,6 +366,7 @@ impl Recorder {
             seq: self.calls,
             op: id.op,
             path: None,
+            kernel: None,
             count: id.count as u64,
             dtype: id.dtype,
             reduce: id.reduce,
@@ -393,6 +399,14 @@ impl Recorder {
         }
         if let Some(r) = &mut self.nvtx {
             r.path(path.name());
+        }
+    }
+
+    /// Says which kernel path the current all-reduce ran (cuda), once it was enqueued.
+    #[inline]
+    pub fn kernel(&mut self, name: &'static str) {
+        if let Some(e) = self.current() {
+            e.kernel = Some(name);
         }
     }
 
@@ -733,6 +747,30 @@ mod tests {
         assert_eq!(line["path"], "reduce-scatter-reg");
         let line: serde_json::Value = serde_json::from_str(&e[2].to_json()).unwrap();
         assert!(line["path"].is_null(), "{line}");
+    }
+
+    /// The all-reduce's kernel path goes into its line as "kernel", beside the algorithm; a
+    /// call that names none has null, and a new call never inherits the last one's.
+    #[test]
+    fn the_kernel_path_is_the_current_calls_own() {
+        let mut r = Recorder::new(4, None);
+        r.begin(&call(8));
+        r.path(Algorithm::TwoShot);
+        r.kernel("ce");
+        r.end(true);
+        r.begin(&call(8));
+        r.path(Algorithm::TwoShot);
+        r.end(true);
+        let lines: Vec<serde_json::Value> = r
+            .entries()
+            .iter()
+            .map(|e| serde_json::from_str(&e.to_json()).unwrap())
+            .collect();
+        assert_eq!(
+            (&lines[0]["path"], &lines[0]["kernel"]),
+            (&"twoshot".into(), &"ce".into())
+        );
+        assert!(lines[1]["kernel"].is_null(), "{}", lines[1]);
     }
 
     #[test]

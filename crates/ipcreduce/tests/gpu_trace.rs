@@ -270,6 +270,7 @@ fn check_call(rank: usize, call: &Value) -> Vec<(usize, u64)> {
 /// barriers' rows without a reduce.
 fn check_ce_rows(rank: usize, call: &Value) {
     let what = format!("rank {rank} copy-engine call #{}", call["seq"]);
+    assert_eq!(call["kernel"], "ce", "{what}: the kernel path");
     let blocks = call["phases"]["blocks"].as_array().unwrap();
     let rows: Vec<u64> = blocks
         .iter()

@@ -221,7 +221,7 @@ pub(super) fn trace(jobs: &[Vec<Dump>]) -> Value {
                 let mut args = json!({
                     "seq": r.seq, "op": r.op, "count": r.count, "dtype": r.dtype,
                     "reduce": r.reduce, "in_place": r.in_place, "path": r.path,
-                    "stream": r.stream, "state": r.state,
+                    "kernel": r.kernel, "stream": r.stream, "state": r.state,
                     "bytes": r.count * dtype_bytes(&r.dtype),
                 });
                 if let Some(a) = super::arrival(dumps, r.seq) {

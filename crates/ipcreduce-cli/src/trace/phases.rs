@@ -66,7 +66,7 @@ pub(super) fn events(
             out.push(json!({
                 "name": name, "cat": "phase", "ph": "X", "ts": ts(begin),
                 "dur": (end - begin) as f64 / 1e3, "pid": pid, "tid": tid,
-                "args": {"seq": r.seq, "kseq": p.kseq, "path": r.path, "bytes": bytes,
+                "args": {"seq": r.seq, "kseq": p.kseq, "path": r.path, "kernel": r.kernel, "bytes": bytes,
                          "block": b.block, "tick_ns": p.tick_ns},
             }));
         }
@@ -116,9 +116,15 @@ pub(super) fn summary(dumps: &[Dump], first: u64, last: u64) -> Option<Summary> 
         for d in dumps {
             let Some(r) = d.recs.get(&seq) else { continue };
             let Some(p) = &r.phases else { continue };
-            // Records that name no path (the host backend's reduce-scatter and all-gather, or
-            // files of older versions) are grouped under their operation's name.
-            let key = r.path.clone().unwrap_or_else(|| r.op.clone());
+            // By the kernel path where the record names one (the cuda all-reduce: `oneshot-ll`,
+            // `twoshot-reg`, `ce`, whose rows are barriers and chunks, not thread blocks), else
+            // by its path; records that name neither (the host backend's reduce-scatter and
+            // all-gather, or files of older versions) under their operation's name.
+            let key = r
+                .kernel
+                .clone()
+                .or_else(|| r.path.clone())
+                .unwrap_or_else(|| r.op.clone());
             path = path.or(Some(key.clone()));
             let entry = per_path.entry(key).or_default();
             entry.0 += 1;

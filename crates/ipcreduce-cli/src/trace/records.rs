@@ -25,6 +25,9 @@ pub(super) struct Rec {
     pub seq: u64,
     pub op: String,
     pub path: Option<String>,
+    /// The cuda all-reduce's kernel path (`oneshot-ll`, `ce`, ...; absent in older files).
+    #[serde(default)]
+    pub kernel: Option<String>,
     pub count: u64,
     pub dtype: String,
     pub reduce: String,
@@ -210,6 +213,7 @@ pub(super) mod made_up {
             seq,
             op: "all_reduce".into(),
             path: None,
+            kernel: None,
             count: 4,
             dtype: "float".into(),
             reduce: "sum".into(),
