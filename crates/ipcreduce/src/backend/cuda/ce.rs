@@ -154,8 +154,9 @@ impl Engine {
 /// barrier, then its reduce) row k and lane j's last barrier row `chunks + j`; the host-staged
 /// path gives chunk k's barrier on lane 0 (its copy into host memory is done on both ranks) row
 /// 2k and its barrier and reduce on lane 1 row 2k + 1. A kernel whose row would reach the lane
-/// slots is launched without stamps: a call of more than about 60 chunks (0.5 GiB per rank)
-/// shows its first ones.
+/// slots is launched without stamps: a call of more chunks (registered: more than 124, 8 MiB of
+/// each rank's share each, about 2 GiB; host-staged: more than 63, a sixteenth of the call
+/// each, at most the staging slot) shows its first ones.
 struct Rows;
 
 impl Rows {

@@ -149,6 +149,9 @@ fn a_variant_compiles_to_a_cubin_with_its_entry_points_only() {
             for (_, name) in v.kernels() {
                 assert!(cubin_has(&cubin, &name), "{}: {name} missing", v.label());
             }
+            for name in v.extra_kernels() {
+                assert!(cubin_has(&cubin, name), "{}: {name} missing", v.label());
+            }
         }
     }
     let sg_max = compile_cubin(

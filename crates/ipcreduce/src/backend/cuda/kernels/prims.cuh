@@ -278,8 +278,8 @@ __device__ __forceinline__ void phase_stamp_at(const Args &a, int row, int slot)
 __device__ __forceinline__ void phase_stamp(const Args &a, int slot) { phase_stamp_at(a, blockIdx.x, slot); }
 // Row a.trace_row's `slot` raised to now by each block that calls it: the word then holds the
 // last block's time. Its call's tag must be there already (with time 0, "not reached": the
-// barrier before the kernel wrote it), or a stale word of the call 2^16 calls earlier could
-// compare larger.
+// barrier before the kernel wrote it): a stale word of an earlier call in the same slot could
+// compare larger (its 16-bit tag, once the call numbers pass 2^16).
 __device__ __forceinline__ void phase_stamp_latest(const Args &a, int slot) {
     if (a.phases == 0) return;
     atomicMax((unsigned long long *)phase_word(a, a.trace_row, slot), (unsigned long long)phase_now(a));
@@ -518,9 +518,10 @@ __device__ __forceinline__ u64 *stamp_slot(const Args &a, int owner, u32 F, int 
 }
 
 // Block-wide barrier on slot `b` (the block's index, or a copy-engine lane) with the same slot of
-// every peer; traced, a first barrier (`check_stamp`) stamps the peers seen in row `b`. Returns false (in every thread of the block) if the wait failed: deadline passed,
-// host abort, a call that differs from a peer's (`check_stamp`, the first barrier of a call, or
-// the board), or another block failed.
+// every peer; traced, a first barrier (`check_stamp`) stamps the peers seen in row `b`. Returns
+// false (in every thread of the block) if the wait failed: deadline passed, host abort, a call
+// that differs from a peer's (`check_stamp`, the first barrier of a call, or the board), or
+// another block failed.
 __device__ bool barrier_at(const Args &a, u32 &F, u64 call, bool check_stamp, int b) {
     F++;
     __syncthreads();
