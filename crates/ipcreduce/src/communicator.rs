@@ -769,8 +769,12 @@ impl Communicator {
     }
 
     /// Tells the flight recorder the path the backend took for the call just enqueued (the
-    /// operations whose path the backend chooses alone).
-    fn note_path_taken(&mut self) {
+    /// operations whose path the backend chooses alone), of `elements` in all: a call of none
+    /// runs no kernel, and the backend's last path is then the call before's.
+    fn note_path_taken(&mut self, elements: usize) {
+        if elements == 0 {
+            return;
+        }
         if let Some(p) = self.backend.last_path() {
             self.flight.path_taken(p.name);
         }
@@ -880,7 +884,7 @@ impl Communicator {
                 c.backend
                     .scatter_gather_raw(what, send, recv, shards, dtype, op, stream)
             }?;
-            c.note_path_taken();
+            c.note_path_taken(shards.total);
             Ok(())
         })
     }
@@ -922,7 +926,7 @@ impl Communicator {
                 c.backend
                     .scatter_gather_raw(what, send, recv, shards, dtype, ReduceOp::Sum, stream)
             }?;
-            c.note_path_taken();
+            c.note_path_taken(shards.total);
             Ok(())
         })
     }
