@@ -17,8 +17,10 @@
 #              all_reduce/reduce_scatter/all_gather), run with -c 1 and the library preloaded
 #              (every dtype and op, in place and out of place; the all-reduce also on
 #              stream 0, -y 1), then the small all-reduce timed with and without it, eager
-#              and in a graph, beside our own bench of the same sizes (bench-ours);
-#              then an eager run with both host profiles (profile.txt).
+#              and in a graph, beside our own bench of the same sizes (bench-ours), in
+#              TIME_ROUNDS rounds run in turns (the summary gives the medians and what the
+#              stand-in adds to our own calls); then an eager run with both host profiles
+#              (profile.txt).
 # Builds nothing of ours: expects target/release/libipcreduce_nccl.so (carry it; also
 # target/release/ipcreduce for bench-ours).
 # Usage: scripts/device/nccl-dropin.sh OUT_DIR
@@ -26,7 +28,8 @@
 # nccl-tests part without its -c 1 checks); CHECK_MAX=16M, the upper end of the -c 1 sweeps
 # (sizes step by 8x from 8 B: 256M ends at 128 MiB), CHECK_LIMIT=60 (seconds per sweep; raise
 # it with CHECK_MAX); CHECK_TOP (unset: none), one more -c 1 run of each collective at exactly
-# that size (256M: the top of NCCL's usual sweep), CHECK_TOP_LIMIT=120.
+# that size (256M: the top of NCCL's usual sweep), CHECK_TOP_LIMIT=120; TIME_ROUNDS=1 and
+# TIME_ITERS=100, the timing's rounds (in turns) and calls per size.
 # Prints a summary: checks passed/failed, calls per path, the small all-reduce's times.
 set -u
 # shellcheck source=lib/steps.sh source-path=SCRIPTDIR
@@ -154,24 +157,27 @@ elif [ -d "$SRC" ]; then
   [ -n "$checks" ] && [ -x "$BUILD/build/all_reduce_perf" ] && step nccl-tests-all_reduce-stream0-check 45 \
     env IPCREDUCE_NCCL=log LD_PRELOAD="$LIB" $MPIRUN -x LD_PRELOAD -x IPCREDUCE_NCCL \
     "$WRAP" "$BUILD/build/all_reduce_perf" -b 8 -e 1M -f 8 -g 1 -c 1 -d all -o all -n 3 -w 1 -y 1
-  # The small all-reduce, bf16, eager and as graph replays (-G), without and with the library.
+  # The small all-reduce, bf16, eager and as graph replays (-G), without and with the library,
+  # and our own bench of the same sizes (what the stand-in's calls are held to): TIME_ROUNDS
+  # rounds of all of them in turns (a drift of the machine hits them alike; eager calls are
+  # bound by the host, whose pace moves between runs), TIME_ITERS calls per size.
   if [ -x "$BUILD/build/all_reduce_perf" ]; then
-    for mode in plain preload; do
-      for g in 0 20; do
-        pre=()
-        [ $mode = preload ] && pre=(env LD_PRELOAD="$LIB")
-        step "nccl-tests-time-$mode-G$g" 40 "${pre[@]}" $MPIRUN ${pre:+-x LD_PRELOAD} \
-          "$WRAP" "$BUILD/build/all_reduce_perf" -b 8 -e 64K -f 4 -g 1 -c 1 -d bfloat16 -G "$g" -n 100 -w 10
-      done
-    done
-    # Our own bench in the same run, the same sizes: what the stand-in's calls are held to.
     BENCH_BIN=$REPO/target/release/ipcreduce
-    if [ -x "$BENCH_BIN" ]; then
-      step bench-ours 60 "$BENCH_BIN" bench --backend cuda --ranks 2 -a auto -d bfloat16 -b 8 -e 8K \
-        -f 4 -n 100 -w 10 -G 20 --json "$OUT/bench-ours.json"
-    else
-      echo "SKIP bench-ours: no $BENCH_BIN (carry target/release/ipcreduce)" | tee -a "$SUMMARY"
-    fi
+    [ -x "$BENCH_BIN" ] || echo "SKIP bench-ours: no $BENCH_BIN (carry target/release/ipcreduce)" | tee -a "$SUMMARY"
+    iters=${TIME_ITERS:-100}
+    for r in $(seq 1 "${TIME_ROUNDS:-1}"); do
+      for mode in plain preload; do
+        for g in 0 20; do
+          pre=()
+          [ $mode = preload ] && pre=(env LD_PRELOAD="$LIB")
+          step "nccl-tests-time-$mode-G$g-r$r" 40 "${pre[@]}" $MPIRUN ${pre:+-x LD_PRELOAD} \
+            "$WRAP" "$BUILD/build/all_reduce_perf" -b 8 -e 64K -f 4 -g 1 -c 1 -d bfloat16 -G "$g" \
+            -n "$iters" -w 10
+        done
+      done
+      [ -x "$BENCH_BIN" ] && step "bench-ours-r$r" 60 "$BENCH_BIN" bench --backend cuda --ranks 2 -a auto \
+        -d bfloat16 -b 8 -e 8K -f 4 -n "$iters" -w 10 -G 20 --json "$OUT/bench-ours-r$r.json"
+    done
     # Where a preloaded eager call's host time goes (its own run: the profiles' clock reads
     # cost time): the stand-in's phases (IPCREDUCE_NCCL_PROFILE) and the library's inside
     # its collective phase (IPCREDUCE_HOST_PROFILE), printed by every rank at exit.

@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import re
+import statistics
 import sys
 
 out = sys.argv[1]
@@ -148,22 +149,42 @@ plain, pre = reports("dropin", "plain"), reports("dropin", "preload")
 if plain and pre:
     for k in ("allreduce_8k_bf16_eager_us", "allreduce_8k_bf16_graph_us"):
         times[f"torch {k}"] = {"plain": plain[0][k], "preload": pre[0][k]}
+# nccl-tests' rounds (nccl-tests-time-MODE-GN[-rR].log; older runs have no round) and our own
+# bench's of the same run (bench-ours[-rR].json, its auto rows on plain buffers): per size and
+# mode, the median of the rounds, and every round's time.
+rounds: dict = {}
+TIME_LOG = re.compile(r"nccl-tests-time-(plain|preload)-G(\d+)(?:-r\d+)?\.log$")
 for path in sorted(glob.glob(f"{out}/nccl-tests-time-*.log")):
-    mode = os.path.basename(path)[len("nccl-tests-time-"):-len(".log")]
+    m = TIME_LOG.search(os.path.basename(path))
+    if not m:
+        continue
+    mode = f"{m.group(1)}-G{m.group(2)}"
     for row in re.findall(r"^\s+(\d+)\s+\d+\s+bfloat16\s+\S+\s+-?\d+\s+([\d.]+)\s", open(path, errors="replace").read(), re.M):
         size, t = int(row[0]), float(row[1])
-        if size in (8, 8192, 65536):
-            times.setdefault(f"nccl-tests all_reduce {size} B bf16 out of place", {})[mode] = t
-# Our own bench of the same run (bench-ours.json): its auto rows on plain buffers.
-ours = os.path.join(out, "bench-ours.json")
-if os.path.exists(ours):
+        rounds.setdefault(f"nccl-tests all_reduce {size} B bf16 out of place", {}).setdefault(mode, []).append(t)
+for ours in sorted(glob.glob(f"{out}/bench-ours*.json")):
+    if not re.search(r"bench-ours(-r\d+)?\.json$", ours):
+        continue
     for r in json.load(open(ours))["rows"]:
-        if r["algo"] == "auto" and not r["registered"] and r["bytes"] in (8, 8192):
+        if r["algo"] == "auto" and not r["registered"]:
             mode = "ours-G0" if r["mode"] == "eager" else "ours-G20"
-            times.setdefault(f"nccl-tests all_reduce {r['bytes']} B bf16 out of place", {})[mode] = r["time_us"]
+            rounds.setdefault(f"nccl-tests all_reduce {r['bytes']} B bf16 out of place", {}).setdefault(mode, []).append(r["time_us"])
+for k, v in rounds.items():
+    times[k] = {m: statistics.median(ts) for m, ts in v.items()}
 for k, v in times.items():
-    print(f"time us {k}: " + ", ".join(f"{m} {t:.1f}" for m, t in sorted(v.items())))
+    cells = []
+    for m, t in sorted(v.items()):
+        ts = rounds.get(k, {}).get(m, [])
+        spread = f" [{min(ts):.2f}-{max(ts):.2f}]" if len(ts) > 1 else ""
+        cells.append(f"{m} {t:.2f}{spread}")
+    print(f"time us {k}: " + ", ".join(cells))
+    # What the stand-in adds to our own calls (medians of the rounds; the goal: <= 0.3 us).
+    for g in ("G0", "G20"):
+        if f"preload-{g}" in v and f"ours-{g}" in v:
+            print(f"{' ' * 8}preload - ours, {'eager' if g == 'G0' else 'graph'}: "
+                  f"{v[f'preload-{g}'] - v[f'ours-{g}']:+.2f} us")
 summary["times_us"] = times
+summary["times_rounds_us"] = rounds
 
 summary["problems"] = problems
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=1)
