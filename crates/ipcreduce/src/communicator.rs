@@ -346,12 +346,9 @@ impl Communicator {
                     .all_reduce_raw(send, recv, count, dtype, op, algo, stream)
             };
             crate::host_profile::lap(crate::host_profile::Phase::Rest);
-            // The kernel path, for the trace (a count-0 call runs none: the last one's name
-            // would be stale).
-            if r.is_ok() && count > 0 {
-                if let Some(p) = c.backend.last_path() {
-                    c.flight.kernel(p.name);
-                }
+            // The kernel path, for the trace.
+            if let Some(name) = r.is_ok().then(|| c.path_ran(count)).flatten() {
+                c.flight.kernel(name);
             }
             r
         });
@@ -768,15 +765,20 @@ impl Communicator {
         self.backend.last_path()
     }
 
+    /// The path the backend took for the call just enqueued, of `elements` in all: none for a
+    /// call of none, which runs no kernel (the backend's last path is then the call before's).
+    fn path_ran(&self, elements: usize) -> Option<&'static str> {
+        (elements > 0)
+            .then(|| self.backend.last_path())
+            .flatten()
+            .map(|p| p.name)
+    }
+
     /// Tells the flight recorder the path the backend took for the call just enqueued (the
-    /// operations whose path the backend chooses alone), of `elements` in all: a call of none
-    /// runs no kernel, and the backend's last path is then the call before's.
+    /// operations whose path the backend chooses alone), of `elements` in all.
     fn note_path_taken(&mut self, elements: usize) {
-        if elements == 0 {
-            return;
-        }
-        if let Some(p) = self.backend.last_path() {
-            self.flight.path_taken(p.name);
+        if let Some(name) = self.path_ran(elements) {
+            self.flight.path_taken(name);
         }
     }
 

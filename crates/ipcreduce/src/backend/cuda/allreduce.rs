@@ -75,6 +75,12 @@ impl Prepared {
             } == *b
     }
 
+    /// Whether a call of `inputs` runs what this came to: the same inputs, or other buffers
+    /// (`plain`: not registered ones, asked only then) where [`Prepared::moved_to`] allows.
+    fn serves(&self, inputs: &Inputs, plain: impl FnOnce() -> bool) -> bool {
+        self.inputs == *inputs || (self.moved_to(inputs) && plain())
+    }
+
     /// Made ready for a call of `inputs` (the same, or [`Prepared::moved_to`] them): its
     /// buffers in the arguments.
     fn serve(&mut self, inputs: Inputs) {
@@ -114,11 +120,7 @@ pub(super) fn launch(
 ) -> Result<()> {
     let inputs = Inputs::of(call, algo, registry);
     let eager = l.origin.is_none();
-    let plain = || {
-        registry
-            .peers_of(call.send, call.recv, call.bytes(), l.world)
-            .is_none()
-    };
+    let plain = || plain_buffers(l, registry, call);
     if let Some(p) = reusable(last.as_mut(), &inputs, eager, plain) {
         return again(l, p, call, inputs);
     }
@@ -228,11 +230,7 @@ pub(super) fn phase_stamped(
     algo: Algorithm,
     last: Option<&Prepared>,
 ) -> bool {
-    let plain = || {
-        registry
-            .peers_of(call.send, call.recv, call.bytes(), l.world)
-            .is_none()
-    };
+    let plain = || plain_buffers(l, registry, call);
     let path = match kept_path(last, &Inputs::of(call, algo, registry), plain) {
         Some(path) => path,
         None => path_of(l, registry, call, algo).0,
@@ -248,21 +246,26 @@ fn kept_path(
     inputs: &Inputs,
     plain: impl FnOnce() -> bool,
 ) -> Option<CudaPath> {
-    let p = last?;
-    (p.inputs == *inputs || (p.moved_to(inputs) && plain())).then_some(p.path)
+    last.filter(|p| p.serves(inputs, plain)).map(|p| p.path)
+}
+
+/// Whether neither of `call`'s buffers is registered (the registry's view of them, as
+/// [`path_of`] takes it).
+fn plain_buffers(l: &Launcher, registry: &Registry, call: &CallArgs) -> bool {
+    registry
+        .peers_of(call.send, call.recv, call.bytes(), l.world)
+        .is_none()
 }
 
 /// `last`, if a call of `inputs` may reuse it: eager calls only (a captured call's identity
-/// holds its place in the graph, new each time), of the very same inputs, or of other buffers
-/// (`plain`: not registered ones, asked only then) where [`Prepared::moved_to`] allows.
+/// holds its place in the graph, new each time) that it serves ([`Prepared::serves`]).
 fn reusable<'a>(
     last: Option<&'a mut Prepared>,
     inputs: &Inputs,
     eager: bool,
     plain: impl FnOnce() -> bool,
 ) -> Option<&'a mut Prepared> {
-    let p = last.filter(|_| eager)?;
-    (p.inputs == *inputs || (p.moved_to(inputs) && plain())).then_some(p)
+    last.filter(|p| eager && p.serves(inputs, plain))
 }
 
 /// The eager call `call` of `inputs`, which `p` may serve ([`reusable`]): as the full path

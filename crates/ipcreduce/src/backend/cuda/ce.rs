@@ -197,11 +197,14 @@ struct Enqueue<'a> {
     lanes: &'a Lanes,
     args: &'a KernelArgs,
     call: &'a CallArgs,
-    /// The phase-stamp variants (tracing).
-    traced: bool,
 }
 
 impl Enqueue<'_> {
+    /// Whether the call runs the phase-stamp variants (tracing).
+    fn traced(&self) -> bool {
+        self.l.phases.is_some()
+    }
+
     fn lane(&self, j: usize) -> sys::CUstream {
         self.lanes.streams[j].cu_stream()
     }
@@ -243,7 +246,7 @@ impl Enqueue<'_> {
         }
         Rows::set(&mut a, row, first);
         let k = Kernel {
-            f: self.l.gpu.ce_barrier(self.traced),
+            f: self.l.gpu.ce_barrier(self.traced()),
             grid: 1,
             threads: BARRIER_THREADS,
             stream: self.lane(j),
@@ -344,13 +347,11 @@ pub(super) fn launch(
     call: &CallArgs,
     ctas: u32,
 ) -> Result<()> {
-    let traced = l.phases.is_some();
     let q = Enqueue {
         l,
         lanes,
         args,
         call,
-        traced,
     };
     let size = call.dtype.size();
     let rank = l.rank;
@@ -362,9 +363,13 @@ pub(super) fn launch(
     // Both ranks cut the same number of chunks: every lane passes the same barriers.
     let chunks = mine.len().max(theirs.len()).div_ceil(chunk).max(1);
     let (send, recv, peer_recv) = (args.send, args.recv, args.rrecv[peer]);
-    let reduce = l
-        .gpu
-        .function_of(crate::plan::CudaPath::Ce, call.dtype, call.op, traced, rank)?;
+    let reduce = l.gpu.function_of(
+        crate::plan::CudaPath::Ce,
+        call.dtype,
+        call.op,
+        q.traced(),
+        rank,
+    )?;
     let push = |what: &'static str, bytes: usize| {
         move || format!("copy-engine push of {bytes} bytes ({what}) to rank {peer}")
     };
@@ -419,13 +424,11 @@ pub(super) fn launch_staged(
     chunk_bytes: usize,
     ctas: u32,
 ) -> Result<()> {
-    let traced = l.phases.is_some();
     let q = Enqueue {
         l,
         lanes,
         args,
         call,
-        traced,
     };
     let rank = l.rank;
     let peer = 1 - rank;
@@ -444,7 +447,7 @@ pub(super) fn launch_staged(
         crate::plan::CudaPath::CeStaged,
         call.dtype,
         call.op,
-        traced,
+        q.traced(),
         rank,
     )?;
     let slot = |r: usize, k: usize| args.data[r] + (k as u64 & 1) * args.slot_bytes;
