@@ -66,8 +66,8 @@ pub(super) fn events(
             out.push(json!({
                 "name": name, "cat": "phase", "ph": "X", "ts": ts(begin),
                 "dur": (end - begin) as f64 / 1e3, "pid": pid, "tid": tid,
-                "args": {"seq": r.seq, "kseq": p.kseq, "path": r.path, "kernel": r.kernel, "bytes": bytes,
-                         "block": b.block, "tick_ns": p.tick_ns},
+                "args": {"seq": r.seq, "kseq": p.kseq, "path": r.path, "kernel": r.kernel,
+                         "bytes": bytes, "block": b.block, "tick_ns": p.tick_ns},
             }));
         }
     }
