@@ -145,15 +145,18 @@ pub fn fabric(host_staged: bool, forced: Option<Topology>, any_pcie_pair: bool) 
 /// | 4 | 3 N / B | 1.5 N / B |
 /// | 8 | 7 N / B | 1.75 N / B |
 ///
-/// So one-shot at every size at two ranks (same bound, one barrier per chunk instead of two;
-/// measured on one H200 under MPS, 2026-12-02: within 1% of two-shot from 4 MiB),
-/// and two-shot from where its extra barrier (a flag round trip through host memory, ~2-3 us)
+/// At two ranks the bounds are equal, and one-shot (one barrier per chunk instead of two) wins
+/// up to 512 KiB, two-shot above: measured with two ranks under MPS, bf16, the same run, 5
+/// rounds (one H100, 2026-12-07, bench/results/2026-12-07-h100-host-staged-auto): one-shot
+/// 1.02-1.04x faster at 512 KiB, two-shot 1.05-1.06x faster at 2, 32 and 128 MiB and 1.02x at
+/// 8 MiB; one H200 (2026-12-04): two-shot 1.06-1.07x at 1 MiB, within 2% from 4 MiB. Above
+/// two, two-shot from where its extra barrier (a flag round trip through host memory, ~2-3 us)
 /// costs less than the bytes saved: 1.5 N / B > 3 us at about 100 KB for W = 4, 5.25 N / B >
 /// 3 us at about 30 KB for W = 8. Ranks sharing one GPU (MPS) share one link: the ratios hold.
 pub fn oneshot_max_bytes(backend: BackendKind, fabric: Fabric, world: usize) -> usize {
     match (backend, fabric) {
         (BackendKind::Cuda, Fabric::HostStaged) => match world {
-            0..=2 => usize::MAX,
+            0..=2 => 512 << 10,
             3..=4 => 64 << 10,
             _ => 32 << 10,
         },
@@ -225,14 +228,22 @@ pub fn staged_chunk_bytes(
 /// direction, ~6 us at 370 GB/s, where the zero-copy one-shot's two system barriers and NCCL
 /// took 10-14 us (two H200s, 2026-11-30); to be confirmed by scripts/device/bw-variants.sh.
 /// Over PCIe peer memory (the PCIe policy) every LL byte crosses the link twice as a line: the
-/// previous 64 KiB until that fabric is measured. Staged through host memory, 16 KiB: measured
-/// (one H200, two ranks under MPS, bf16, 2026-12-02), LL takes 11.5 us at 8 KiB and 33 us at
-/// 32 KiB, where the staged kernels take 19-22 us from 8 B to 128 KiB (one-shot 19.4 us at
-/// 128 KiB): the crossover lies near 16 KiB.
+/// previous 64 KiB until that fabric is measured. Staged through host memory, 16 KiB at two
+/// ranks: measured (one H200, two ranks under MPS, bf16, 2026-12-02), LL takes 11.5 us at
+/// 8 KiB and 33 us at 32 KiB, where the staged kernels take 19-22 us from 8 B to 128 KiB
+/// (one-shot 19.4 us at 128 KiB): the crossover lies near 16 KiB. Each rank pushes its lines to
+/// every peer, so with more ranks the limit falls as 1 / (W - 1), to a power of two: 4 KiB at
+/// three and four ranks, 2 KiB above. Measured with the old 16 KiB at every world (one H100,
+/// ranks under MPS, 2026-12-07, bench/results/2026-12-07-h100-host-staged-auto): at four ranks
+/// LL took 15-19 us at 2 KiB but 46-52 us at 8 KiB, where two-shot took 40-48 us and the staged
+/// one-shot 26-32 us at 32 KiB; at eight ranks 49-59 us at 2 KiB and 219-224 us at 8 KiB,
+/// two-shot 63-77 us.
 /// `IPCREDUCE_LL_MAX` overrides for every world and fabric (0 disables).
 pub fn ll_default_max_bytes(world: usize, fabric: Fabric) -> usize {
     match world {
-        _ if fabric == Fabric::HostStaged => 16 << 10,
+        0..=2 if fabric == Fabric::HostStaged => 16 << 10,
+        3..=4 if fabric == Fabric::HostStaged => 4 << 10,
+        _ if fabric == Fabric::HostStaged => 2 << 10,
         _ if fabric != Fabric::Peer => 64 << 10,
         0..=2 => 1 << 20,
         3..=4 => 256 << 10,
@@ -597,8 +608,11 @@ mod tests {
     fn host_staged_auto_follows_the_pcie_byte_counts() {
         let (b, h) = (BackendKind::Cuda, Fabric::HostStaged);
         let auto = |world, bytes| choose(Algorithm::Auto, None, b, h, world, bytes);
-        // Two ranks: one-shot and two-shot move the same bytes each way; one-shot at any size.
-        assert_eq!(auto(2, 1 << 30), Algorithm::OneShot);
+        // Two ranks: one-shot and two-shot move the same bytes each way; one-shot's single
+        // barrier wins up to the measured 512 KiB, two-shot above.
+        assert_eq!(auto(2, 512 << 10), Algorithm::OneShot);
+        assert_eq!(auto(2, (512 << 10) + 2), Algorithm::TwoShot);
+        assert_eq!(auto(2, 1 << 30), Algorithm::TwoShot);
         // Four and eight: two-shot reads 1.5 N and 1.75 N where one-shot reads 3 N and 7 N.
         assert_eq!(auto(4, 32 << 10), Algorithm::OneShot);
         assert_eq!(auto(4, 128 << 10), Algorithm::TwoShot);
@@ -884,11 +898,14 @@ mod tests {
                 let max = ll_default_max_bytes(w, fabric);
                 assert!(max <= crate::backend::cuda::kernels::LL_MAX_BYTES);
                 // PCIe peer memory keeps 64 KiB; through host memory LL stops at the
-                // measured crossover with the staged kernels.
-                let want = match fabric {
-                    Fabric::Peer => max,
-                    Fabric::PciePeer => 64 << 10,
-                    Fabric::HostStaged => 16 << 10,
+                // measured crossover with the staged kernels, which falls with the peers
+                // every rank pushes its lines to.
+                let want = match (fabric, w) {
+                    (Fabric::Peer, _) => max,
+                    (Fabric::PciePeer, _) => 64 << 10,
+                    (Fabric::HostStaged, 0..=2) => 16 << 10,
+                    (Fabric::HostStaged, 3..=4) => 4 << 10,
+                    (Fabric::HostStaged, _) => 2 << 10,
                 };
                 assert_eq!(max, want, "{fabric:?} at world {w}");
             }
