@@ -232,8 +232,8 @@ pub fn staged_chunk_bytes(
 /// ranks: measured (one H200, two ranks under MPS, bf16, 2026-12-02), LL takes 11.5 us at
 /// 8 KiB and 33 us at 32 KiB, where the staged kernels take 19-22 us from 8 B to 128 KiB
 /// (one-shot 19.4 us at 128 KiB): the crossover lies near 16 KiB. Each rank pushes its lines to
-/// every peer, so with more ranks the limit falls as 1 / (W - 1), to a power of two: 4 KiB at
-/// three and four ranks, 2 KiB above. Measured with the old 16 KiB at every world (one H100,
+/// every peer, so the limit falls with the world: 4 KiB at three and four ranks, 2 KiB above,
+/// from these measurements at four and eight. Measured with the old 16 KiB at every world (one H100,
 /// ranks under MPS, 2026-12-07, bench/results/2026-12-07-h100-host-staged-auto): at four ranks
 /// LL took 15-19 us at 2 KiB but 46-52 us at 8 KiB, where two-shot took 40-48 us and the staged
 /// one-shot 26-32 us at 32 KiB; at eight ranks 49-59 us at 2 KiB and 219-224 us at 8 KiB,
