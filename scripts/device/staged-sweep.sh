@@ -17,13 +17,15 @@
 #            (IPCREDUCE_STAGED_ROUND / _CHUNK / _CTAS; ROUNDS="0 4": 0 is the kernels without
 #            the interleave, the order before it). World 4 sweeps CHUNKS_4 x CTAS_4 (smaller).
 #   auto     per world of WORLDS_AUTO (2 4 8): bench -a auto,oneshot,twoshot, 8 B - SWEEP_MAX,
-#            eager and graph, default knobs: auto against the best path at every size.
+#            eager and graph, default knobs, AUTO_ROUNDS (1) rounds in turns (every world in
+#            each round): auto against the best path at every size, on the medians of the
+#            rounds (a size where auto ran the best path's own kernel is never over).
 # Then OUT/sweep.txt and OUT/sweep.json (every row: world, knobs, algo, bytes, busbw, wrong),
 # the best knobs per world, algorithm and size, auto against the best (auto.txt), and
 # summary.txt (PASS/FAIL/SKIP per step; a row with wrong elements fails its step).
 # Knobs: WORLDS_CHECK, CASES, CASES_SMALL (300), MAX_BYTES, WORLDS_SWEEP, ROUNDS, CHUNKS
 #   ("512K 1M 2M 4M"), CTAS ("16 32 64"), CHUNKS_4 ("1M 4M"), CTAS_4 ("32 64"), SWEEP_MAX,
-#   ITERS (8), WORLDS_AUTO, BUDGET (370).
+#   ITERS (8), WORLDS_AUTO, AUTO_ROUNDS (1), BUDGET (370).
 set -u
 # step, budget_fits, mps_on/mps_off, env_txt, summary_json.
 # shellcheck source=lib/steps.sh source-path=SCRIPTDIR
@@ -43,6 +45,7 @@ CTAS_4=${CTAS_4-32 64}
 SWEEP_MAX=${SWEEP_MAX:-256M}
 ITERS=${ITERS:-8}
 WORLDS_AUTO=${WORLDS_AUTO-2 4 8}
+AUTO_ROUNDS=${AUTO_ROUNDS:-1}
 BUDGET=${BUDGET:-370}
 SUMMARY=$OUT/summary.txt
 NGPU=1
@@ -55,7 +58,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 unset IPCREDUCE_TOPOLOGY IPCREDUCE_DENY_PEER IPCREDUCE_BLOCKS IPCREDUCE_SLOT_BYTES \
   IPCREDUCE_STAGED_CHUNK IPCREDUCE_STAGED_CTAS IPCREDUCE_STAGED_ROUND IPCREDUCE_ALGO
 export CUDA_VISIBLE_DEVICES=0 IPCREDUCE_TRANSPORT=host
-env_txt "WORLDS_CHECK=$WORLDS_CHECK CASES=$CASES MAX_BYTES=$MAX_BYTES WORLDS_SWEEP=$WORLDS_SWEEP ROUNDS=$ROUNDS CHUNKS=$CHUNKS CTAS=$CTAS CHUNKS_4=$CHUNKS_4 CTAS_4=$CTAS_4 SWEEP_MAX=$SWEEP_MAX ITERS=$ITERS WORLDS_AUTO=$WORLDS_AUTO BUDGET=$BUDGET
+env_txt "WORLDS_CHECK=$WORLDS_CHECK CASES=$CASES MAX_BYTES=$MAX_BYTES WORLDS_SWEEP=$WORLDS_SWEEP ROUNDS=$ROUNDS CHUNKS=$CHUNKS CTAS=$CTAS CHUNKS_4=$CHUNKS_4 CTAS_4=$CTAS_4 SWEEP_MAX=$SWEEP_MAX ITERS=$ITERS WORLDS_AUTO=$WORLDS_AUTO AUTO_ROUNDS=$AUTO_ROUNDS BUDGET=$BUDGET
 $(nvidia-smi --query-gpu=pcie.link.gen.current,pcie.link.width.current --format=csv 2>&1)"
 MPS_ENV="$OUT/env.txt" mps_on || exit 1
 
@@ -104,15 +107,20 @@ for w in $WORLDS_SWEEP; do
   done
 done
 
-for w in $WORLDS_AUTO; do
-  bench "auto-w$w" $((30 + 10 * w)) --ranks "$w" -a auto,oneshot,twoshot -b 8 -e "$SWEEP_MAX" \
-    -f 4 -n "$ITERS" -w 2 -G 5
+# Rounds in turns, so that a drift of the machine hits every world and path alike.
+for n in $(seq 1 "$AUTO_ROUNDS"); do
+  for w in $WORLDS_AUTO; do
+    name=auto-w$w
+    [ "$AUTO_ROUNDS" -gt 1 ] && name=auto-w$w-n$n
+    bench "$name" $((30 + 10 * w)) --ranks "$w" -a auto,oneshot,twoshot -b 8 -e "$SWEEP_MAX" \
+      -f 4 -n "$ITERS" -w 2 -G 5
+  done
 done
 
 # The tables: every row, the best knobs, auto against the best path. A row with wrong elements
 # fails the run.
 python3 - "$OUT" <<'PY' | tee "$OUT/sweep.txt"
-import glob, json, os, re, sys
+import glob, json, os, re, statistics, sys
 out = sys.argv[1]
 rows, wrong = [], []
 for f in sorted(glob.glob(os.path.join(out, "json", "*.json"))):
@@ -122,12 +130,13 @@ for f in sorted(glob.glob(os.path.join(out, "json", "*.json"))):
     except (OSError, ValueError) as e:
         print(f"# {name}: unreadable JSON ({e})")
         continue
-    m = re.match(r"(sweep|auto)-w(\d+)(?:-r(\d+)-c(\w+)-b(\d+))?$", name)
+    m = re.match(r"(sweep|auto)-w(\d+)(?:-r(\d+)-c(\w+)-b(\d+)|-n(\d+))?$", name)
     if not m:
         continue
-    kind, w, r, c, b = m.groups()
+    kind, w, r, c, b, n = m.groups()
     for x in rs:
-        row = {"run": name, "kind": kind, "world": int(w), "round": r, "chunk": c,
+        row = {"run": name, "kind": kind, "world": int(w), "round": r, "rep": int(n or 1),
+               "chunk": c,
                "ctas_knob": b, "algo": x["algo"], "path": x.get("path"), "ctas": x.get("ctas"),
                "mode": x["mode"], "bytes": x["bytes"], "time_us": x["time_us"],
                "busbw_gbps": x["busbw_gbps"], "wrong": x.get("wrong", 0)}
@@ -135,10 +144,11 @@ for f in sorted(glob.glob(os.path.join(out, "json", "*.json"))):
         if row["wrong"]:
             wrong.append(row)
 json.dump({"rows": rows}, open(os.path.join(out, "sweep.json"), "w"), indent=1)
-print("# world round chunk ctas algo path mode bytes time_us busbw wrong")
+print("# world round chunk ctas algo path mode bytes time_us busbw wrong rep")
 for x in rows:
     print(x["world"], x["round"] or "-", x["chunk"] or "-", x["ctas"], x["algo"], x["path"],
-          x["mode"], x["bytes"], "%.1f" % x["time_us"], "%.2f" % x["busbw_gbps"], x["wrong"])
+          x["mode"], x["bytes"], "%.1f" % x["time_us"], "%.2f" % x["busbw_gbps"], x["wrong"],
+          x["rep"])
 print("# best knobs per world, algorithm, size (sweep, eager)")
 best = {}
 for x in rows:
@@ -153,23 +163,34 @@ for (w, a, n), x in sorted(best.items()):
     b0 = max((y["busbw_gbps"] for y in base), default=0)
     print("best w%d %-8s %10d round %s chunk %s ctas %s: %.2f GB/s (best without interleave %.2f)"
           % (w, a, n, x["round"], x["chunk"], x["ctas"], x["busbw_gbps"], b0))
-print("# auto against the best path per world, mode, size (default knobs)")
-for w in sorted({x["world"] for x in rows if x["kind"] == "auto"}):
+auto_rows = [x for x in rows if x["kind"] == "auto"]
+reps = len({x["rep"] for x in auto_rows})
+print("# auto against the best path per world, mode, size (default knobs; medians of %d "
+      "round(s) [min-max])" % reps)
+for w in sorted({x["world"] for x in auto_rows}):
     for mode in ("eager", "graph"):
-        sizes = sorted({x["bytes"] for x in rows if x["kind"] == "auto" and x["world"] == w})
+        sizes = sorted({x["bytes"] for x in auto_rows if x["world"] == w})
         for n in sizes:
-            got = {x["algo"]: x for x in rows if x["kind"] == "auto" and x["world"] == w
-                   and x["mode"] == mode and x["bytes"] == n}
-            if "auto" not in got:
+            times, path = {}, {}
+            for x in auto_rows:
+                if x["world"] == w and x["mode"] == mode and x["bytes"] == n:
+                    times.setdefault(x["algo"], []).append(x["time_us"])
+                    path[x["algo"]] = x["path"]
+            if "auto" not in times:
                 continue
-            t = {a: got[a]["time_us"] for a in ("oneshot", "twoshot") if a in got}
+            t = {a: statistics.median(times[a]) for a in ("oneshot", "twoshot") if a in times}
             if not t:
                 continue
             fast = min(t, key=t.get)
-            ratio = got["auto"]["time_us"] / t[fast]
-            print("auto w%d %-5s %10d %-16s %8.1f us  best %-7s %8.1f us  auto/best %.3f %s"
-                  % (w, mode, n, got["auto"]["path"], got["auto"]["time_us"], fast, t[fast], ratio,
-                     "ok" if ratio <= 1.05 else "OVER 5%"))
+            a = times["auto"]
+            med = statistics.median(a)
+            ratio = med / t[fast]
+            # The same kernel as the best path: any difference is the machine's.
+            verdict = ("same kernel" if path["auto"] == path[fast]
+                       else "ok" if ratio <= 1.05 else "OVER 5%")
+            print("auto w%d %-5s %10d %-16s %8.1f us [%.1f-%.1f]  best %-7s %8.1f us  "
+                  "auto/best %.3f %s" % (w, mode, n, path["auto"], med, min(a), max(a), fast,
+                                         t[fast], ratio, verdict))
 print("# rows with wrong elements: %d" % len(wrong))
 sys.exit(1 if wrong else 0)
 PY
