@@ -34,6 +34,10 @@ const CASES: usize = 6;
 /// 8 MiB), and the size from which registered calls take the copy-engine path at two ranks.
 const CE_COUNT: usize = 10 << 20;
 const CE_MIN_BYTES: usize = 16 << 20;
+/// The host-staged copy-engine case (`ce_staged_rows`): f32 elements (256 KiB), in chunks of
+/// CE_STAGED_CHUNK bytes (`IPCREDUCE_STAGED_CHUNK`): 4 chunks.
+const CE_STAGED_COUNT: usize = 64 << 10;
+const CE_STAGED_CHUNK: usize = 64 << 10;
 /// The fused calls' shape (f32): 1 MiB per rank, several rows per block.
 const FUSED_TOKENS: usize = 64;
 const FUSED_HIDDEN: usize = 4096;
@@ -44,6 +48,7 @@ fn play_rank_if_child() {
     };
     let code = match role.as_str() {
         "phases" => rank_phases(),
+        "ce-staged" => rank_ce_staged(),
         other => panic!("unknown role {other}"),
     };
     let _ = std::io::stdout().flush();
@@ -165,6 +170,52 @@ fn rank_phases() -> i32 {
     c.synchronize().unwrap();
     drop(c); // writes the trace (IPCREDUCE_TRACE)
     say(format!("DONE {made}"));
+    0
+}
+
+/// CALLS all-reduces of plain buffers on the host-staged copy-engine path (the environment
+/// forces the host transport and the path from 64 KiB), the one at LATE late on the last rank.
+/// Says `LATE <seq>`, then `DONE <calls>`.
+fn rank_ce_staged() -> i32 {
+    let config = Config {
+        backend: BackendChoice::Cuda,
+        ..Config::default()
+    };
+    let mut c = Communicator::init(&config).expect("cuda communicator");
+    let (rank, world) = (c.rank(), c.world());
+    let bytes = CE_STAGED_COUNT * 4;
+    let (send, recv) = (
+        DeviceAlloc::new(bytes, rank).unwrap(),
+        DeviceAlloc::new(bytes, rank).unwrap(),
+    );
+    for i in 0..CALLS {
+        if i == LATE {
+            c.synchronize().unwrap();
+            c.bootstrap().all_gather(&[0u8]).unwrap();
+            if rank == world - 1 {
+                std::thread::sleep(DELAY);
+            }
+        }
+        // SAFETY: device buffers of this rank's GPU of `bytes` = count * 4, apart.
+        unsafe {
+            c.all_reduce_raw(
+                send.ptr as *const c_void,
+                recv.ptr as *mut c_void,
+                CE_STAGED_COUNT,
+                DType::F32,
+                ReduceOp::Sum,
+                Algorithm::Auto,
+                std::ptr::null_mut(),
+            )
+        }
+        .unwrap_or_else(|e| panic!("{CE_STAGED_COUNT} x f32 host-staged copy-engine: {e}"));
+        if i == LATE {
+            say(format!("LATE {}", c.traced_calls()));
+        }
+    }
+    c.synchronize().unwrap();
+    drop(c); // writes the trace (IPCREDUCE_TRACE)
+    say(format!("DONE {CALLS}"));
     0
 }
 
@@ -292,6 +343,132 @@ fn check_ce_rows(rank: usize, call: &Value) {
     }
 }
 
+/// A host-staged copy-engine call's rows (ce.rs `Rows`): per chunk k, row 2k (lane 0's barrier
+/// once both ranks' copies into host memory are done) and row 2k + 1 (lane 1's barrier, then
+/// the reduce, which stamps it); the two lanes' first barriers in their lane slots, 126 and 127.
+fn check_ce_staged_rows(rank: usize, call: &Value) {
+    let what = format!("rank {rank} host-staged copy-engine call #{}", call["seq"]);
+    assert_eq!(call["kernel"], "ce-staged", "{what}: the kernel path");
+    let blocks = call["phases"]["blocks"].as_array().unwrap();
+    let rows: Vec<u64> = blocks
+        .iter()
+        .map(|b| b["block"].as_u64().unwrap())
+        .collect();
+    let chunks = (CE_STAGED_COUNT * 4).div_ceil(CE_STAGED_CHUNK) as u64;
+    let mut want: Vec<u64> = (0..2 * chunks).collect();
+    want.extend([126, 127]);
+    assert_eq!(rows, want, "{what}: rows");
+    for b in blocks {
+        let row = b["block"].as_u64().unwrap();
+        let reduced = row < 2 * chunks && row % 2 == 1;
+        assert_eq!(
+            b["reduce_ns"].is_u64(),
+            reduced,
+            "{what}: reduce stamp: {b}"
+        );
+        assert_eq!(
+            b["peers"].as_array().unwrap().len(),
+            1,
+            "{what}: the peer seen once: {b}"
+        );
+    }
+}
+
+/// Checks the late call `seq` in `rank`'s trace: the late rank waited for no one; every other rank's longest wait was for the late rank, and about
+/// as long as the delay. `waits`: the call's longest wait per peer ([`check_call`]).
+fn check_late(rank: usize, late_rank: usize, seq: u64, waits: &[(usize, u64)]) {
+    let delay = DELAY.as_nanos() as u64;
+    if rank == late_rank {
+        // The late rank found everyone there already.
+        assert!(
+            waits.iter().all(|w| w.1 < delay / 2),
+            "rank {rank} #{seq}: the late rank waited: {waits:?}"
+        );
+    } else {
+        let longest = waits.iter().max_by_key(|w| w.1).copied();
+        let (peer, w) = longest.unwrap_or_else(|| panic!("#{seq}: no waits"));
+        assert_eq!(peer, late_rank, "rank {rank} #{seq}: {waits:?}");
+        assert!(
+            w >= delay * 8 / 10 && w <= delay * 3,
+            "rank {rank} #{seq}: waited {w} ns for a {delay} ns delay: {waits:?}"
+        );
+    }
+}
+
+/// The host-staged copy-engine path traced, at two ranks: every call's rows as ce.rs lays them
+/// out, each row's stamps in order and within the call's span, and the late call's wait for the
+/// late rank.
+#[test]
+fn host_staged_copy_engine_rows_and_a_late_rank() {
+    play_rank_if_child();
+    let world = 2;
+    let job = Job::new("gputrace", "cestaged");
+    let dir = std::env::temp_dir().join(format!(
+        "ipcreduce-gpu-trace-ce-staged-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dir_s = dir.display().to_string();
+    let chunk = CE_STAGED_CHUNK.to_string();
+    let extra = [
+        ("IPCREDUCE_TRACE", dir_s.as_str()),
+        ("IPCREDUCE_TIMELINE", "1"),
+        ("IPCREDUCE_TRANSPORT", "host"),
+        ("IPCREDUCE_CE_STAGED_MIN", "65536"),
+        ("IPCREDUCE_STAGED_CHUNK", chunk.as_str()),
+    ];
+    let spec = Spawn {
+        test: "host_staged_copy_engine_rows_and_a_late_rank",
+        role_var: ROLE,
+        role: "ce-staged",
+        world,
+        extra: &extra,
+        hold: false,
+    };
+    let mut ranks: Vec<Rank> = common::spawn_world(&spec, &job);
+    let mut late = Vec::new();
+    for (i, r) in ranks.iter_mut().enumerate() {
+        loop {
+            let m = r.next(T);
+            if let Some(s) = m.strip_prefix("LATE ") {
+                if i == 0 {
+                    late.push(s.parse::<u64>().unwrap());
+                }
+            } else {
+                assert_eq!(m, format!("DONE {CALLS}"), "rank {i}");
+                break;
+            }
+        }
+    }
+    for r in &mut ranks {
+        r.wait_ok(T);
+    }
+    assert_eq!(late.len(), 1, "{late:?}");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
+        .collect();
+    files.sort();
+    assert_eq!(files.len(), world, "{files:?}");
+    for file in &files {
+        let name = file.file_name().unwrap().to_string_lossy().to_string();
+        let rank = rank_of(file);
+        let calls = calls_of(file);
+        assert_eq!(calls.len(), CALLS, "{name}");
+        for call in &calls {
+            let waits = check_call(rank, call);
+            check_ce_staged_rows(rank, call);
+            let seq = call["seq"].as_u64().unwrap();
+            if late.contains(&seq) {
+                check_late(rank, world - 1, seq, &waits);
+            }
+        }
+    }
+    eprintln!("{CALLS} host-staged copy-engine calls per rank checked");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn phase_stamps_per_block_and_a_late_rank() {
     play_rank_if_child();
@@ -353,24 +530,8 @@ fn phase_stamps_per_block_and_a_late_rank() {
                     check_ce_rows(rank, call);
                 }
                 let seq = call["seq"].as_u64().unwrap();
-                if !late.contains(&seq) {
-                    continue;
-                }
-                let delay = DELAY.as_nanos() as u64;
-                let longest = waits.iter().max_by_key(|w| w.1).copied();
-                if rank == late_rank {
-                    // The late rank found everyone there already.
-                    assert!(
-                        waits.iter().all(|w| w.1 < delay / 2),
-                        "rank {rank} #{seq}: the late rank waited: {waits:?}"
-                    );
-                } else {
-                    let (peer, w) = longest.unwrap_or_else(|| panic!("#{seq}: no waits"));
-                    assert_eq!(peer, late_rank, "rank {rank} #{seq}: {waits:?}");
-                    assert!(
-                        w >= delay * 8 / 10 && w <= delay * 3,
-                        "rank {rank} #{seq}: waited {w} ns for a {delay} ns delay: {waits:?}"
-                    );
+                if late.contains(&seq) {
+                    check_late(rank, late_rank, seq, &waits);
                 }
             }
         }
