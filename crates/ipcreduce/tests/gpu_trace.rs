@@ -55,6 +55,16 @@ fn play_rank_if_child() {
     std::process::exit(code);
 }
 
+/// Before a late call: every rank's stream idle and every rank here, then the last rank waits
+/// DELAY, so the others' kernels wait for it.
+fn arrive_late(c: &mut Communicator) {
+    c.synchronize().unwrap();
+    c.bootstrap().all_gather(&[0u8]).unwrap();
+    if c.rank() == c.world() - 1 {
+        std::thread::sleep(DELAY);
+    }
+}
+
 /// Each path's calls; one of each late on the last rank (after every rank's stream is idle, so
 /// the others' kernels wait for it). Says `LATE <seq>` per late call, then `DONE <calls>`.
 fn rank_phases() -> i32 {
@@ -65,7 +75,7 @@ fn rank_phases() -> i32 {
         ..Config::default()
     };
     let mut c = Communicator::init(&config).expect("cuda communicator");
-    let (rank, world) = (c.rank(), c.world());
+    let rank = c.rank();
     let bytes = CE_COUNT * 4;
     let (send, recv) = (
         DeviceAlloc::new(bytes, rank).unwrap(),
@@ -92,11 +102,7 @@ fn rank_phases() -> i32 {
         };
         for i in 0..CALLS {
             if i == LATE {
-                c.synchronize().unwrap();
-                c.bootstrap().all_gather(&[0u8]).unwrap();
-                if rank == world - 1 {
-                    std::thread::sleep(DELAY);
-                }
+                arrive_late(&mut c);
             }
             // SAFETY: device buffers of this rank's GPU of `bytes` >= count * 4.
             unsafe {
@@ -182,7 +188,7 @@ fn rank_ce_staged() -> i32 {
         ..Config::default()
     };
     let mut c = Communicator::init(&config).expect("cuda communicator");
-    let (rank, world) = (c.rank(), c.world());
+    let rank = c.rank();
     let bytes = CE_STAGED_COUNT * 4;
     let (send, recv) = (
         DeviceAlloc::new(bytes, rank).unwrap(),
@@ -190,11 +196,7 @@ fn rank_ce_staged() -> i32 {
     );
     for i in 0..CALLS {
         if i == LATE {
-            c.synchronize().unwrap();
-            c.bootstrap().all_gather(&[0u8]).unwrap();
-            if rank == world - 1 {
-                std::thread::sleep(DELAY);
-            }
+            arrive_late(&mut c);
         }
         // SAFETY: device buffers of this rank's GPU of `bytes` = count * 4, apart.
         unsafe {
@@ -217,6 +219,70 @@ fn rank_ce_staged() -> i32 {
     drop(c); // writes the trace (IPCREDUCE_TRACE)
     say(format!("DONE {CALLS}"));
     0
+}
+
+/// What a traced job left: the late calls' sequence numbers (as rank 0 said them), the ranks'
+/// trace files in rank order, and their folder (the caller removes it).
+struct Traced {
+    late: Vec<u64>,
+    files: Vec<std::path::PathBuf>,
+    dir: std::path::PathBuf,
+}
+
+/// Runs `world` ranks of `test` playing `role`, traced (`IPCREDUCE_TRACE` with the timeline)
+/// with `extra` set too; each says `LATE <seq>` per late call, then `DONE <done>`.
+fn run_traced(
+    test: &str,
+    role: &str,
+    name: &str,
+    world: usize,
+    extra: &[(&str, &str)],
+    done: usize,
+) -> Traced {
+    let job = Job::new("gputrace", name);
+    let dir =
+        std::env::temp_dir().join(format!("ipcreduce-gpu-trace-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dir_s = dir.display().to_string();
+    let mut env = vec![
+        ("IPCREDUCE_TRACE", dir_s.as_str()),
+        ("IPCREDUCE_TIMELINE", "1"),
+    ];
+    env.extend_from_slice(extra);
+    let spec = Spawn {
+        test,
+        role_var: ROLE,
+        role,
+        world,
+        extra: &env,
+        hold: false,
+    };
+    let mut ranks: Vec<Rank> = common::spawn_world(&spec, &job);
+    let mut late = Vec::new();
+    for (i, r) in ranks.iter_mut().enumerate() {
+        loop {
+            let m = r.next(T);
+            if let Some(s) = m.strip_prefix("LATE ") {
+                if i == 0 {
+                    late.push(s.parse::<u64>().unwrap());
+                }
+            } else {
+                assert_eq!(m, format!("DONE {done}"), "rank {i}");
+                break;
+            }
+        }
+    }
+    for r in &mut ranks {
+        r.wait_ok(T);
+    }
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
+        .collect();
+    files.sort();
+    assert_eq!(files.len(), world, "{files:?}");
+    Traced { late, files, dir }
 }
 
 /// The calls of one rank's trace file, in order.
@@ -402,55 +468,21 @@ fn check_late(rank: usize, late_rank: usize, seq: u64, waits: &[(usize, u64)]) {
 fn host_staged_copy_engine_rows_and_a_late_rank() {
     play_rank_if_child();
     let world = 2;
-    let job = Job::new("gputrace", "cestaged");
-    let dir = std::env::temp_dir().join(format!(
-        "ipcreduce-gpu-trace-ce-staged-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    let dir_s = dir.display().to_string();
     let chunk = CE_STAGED_CHUNK.to_string();
     let extra = [
-        ("IPCREDUCE_TRACE", dir_s.as_str()),
-        ("IPCREDUCE_TIMELINE", "1"),
         ("IPCREDUCE_TRANSPORT", "host"),
         ("IPCREDUCE_CE_STAGED_MIN", "65536"),
         ("IPCREDUCE_STAGED_CHUNK", chunk.as_str()),
     ];
-    let spec = Spawn {
-        test: "host_staged_copy_engine_rows_and_a_late_rank",
-        role_var: ROLE,
-        role: "ce-staged",
+    let Traced { late, files, dir } = run_traced(
+        "host_staged_copy_engine_rows_and_a_late_rank",
+        "ce-staged",
+        "ce-staged",
         world,
-        extra: &extra,
-        hold: false,
-    };
-    let mut ranks: Vec<Rank> = common::spawn_world(&spec, &job);
-    let mut late = Vec::new();
-    for (i, r) in ranks.iter_mut().enumerate() {
-        loop {
-            let m = r.next(T);
-            if let Some(s) = m.strip_prefix("LATE ") {
-                if i == 0 {
-                    late.push(s.parse::<u64>().unwrap());
-                }
-            } else {
-                assert_eq!(m, format!("DONE {CALLS}"), "rank {i}");
-                break;
-            }
-        }
-    }
-    for r in &mut ranks {
-        r.wait_ok(T);
-    }
+        &extra,
+        CALLS,
+    );
     assert_eq!(late.len(), 1, "{late:?}");
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
-        .collect();
-    files.sort();
-    assert_eq!(files.len(), world, "{files:?}");
     for file in &files {
         let name = file.file_name().unwrap().to_string_lossy().to_string();
         let rank = rank_of(file);
@@ -473,52 +505,16 @@ fn host_staged_copy_engine_rows_and_a_late_rank() {
 fn phase_stamps_per_block_and_a_late_rank() {
     play_rank_if_child();
     for world in [2usize, 3] {
-        let job = Job::new("gputrace", &format!("phases{world}"));
-        let dir = std::env::temp_dir().join(format!(
-            "ipcreduce-gpu-trace-{}-{world}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        let dir_s = dir.display().to_string();
-        let extra = [
-            ("IPCREDUCE_TRACE", dir_s.as_str()),
-            ("IPCREDUCE_TIMELINE", "1"),
-        ];
-        let spec = Spawn {
-            test: "phase_stamps_per_block_and_a_late_rank",
-            role_var: ROLE,
-            role: "phases",
+        let Traced { late, files, dir } = run_traced(
+            "phase_stamps_per_block_and_a_late_rank",
+            "phases",
+            &format!("phases{world}"),
             world,
-            extra: &extra,
-            hold: false,
-        };
-        let mut ranks: Vec<Rank> = common::spawn_world(&spec, &job);
-        let mut late = Vec::new();
-        for (i, r) in ranks.iter_mut().enumerate() {
-            loop {
-                let m = r.next(T);
-                if let Some(s) = m.strip_prefix("LATE ") {
-                    if i == 0 {
-                        late.push(s.parse::<u64>().unwrap());
-                    }
-                } else {
-                    assert_eq!(m, format!("DONE {}", CASES * CALLS), "rank {i}");
-                    break;
-                }
-            }
-        }
-        for r in &mut ranks {
-            r.wait_ok(T);
-        }
+            &[],
+            CASES * CALLS,
+        );
         assert_eq!(late.len(), CASES, "{late:?}");
         let late_rank = world - 1;
-        let mut files: Vec<_> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
-            .collect();
-        files.sort();
-        assert_eq!(files.len(), world, "{files:?}");
         for file in &files {
             let name = file.file_name().unwrap().to_string_lossy().to_string();
             let rank = rank_of(file);
