@@ -240,14 +240,14 @@ pub fn staged_chunk_bytes(
 /// two-shot 63-77 us.
 /// `IPCREDUCE_LL_MAX` overrides for every world and fabric (0 disables).
 pub fn ll_default_max_bytes(world: usize, fabric: Fabric) -> usize {
-    match world {
-        0..=2 if fabric == Fabric::HostStaged => 16 << 10,
-        3..=4 if fabric == Fabric::HostStaged => 4 << 10,
-        _ if fabric == Fabric::HostStaged => 2 << 10,
-        _ if fabric != Fabric::Peer => 64 << 10,
-        0..=2 => 1 << 20,
-        3..=4 => 256 << 10,
-        _ => 64 << 10,
+    match (fabric, world) {
+        (Fabric::Peer, 0..=2) => 1 << 20,
+        (Fabric::Peer, 3..=4) => 256 << 10,
+        (Fabric::Peer, _) => 64 << 10,
+        (Fabric::PciePeer, _) => 64 << 10,
+        (Fabric::HostStaged, 0..=2) => 16 << 10,
+        (Fabric::HostStaged, 3..=4) => 4 << 10,
+        (Fabric::HostStaged, _) => 2 << 10,
     }
 }
 
