@@ -13,14 +13,18 @@
 #   bench     world 2, bf16 sum, 64 KiB - MAX by 4x, eager and graph, every call checked:
 #             -a oneshot,twoshot,auto with the path off (IPCREDUCE_CE_STAGED_MIN=0: the staged
 #             kernels) and on from 1 byte (=1: every call above the LL limit), then the default
-#             knobs from 8 B (auto against both).
+#             knobs from 8 B (auto against both). ROUNDS rounds of these in turns (files
+#             NAME-rN); with BASE_BIN, each round also runs the copy-engine path of that build
+#             (bench-ce-base), right after ours.
 #   chunks    the copy-engine path at 4 MiB - MAX with IPCREDUCE_STAGED_CHUNK = each of CHUNKS.
 # Then OUT/compare.txt: per mode and size the staged kernels' best, the copy-engine path, auto
 # with the defaults, their ratios, and busbw against BOUND (GB/s, the link's bound measured by
-# scripts/device/pcie-link.sh). summary.txt: PASS/FAIL/SKIP per step; a row with wrong
-# elements fails.
+# scripts/device/pcie-link.sh); with several rounds, each figure is the median of the rounds
+# and the copy-engine path's spread (min-max busbw) follows; with BASE_BIN, the base build's
+# copy-engine path and ours over it (time ratio, > 1: ours faster). summary.txt:
+# PASS/FAIL/SKIP per step; a row with wrong elements fails.
 # Knobs: CASES (2000), MAX (256M), CHUNKS ("1M 2M 4M 8M 16M"), ITERS (8), BOUND (24.49),
-#   PHASES ("gputests check bench chunks"), BUDGET (540).
+#   PHASES ("gputests check bench chunks"), BUDGET (540), ROUNDS (1), BASE_BIN (none).
 set -u
 # shellcheck source=lib/steps.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib/steps.sh" || exit 2
@@ -33,6 +37,8 @@ ITERS=${ITERS:-8}
 BOUND=${BOUND:-24.49}
 PHASES=" ${PHASES:-gputests check bench chunks} "
 BUDGET=${BUDGET:-540}
+ROUNDS=${ROUNDS:-1}
+BASE_BIN=${BASE_BIN:-}
 gpu_run_setup
 mkdir -p "$OUT/json"
 unset IPCREDUCE_TOPOLOGY IPCREDUCE_DENY_PEER IPCREDUCE_BLOCKS IPCREDUCE_SLOT_BYTES \
@@ -40,6 +46,8 @@ unset IPCREDUCE_TOPOLOGY IPCREDUCE_DENY_PEER IPCREDUCE_BLOCKS IPCREDUCE_SLOT_BYT
   IPCREDUCE_CE_STAGED_MIN
 export CUDA_VISIBLE_DEVICES=0
 env_txt "CASES=$CASES MAX=$MAX CHUNKS=$CHUNKS ITERS=$ITERS BOUND=$BOUND PHASES=$PHASES BUDGET=$BUDGET
+ROUNDS=$ROUNDS BASE_BIN=$BASE_BIN
+bin: $("$BIN" --version 2>&1) base: $([ -z "$BASE_BIN" ] || "$BASE_BIN" --version 2>&1)
 tests=$(cat target/gpu-tests/gpu.commit 2>/dev/null)"
 has() { [[ $PHASES == *" $1 "* ]]; }
 
@@ -71,17 +79,25 @@ if has check; then
   check check-default 120 --cases "$CASES" --seed 42
 fi
 
-# bench NAME LIMIT ARGS...: world-2 bf16 into OUT/NAME.log and OUT/json/NAME.json.
+# bench NAME LIMIT ARGS...: world-2 bf16 into OUT/NAME.log and OUT/json/NAME.json (with the
+# binary in $B, ours unless set).
 bench() {
   local name=$1 limit=$2
   shift 2
-  step "$name" "$limit" "$BIN" bench --backend cuda --ranks 2 -d bfloat16 -f 4 -n "$ITERS" -w 2 \
-    --json "$OUT/json/$name.json" "$@"
+  step "$name" "$limit" "${B:-$BIN}" bench --backend cuda --ranks 2 -d bfloat16 -f 4 -n "$ITERS" \
+    -w 2 --json "$OUT/json/$name.json" "$@"
 }
 if has bench; then
-  IPCREDUCE_CE_STAGED_MIN=0 bench bench-kernels 90 -a oneshot,twoshot,auto -b 64K -e "$MAX" -G 5
-  IPCREDUCE_CE_STAGED_MIN=1 bench bench-ce 90 -a auto -b 64K -e "$MAX" -G 5
-  bench bench-default 90 -a auto,oneshot,twoshot -b 8 -e "$MAX" -G 5
+  for r in $(seq 1 "$ROUNDS"); do
+    sfx=""
+    [ "$ROUNDS" = 1 ] || sfx="-r$r"
+    IPCREDUCE_CE_STAGED_MIN=0 bench "bench-kernels$sfx" 90 -a oneshot,twoshot,auto -b 64K -e "$MAX" -G 5
+    IPCREDUCE_CE_STAGED_MIN=1 bench "bench-ce$sfx" 90 -a auto -b 64K -e "$MAX" -G 5
+    if [ -n "$BASE_BIN" ]; then
+      B=$BASE_BIN IPCREDUCE_CE_STAGED_MIN=1 bench "bench-ce-base$sfx" 90 -a auto -b 64K -e "$MAX" -G 5
+    fi
+    bench "bench-default$sfx" 90 -a auto,oneshot,twoshot -b 8 -e "$MAX" -G 5
+  done
 fi
 if has chunks; then
   for c in $CHUNKS; do
@@ -92,41 +108,57 @@ fi
 mps_off
 
 python3 - "$OUT" "$BOUND" <<'PY' | tee "$OUT/compare.txt"
-import glob, json, os, sys
+import glob, json, os, re, statistics, sys
 out, bound = sys.argv[1], float(sys.argv[2])
-runs, wrong = {}, 0
+# runs[name] = rows of every round of that run (files NAME.json or NAME-rN.json).
+runs, wrong, rounds = {}, 0, set()
 for f in sorted(glob.glob(os.path.join(out, "json", "*.json"))):
     try:
         rows = json.load(open(f)).get("rows", [])
     except (OSError, ValueError) as e:
         print(f"# {os.path.basename(f)}: unreadable ({e})")
         continue
-    runs[os.path.basename(f)[:-5]] = rows
+    m = re.fullmatch(r"(.*?)(?:-r(\d+))?", os.path.basename(f)[:-5])
+    rounds.add(m.group(2))
+    runs.setdefault(m.group(1), []).extend(rows)
     wrong += sum(r.get("wrong", 0) for r in rows)
-def pick(run, algo=None, path=None):
+def med(rows):
+    """One row per (mode, bytes): the median time of the rounds, its busbw, the path seen and
+    the rounds' busbw range."""
     got = {}
-    for r in runs.get(run, []):
-        if (algo is None or r["algo"] == algo) and (path is None or r.get("path") == path):
-            got[(r["mode"], r["bytes"])] = r
+    for key in {(r["mode"], r["bytes"]) for r in rows}:
+        rs = [r for r in rows if (r["mode"], r["bytes"]) == key]
+        t = statistics.median(r["time_us"] for r in rs)
+        bw = [r["busbw_gbps"] for r in rs]
+        got[key] = {"time_us": t, "busbw_gbps": statistics.median(bw), "lo": min(bw),
+                    "hi": max(bw), "path": "/".join(sorted({str(r.get("path")) for r in rs}))}
     return got
+def pick(run, algo=None):
+    return med([r for r in runs.get(run, []) if algo is None or r["algo"] == algo])
 kernels = {}
-for r in runs.get("bench-kernels", []):
-    if r["algo"] in ("oneshot", "twoshot"):
-        k = (r["mode"], r["bytes"])
-        if k not in kernels or r["time_us"] < kernels[k]["time_us"]:
-            kernels[k] = r
+for algo in ("oneshot", "twoshot"):
+    for key, r in pick("bench-kernels", algo).items():
+        if key not in kernels or r["time_us"] < kernels[key]["time_us"]:
+            kernels[key] = r
 ce = pick("bench-ce", "auto")
+base = pick("bench-ce-base", "auto")
 auto = pick("bench-default", "auto")
-print(f"# busbw GB/s; bound {bound} GB/s (both directions of the link busy, copy engines)")
-print("# mode bytes kernels_best(path) ce-path auto_default(path) ce/kernels auto/best ce_of_bound")
+print(f"# busbw GB/s, median of {len(rounds)} round(s); bound {bound} GB/s (both directions of the link busy, copy engines)")
+print("# mode bytes kernels_best(path) ce-path[min-max] auto_default(path) ce/kernels auto/best ce_of_bound"
+      + (" ce-base ce/base" if base else ""))
 for key in sorted(set(kernels) | set(ce) | set(auto), key=lambda k: (k[0], k[1])):
-    k, c, a = kernels.get(key), ce.get(key), auto.get(key)
+    k, c, a, b = kernels.get(key), ce.get(key), auto.get(key), base.get(key)
     fmt = lambda r: "-" if r is None else "%.2f(%s)" % (r["busbw_gbps"], r.get("path"))
+    fce = "-" if c is None else "%.2f[%.2f-%.2f]" % (c["busbw_gbps"], c["lo"], c["hi"])
     ratio = "-" if not (k and c) else "%.3f" % (k["time_us"] / c["time_us"])
     best = min((r["time_us"] for r in (k, c) if r), default=None)
     auto_vs = "-" if not (a and best) else "%.3f" % (best / a["time_us"])
     of_bound = "-" if not c else "%.0f%%" % (100 * c["busbw_gbps"] / bound)
-    print(key[0], key[1], fmt(k), fmt(c), fmt(a), ratio, auto_vs, of_bound)
+    line = [key[0], key[1], fmt(k), fce, fmt(a), ratio, auto_vs, of_bound]
+    if base:
+        line += ["-" if b is None else "%.2f[%.2f-%.2f]" % (b["busbw_gbps"], b["lo"], b["hi"]),
+                 "-" if not (b and c) else "%.3f" % (b["time_us"] / c["time_us"])]
+    print(*line)
 print("# chunk sweep (eager busbw of the copy-engine path)")
 for run in sorted(r for r in runs if r.startswith("chunk-")):
     print(run, " ".join("%d:%.2f" % (r["bytes"] >> 20, r["busbw_gbps"]) for r in runs[run]))

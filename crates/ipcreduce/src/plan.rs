@@ -291,10 +291,11 @@ pub const CE_DEFAULT_MIN_BYTES: usize = 0;
 pub const CE_STAGED_DEFAULT_MIN_BYTES: usize = 0;
 
 /// Bytes per chunk of the host-staged copy-engine path: each chunk's copy into host memory
-/// runs beside the previous chunk's copy out of it, and the first and last run alone, so
+/// runs beside an earlier chunk's copy out of it, and the first and last run alone, so
 /// about 16 chunks per message, from 1 MiB (each chunk costs two barriers through host
-/// memory) to the slot. `forced` (`IPCREDUCE_STAGED_CHUNK`) takes the place of the rule as for
-/// the staged kernels.
+/// memory) to the slot (the path cuts it further to a position of its staging area,
+/// `ce::launch_staged`). `forced` (`IPCREDUCE_STAGED_CHUNK`) takes the place of the rule as
+/// for the staged kernels.
 pub fn ce_staged_chunk_bytes(bytes: usize, slot_bytes: usize, forced: Option<usize>) -> usize {
     if let Some(c) = forced {
         return (c / 256 * 256).clamp(256, slot_bytes);

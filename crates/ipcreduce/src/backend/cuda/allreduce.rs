@@ -156,7 +156,7 @@ pub(super) fn launch(
         return ce::launch(l, lanes, &args, call, grid);
     }
     if path == CudaPath::CeStaged {
-        let (lanes, scratch) = engine.staged().ok_or_else(|| {
+        let (lanes, staged, scratch) = engine.staged().ok_or_else(|| {
             crate::error::Error::invalid(
                 l.rank,
                 "all-reduce",
@@ -164,7 +164,7 @@ pub(super) fn launch(
             )
         })?;
         let chunk = crate::plan::ce_staged_chunk_bytes(bytes, l.slot_bytes, knobs.chunk);
-        return ce::launch_staged(l, lanes, scratch, &args, call, chunk, grid);
+        return ce::launch_staged(l, lanes, staged, scratch, &args, call, chunk, grid);
     }
     let threads = crate::plan::block_threads(path, bytes, grid, THREADS);
     if eager {

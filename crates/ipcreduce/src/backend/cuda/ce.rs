@@ -12,7 +12,8 @@
 //!
 //! [`launch_staged`]: the host-staged transport (no peer access), large messages. Each chunk
 //! of our input is copied into our slot in host memory, the peer's copy of it out of the
-//! peer's slot into a device scratch, and reduced with our input into the output.
+//! peer's slot into a device scratch, and reduced with our input into the output. Its copies
+//! run on two streams of their own (one per direction of the link), beside the lanes.
 //!
 //! The chunks take turns on `LANES` streams forked from the caller's stream (events;
 //! capturable in CUDA graphs), so the copies of one chunk overlap the work of another. The
@@ -66,17 +67,11 @@ impl Drop for Event {
     }
 }
 
-/// The lane streams and the events that fork them from, and join them to, the caller's stream;
-/// the host-staged path's events between its two lanes.
+/// The lane streams and the events that fork them from, and join them to, the caller's stream.
 pub(super) struct Lanes {
     fork: Event,
     joins: Vec<Event>,
     streams: Vec<Arc<cs::CudaStream>>,
-    /// Host-staged: a chunk is in both ranks' slots (lane 0 to lane 1).
-    ready: Event,
-    /// Host-staged: slot parity p is read by both ranks and may be written again (lane 1 to
-    /// lane 0).
-    freed: [Event; 2],
 }
 
 impl Lanes {
@@ -84,17 +79,65 @@ impl Lanes {
         let mut streams = Vec::new();
         let mut joins = Vec::new();
         for _ in 0..LANES {
-            streams.push(ctx.new_stream().map_err(|e| {
-                super::driver::from_cudarc(rank, "stream creation (copy-engine path)", e)
-            })?);
+            streams.push(new_stream(ctx, rank)?);
             joins.push(Event::new(rank)?);
         }
         Ok(Lanes {
             fork: Event::new(rank)?,
             joins,
             streams,
+        })
+    }
+}
+
+fn new_stream(ctx: &Arc<cs::CudaContext>, rank: usize) -> Result<Arc<cs::CudaStream>> {
+    ctx.new_stream()
+        .map_err(|e| super::driver::from_cudarc(rank, "stream creation (copy-engine path)", e))
+}
+
+/// Chunks of the host-staged path in flight at once: chunk k uses position k % DEPTH of both
+/// ranks' staging slots and of our scratch. With two, a chunk's copy into host memory waited
+/// for the chunk two before to be read by both ranks, a copy and two barriers (each tens of
+/// microseconds through host memory) later; four leave the copies that slack.
+const STAGED_DEPTH: usize = 4;
+
+/// The host-staged path's own streams and events, beside the barrier lanes: its copies run on
+/// streams of their own, so that no barrier (a kernel waiting for the peer through host
+/// memory) stands between two copies of one direction of the link.
+pub(super) struct StagedLanes {
+    /// Copies into host memory (0) and out of it (1).
+    copies: [Arc<cs::CudaStream>; 2],
+    joins: [Event; 2],
+    /// Our copy of a chunk into host memory is done (copy stream 0 to lane 0).
+    copied_in: Event,
+    /// A chunk is in both ranks' slots (lane 0 to copy stream 1).
+    ready: Event,
+    /// Our copy of the peer's chunk out of host memory is done (copy stream 1 to lane 1).
+    copied_out: Event,
+    /// Slot position p is read by both ranks and may be written again (lane 1 to copy stream 0).
+    freed: [Event; STAGED_DEPTH],
+    /// Scratch position p is reduced and may be written again (lane 1 to copy stream 1).
+    drained: [Event; STAGED_DEPTH],
+}
+
+impl StagedLanes {
+    fn new(ctx: &Arc<cs::CudaContext>, rank: usize) -> Result<StagedLanes> {
+        let events = || -> Result<[Event; STAGED_DEPTH]> {
+            Ok([
+                Event::new(rank)?,
+                Event::new(rank)?,
+                Event::new(rank)?,
+                Event::new(rank)?,
+            ])
+        };
+        Ok(StagedLanes {
+            copies: [new_stream(ctx, rank)?, new_stream(ctx, rank)?],
+            joins: [Event::new(rank)?, Event::new(rank)?],
+            copied_in: Event::new(rank)?,
             ready: Event::new(rank)?,
-            freed: [Event::new(rank)?, Event::new(rank)?],
+            copied_out: Event::new(rank)?,
+            freed: events()?,
+            drained: events()?,
         })
     }
 }
@@ -107,11 +150,12 @@ fn part(s: Span, k: usize, chunk: usize, size: usize) -> (u64, usize) {
 }
 
 /// The copy-engine paths' lanes, made at their first call (or at start-up for the host-staged
-/// path), and the host-staged path's device scratch.
+/// path), and the host-staged path's copy streams and device scratch.
 pub(super) struct Engine {
     // The lanes (streams and events) and the scratch go before the context they were made in.
     lanes: Option<Lanes>,
-    /// Host-staged: two chunks of the peer's input, one per slot parity.
+    staged: Option<StagedLanes>,
+    /// Host-staged: `STAGED_DEPTH` chunks of the peer's input, one per slot position.
     scratch: Option<DeviceAlloc>,
     ctx: Arc<cs::CudaContext>,
 }
@@ -120,6 +164,7 @@ impl Engine {
     pub fn new(ctx: Arc<cs::CudaContext>) -> Engine {
         Engine {
             lanes: None,
+            staged: None,
             scratch: None,
             ctx,
         }
@@ -133,18 +178,23 @@ impl Engine {
         Ok(self.lanes.as_ref().expect("made above"))
     }
 
-    /// Makes the host-staged path's lanes and its scratch of two chunks of at most
-    /// `chunk_bytes`, at start-up: neither a stream nor memory may be made while the caller's
-    /// stream is being captured into a graph.
-    pub fn prepare_staged(&mut self, rank: usize, chunk_bytes: usize) -> Result<()> {
+    /// Makes the host-staged path's lanes, copy streams and its scratch (as many bytes as
+    /// the two staging slots of `slot_bytes`), at start-up: neither a stream nor memory may be
+    /// made while the caller's stream is being captured into a graph.
+    pub fn prepare_staged(&mut self, rank: usize, slot_bytes: usize) -> Result<()> {
         self.lanes(rank)?;
-        self.scratch = Some(DeviceAlloc::new(2 * chunk_bytes, rank)?);
+        self.staged = Some(StagedLanes::new(&self.ctx, rank)?);
+        self.scratch = Some(DeviceAlloc::new(2 * slot_bytes, rank)?);
         Ok(())
     }
 
-    /// The lanes and the scratch of the host-staged path ([`Engine::prepare_staged`]).
-    pub fn staged(&self) -> Option<(&Lanes, &DeviceAlloc)> {
-        self.lanes.as_ref().zip(self.scratch.as_ref())
+    /// The lanes, copy streams and scratch of the host-staged path
+    /// ([`Engine::prepare_staged`]).
+    pub fn staged(&self) -> Option<(&Lanes, &StagedLanes, &DeviceAlloc)> {
+        match (&self.lanes, &self.staged, &self.scratch) {
+            (Some(l), Some(c), Some(s)) => Some((l, c, s)),
+            _ => None,
+        }
     }
 }
 
@@ -209,7 +259,8 @@ impl Enqueue<'_> {
         self.lanes.streams[j].cu_stream()
     }
 
-    /// A copy of `bytes` on lane `j` (none of 0 bytes); `what` names it in an error.
+    /// A copy of `bytes` on `stream` (a lane, or a copy stream of the host-staged path; none
+    /// of 0 bytes); `what` names it in an error.
     ///
     /// # Safety
     /// Both ranges must lie in memory the call may touch: its send and recv (which the caller
@@ -219,14 +270,14 @@ impl Enqueue<'_> {
         dst: u64,
         src: u64,
         bytes: usize,
-        j: usize,
+        stream: sys::CUstream,
         what: impl FnOnce() -> String,
     ) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
-        // SAFETY: as the caller vouched; the lane is a stream of our context.
-        unsafe { driver::copy_async(dst, src, bytes, self.lane(j), self.l.rank, what) }
+        // SAFETY: as the caller vouched; the stream is one of our context.
+        unsafe { driver::copy_async(dst, src, bytes, stream, self.l.rank, what) }
     }
 
     /// Lane `j`'s barrier with the peer's lane `j`. `first`: the lane's first of the call,
@@ -379,14 +430,30 @@ pub(super) fn launch(
         let j = k % LANES;
         let (off, bytes) = part(theirs, k, chunk, size);
         // SAFETY: our send and the peer's registered recv, within the call's bytes.
-        unsafe { q.copy(peer_recv + off, send + off, bytes, j, push("input", bytes))? };
+        unsafe {
+            q.copy(
+                peer_recv + off,
+                send + off,
+                bytes,
+                q.lane(j),
+                push("input", bytes),
+            )?
+        };
         let (off, bytes) = part(mine, k, chunk, size);
         // The peer's input for our chunk k has landed.
         q.barrier(j, false, Rows::chunk(k), bytes > 0)?;
         // The peer's input was pushed into our recv.
         q.reduce(reduce, ctas, j, off, bytes, recv + off, Rows::chunk(k))?;
         // SAFETY: as above, our recv.
-        unsafe { q.copy(peer_recv + off, recv + off, bytes, j, push("result", bytes))? };
+        unsafe {
+            q.copy(
+                peer_recv + off,
+                recv + off,
+                bytes,
+                q.lane(j),
+                push("result", bytes),
+            )?
+        };
     }
     for j in 0..LANES {
         // Every push into our output has landed.
@@ -397,27 +464,35 @@ pub(super) fn launch(
 
 /// Enqueues the host-staged copy-engine all-reduce of `args` (two ranks, host-staged
 /// transport: `args.data` are the ranks' data areas in host memory, two slots of
-/// `args.slot_bytes`) on `call`'s stream, in chunks of `chunk_bytes` (at most the slot and
-/// the scratch's half); `ctas` for the reduce kernel.
+/// `args.slot_bytes`) on `call`'s stream, in chunks of `chunk_bytes` (at most a
+/// `STAGED_DEPTH`th of the data area and of the scratch); `ctas` for the reduce kernel.
 ///
-/// Lane 0 carries our copies into host memory, lane 1 the copies of the peer's chunks out of
-/// it and the reduces, so the two directions of the PCIe link are in flight together: chunk
-/// k+1 goes in while chunk k comes out. Chunk k uses slot parity k & 1 of both ranks and half
-/// k & 1 of our scratch:
-/// - lane 0: (k >= 2: wait until slot parity k & 1 was read by both ranks, event `freed`) copy
-///   chunk k of our send into our slot; barrier: chunk k is in both ranks' slots; event `ready`;
-/// - lane 1: wait for `ready`; copy the peer's chunk k into the scratch; barrier: both ranks
-///   have read chunk k's slots; event `freed`; reduce recv = op(send, scratch) for chunk k.
+/// Chunk k uses position p = k % `STAGED_DEPTH` of both ranks' data areas and of our scratch.
+/// Four streams, so that each direction of the PCIe link carries one copy after another and
+/// the barriers (kernels that meet the peer's through host memory) wait beside them:
+/// - copy stream 0: (k >= DEPTH: wait `freed[p]`, recorded at chunk k - DEPTH) copy chunk k of
+///   our send into our position p; event `copied_in`;
+/// - lane 0: barrier: chunk k is in both ranks' slots; event `ready`;
+/// - copy stream 1: wait `ready` (and k >= DEPTH: `drained[p]`); copy the peer's chunk k into
+///   our scratch's position p; event `copied_out`;
+/// - lane 1: barrier: both ranks have read chunk k's slots; event `freed[p]`; reduce recv =
+///   op(send, scratch) for chunk k; event `drained[p]`.
+///
+/// Each event is waited for once, before it is recorded again (in the order enqueued here), so
+/// one event per edge serves every chunk.
 ///
 /// Across calls: a call's first barriers meet the peer's only once the peer's previous call
-/// has ended (its lanes joined into its stream, which forked this call's), so no slot is
+/// has ended (its streams joined into its stream, which forked this call's), so no slot is
 /// written while the peer still reads it; and a call ends only after its last barrier on lane
-/// 1, passed when both ranks have read every slot, so the staged kernels' next call may write
-/// its slots at once. In place is safe: recv's chunk k is written only after lane 0 copied
-/// send's chunk k, and later chunks read other elements.
+/// 1, passed when both ranks have read every slot (each rank's copies out of host memory are
+/// in order on one stream), so the staged kernels' next call may write its slots at once. In
+/// place is safe: recv's chunk k is written only after copy stream 0 copied send's chunk k, and
+/// later chunks read other elements.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn launch_staged(
     l: &Launcher,
     lanes: &Lanes,
+    staged: &StagedLanes,
     scratch: &DeviceAlloc,
     args: &KernelArgs,
     call: &CallArgs,
@@ -433,11 +508,9 @@ pub(super) fn launch_staged(
     let rank = l.rank;
     let peer = 1 - rank;
     let size = call.dtype.size();
-    let chunk = (chunk_bytes
-        .min(args.slot_bytes as usize)
-        .min(scratch.bytes / 2)
-        / size)
-        .max(1);
+    let position_bytes = 2 * args.slot_bytes as usize / STAGED_DEPTH;
+    let scratch_position = scratch.bytes / STAGED_DEPTH;
+    let chunk = (chunk_bytes.min(position_bytes).min(scratch_position) / size).max(1);
     let all = Span {
         start: 0,
         end: args.count as usize,
@@ -450,41 +523,57 @@ pub(super) fn launch_staged(
         q.traced(),
         rank,
     )?;
-    let slot = |r: usize, k: usize| args.data[r] + (k as u64 & 1) * args.slot_bytes;
-    let half = |k: usize| scratch.ptr + (k as u64 & 1) * (scratch.bytes / 2) as u64;
+    let slot = |r: usize, k: usize| args.data[r] + (k % STAGED_DEPTH * position_bytes) as u64;
+    let half = |k: usize| scratch.ptr + (k % STAGED_DEPTH * scratch_position) as u64;
+    let (up, down) = (staged.copies[0].cu_stream(), staged.copies[1].cu_stream());
 
     q.begin()?;
+    // Our copies into host memory start once lane 0's first barrier says every slot is free.
+    q.record_wait(&staged.ready, q.lane(0), up)?;
     for k in 0..chunks {
         let (off, bytes) = part(all, k, chunk, size);
-        if k >= 2 {
-            q.wait(&lanes.freed[k & 1], q.lane(0))?; // recorded at chunk k - 2
+        let p = k % STAGED_DEPTH;
+        if k >= STAGED_DEPTH {
+            q.wait(&staged.freed[p], up)?;
         }
-        // SAFETY: chunk k of our send (within the call's bytes) into our slot (bytes <= the
-        // slot).
+        // SAFETY: chunk k of our send (within the call's bytes) into our position p (bytes <=
+        // the position).
         unsafe {
-            q.copy(slot(rank, k), args.send + off, bytes, 0, || {
+            q.copy(slot(rank, k), args.send + off, bytes, up, || {
                 format!(
                     "copy-engine copy of {bytes} bytes into our host-staged slot (for rank {peer})"
                 )
             })?
         };
+        q.record_wait(&staged.copied_in, up, q.lane(0))?;
         q.barrier(0, false, Rows::staged_in(k), false)?; // chunk k is in both ranks' slots
-        q.record_wait(&lanes.ready, q.lane(0), q.lane(1))?;
-        // SAFETY: the peer's slot as mapped here, into half k & 1 of our scratch (bytes <= the
-        // half).
+        q.record_wait(&staged.ready, q.lane(0), down)?;
+        if k >= STAGED_DEPTH {
+            q.wait(&staged.drained[p], down)?;
+        }
+        // SAFETY: the peer's position p as mapped here, into position p of our scratch (bytes
+        // <= the position).
         unsafe {
-            q.copy(half(k), slot(peer, k), bytes, 1, || {
+            q.copy(half(k), slot(peer, k), bytes, down, || {
                 format!("copy-engine copy of {bytes} bytes out of rank {peer}'s host-staged slot")
             })?
         };
+        q.record_wait(&staged.copied_out, down, q.lane(1))?;
         // Both ranks have read chunk k's slots.
         q.barrier(1, false, Rows::staged_out(k), bytes > 0)?;
-        if k + 2 < chunks {
-            // Waited for by lane 0 before chunk k + 2; chunk k + 1 records the other event.
-            q.record(&lanes.freed[k & 1], q.lane(1))?;
+        let again = k + STAGED_DEPTH < chunks;
+        if again {
+            q.record(&staged.freed[p], q.lane(1))?;
         }
         q.reduce(reduce, ctas, 1, off, bytes, half(k), Rows::staged_out(k))?;
+        if again {
+            q.record(&staged.drained[p], q.lane(1))?;
+        }
     }
+    // The copy streams join through the lanes too (a graph capture needs every stream that
+    // joined it to end in the caller's stream).
+    q.record_wait(&staged.joins[0], up, call.stream)?;
+    q.record_wait(&staged.joins[1], down, call.stream)?;
     q.end()
 }
 
