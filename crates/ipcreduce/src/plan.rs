@@ -282,12 +282,15 @@ pub const CE_DEFAULT_MIN_BYTES: usize = 0;
 /// direction is busy when the copy engines move the bytes, but 37.6 when kernels' stores and
 /// loads of mapped host memory do (16-132 CTAs alike); every all-reduce on this transport
 /// moves its bytes both ways at once, so the staged kernels stop near 19 GB/s busbw, below the
-/// copy engines' bound of 24.5. Why off: as written (two lanes, a barrier between a lane's
-/// copies) it lost to the staged kernels up to 64 MiB and tied from 256 MiB (two ranks under
-/// MPS, bf16, eager: 16 MiB 13.3 against 17.9 GB/s, 64 MiB 18.1 against 19.1, 256 MiB 19.9
-/// against 19.6; bench/results/2026-12-04-h200-mps-ce-staged/): each chunk costs about 27 us
-/// of barriers in which its lane's direction idles, and the copies ran at about 42 GB/s each
-/// way. `IPCREDUCE_CE_STAGED_MIN` turns it on from that size.
+/// copy engines' bound of 24.5. Why off: with the copies on the two barrier lanes (a barrier
+/// between a lane's copies) it lost to the staged kernels up to 64 MiB and tied from 256 MiB
+/// (two ranks under MPS, bf16, eager: 16 MiB 13.3 against 17.9 GB/s, 64 MiB 18.1 against
+/// 19.1, 256 MiB 19.9 against 19.6; bench/results/2026-12-04-h200-mps-ce-staged/): each chunk
+/// cost about 27 us of barriers in which its lane's direction idled. With copy streams of their
+/// own (ce::launch_staged) it still loses up to 64 MiB and wins by 3 % at 256 MiB (one H100,
+/// eager: 16 MiB 14.9 against 17.7, 64 MiB 17.5 against 19.1, 256 MiB 19.9 against 19.4;
+/// bench/results/2026-12-07-h100-ce-staged-streams/). `IPCREDUCE_CE_STAGED_MIN` turns it on
+/// from that size.
 pub const CE_STAGED_DEFAULT_MIN_BYTES: usize = 0;
 
 /// Bytes per chunk of the host-staged copy-engine path: each chunk's copy into host memory

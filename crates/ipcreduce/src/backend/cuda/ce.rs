@@ -527,10 +527,11 @@ pub(super) fn launch_staged(
     let slot = |r: usize, k: usize| args.data[r] + (k % STAGED_DEPTH * position_bytes) as u64;
     let half = |k: usize| scratch.ptr + (k % STAGED_DEPTH * scratch_position) as u64;
     // Captured into a CUDA graph, the copies stay on the lanes (each lane one stream, in the
-    // order above): with the copy streams of their own, graphs of these calls ran 5-12x slower
-    // than eager calls (two ranks under MPS on one H100, 2026-12-07: 763 against 61 us a call
-    // at 64 KiB, 15.1 against 13.3 ms at 256 MiB), where the copies on the lanes ran as fast in
-    // graphs as eager.
+    // order above): with copy streams of their own, graphs of these calls ran 1.3-12x slower
+    // than graphs with the copies on the lanes (two ranks under MPS on one H100, 2026-12-07,
+    // bench/results/2026-12-07-h100-ce-staged-streams/: 763 against 63 us a call at 64 KiB,
+    // where an eager call took 61 us), for a reason not found. On the lanes, every event edge
+    // below still holds and each lane adds its own order.
     let captured = l.origin.is_some();
     let (up, down) = if captured {
         (q.lane(0), q.lane(1))
