@@ -107,6 +107,7 @@ const STAGED_DEPTH: usize = 4;
 pub(super) struct StagedLanes {
     /// Copies into host memory (0) and out of it (1).
     copies: [Arc<cs::CudaStream>; 2],
+    /// Join the copy streams into the caller's stream (eager calls).
     joins: [Event; 2],
     /// Our copy of a chunk into host memory is done (copy stream 0 to lane 0).
     copied_in: Event,
@@ -206,7 +207,7 @@ impl Engine {
 /// 2k and its barrier and reduce on lane 1 row 2k + 1. A kernel whose row would reach the lane
 /// slots is launched without stamps: a call of more chunks (registered: more than 124, 8 MiB of
 /// each rank's share each, about 2 GiB; host-staged: more than 63, a sixteenth of the call
-/// each, at most the staging slot) shows its first ones.
+/// each, at most half a staging slot) shows its first ones.
 struct Rows;
 
 impl Rows {
@@ -525,9 +526,9 @@ pub(super) fn launch_staged(
         rank,
     )?;
     let slot = |r: usize, k: usize| args.data[r] + (k % STAGED_DEPTH * position_bytes) as u64;
-    let half = |k: usize| scratch.ptr + (k % STAGED_DEPTH * scratch_position) as u64;
-    // Captured into a CUDA graph, the copies stay on the lanes (each lane one stream, in the
-    // order above): with copy streams of their own, graphs of these calls ran 1.3-12x slower
+    let scratch_at = |k: usize| scratch.ptr + (k % STAGED_DEPTH * scratch_position) as u64;
+    // Captured into a CUDA graph, the copies stay on the lanes (copy stream 0 is lane 0, copy
+    // stream 1 lane 1, each in the order listed above): with copy streams of their own, graphs of these calls ran 1.3-12x slower
     // than graphs with the copies on the lanes (two ranks under MPS on one H100, 2026-12-07,
     // bench/results/2026-12-07-h100-ce-staged-streams/: 763 against 63 us a call at 64 KiB,
     // where an eager call took 61 us), for a reason not found. On the lanes, every event edge
@@ -566,7 +567,7 @@ pub(super) fn launch_staged(
         // SAFETY: the peer's position p as mapped here, into position p of our scratch (bytes
         // <= the position).
         unsafe {
-            q.copy(half(k), slot(peer, k), bytes, down, || {
+            q.copy(scratch_at(k), slot(peer, k), bytes, down, || {
                 format!("copy-engine copy of {bytes} bytes out of rank {peer}'s host-staged slot")
             })?
         };
@@ -577,7 +578,15 @@ pub(super) fn launch_staged(
         if again {
             q.record(&staged.freed[p], q.lane(1))?;
         }
-        q.reduce(reduce, ctas, 1, off, bytes, half(k), Rows::staged_out(k))?;
+        q.reduce(
+            reduce,
+            ctas,
+            1,
+            off,
+            bytes,
+            scratch_at(k),
+            Rows::staged_out(k),
+        )?;
         if again {
             q.record(&staged.drained[p], q.lane(1))?;
         }
