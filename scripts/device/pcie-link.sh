@@ -4,6 +4,9 @@
 #            nothing of the library), without MPS: each direction of the GPU's PCIe link alone
 #            and while the other is busy, by copy engine and by kernel loads/stores of mapped
 #            host memory (probe.txt, probe.json).
+#   pair     under MPS, two probe processes at once (START_AT), each both directions by copy
+#            engine: the traffic of a world-2 all-reduce on one GPU, two ranks' copies sharing
+#            the copy engines and the link (pair-0.log, pair-1.log, pair-0.json, pair-1.json).
 #   staged   under MPS, world 2, IPCREDUCE_TRANSPORT=host, bf16 sum, 1 MiB - MAX: one-shot,
 #            two-shot and auto, eager, every call checked (staged.log, json/staged.json).
 # An all-reduce of S bytes at world 2 on this transport moves 2S each way over the link (each
@@ -11,7 +14,8 @@
 # half of one direction's bandwidth while the other direction carries as much: bound.txt puts
 # the staged rows beside that figure.
 # Builds nothing of ours: expects target/release/ipcreduce (IPCREDUCE_BIN).
-# Usage: scripts/device/pcie-link.sh OUT_DIR       Knobs: MAX=256M, ITERS=8, BUDGET=200.
+# Usage: scripts/device/pcie-link.sh OUT_DIR
+# Knobs: MAX=256M, ITERS=8, BUDGET=200, STAGED=1 (0: no staged step), PAIR_REPS=100.
 set -u
 # shellcheck source=lib/steps.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib/steps.sh" || exit 2
@@ -20,6 +24,8 @@ BIN=${IPCREDUCE_BIN:-target/release/ipcreduce}
 MAX=${MAX:-256M}
 ITERS=${ITERS:-8}
 BUDGET=${BUDGET:-200}
+STAGED=${STAGED:-1}
+PAIR_REPS=${PAIR_REPS:-100}
 gpu_run_setup
 mkdir -p "$OUT/json"
 export CUDA_VISIBLE_DEVICES=0
@@ -32,8 +38,25 @@ step probe-build 60 /usr/local/cuda/bin/nvcc -O3 -arch=sm_90 -o "$PROBE" \
 [ -x "$PROBE" ] && JSON="$OUT/probe.json" step probe 60 "$PROBE" 64 10
 cp "$OUT/probe.log" "$OUT/probe.txt" 2>/dev/null
 
+# pair_probe: two probes under MPS starting their rows at the same second; fails if either does.
+pair_probe() {
+  local at pids=() rc=0
+  at=$(($(date +%s) + 4))
+  for i in 0 1; do
+    ROWS=ce-both,ce-d2h,ce-h2d START_AT=$at JSON="$OUT/pair-$i.json" \
+      "$PROBE" 64 "$PAIR_REPS" >"$OUT/pair-$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  cat "$OUT"/pair-*.log
+  return $rc
+}
+
 MPS_ENV="$OUT/env.txt" mps_on || exit 1
-IPCREDUCE_TRANSPORT=host step staged 120 "$BIN" bench --backend cuda --ranks 2 -d bfloat16 \
+export -f pair_probe
+export OUT PROBE PAIR_REPS
+[ -x "$PROBE" ] && step pair 60 bash -c pair_probe
+[ "$STAGED" = 1 ] && IPCREDUCE_TRANSPORT=host step staged 120 "$BIN" bench --backend cuda --ranks 2 -d bfloat16 \
   -a oneshot,twoshot,auto -b 1M -e "$MAX" -f 4 -n "$ITERS" -w 2 -G 0 --json "$OUT/json/staged.json"
 mps_off
 
@@ -48,6 +71,16 @@ both = max((r for n, r in probe.items() if "+" in n or "both" in n), key=lambda 
 bound = both["gbps_median"] / 2
 print(f"# the link, both directions busy: best {both['name']} {both['gbps_median']:.2f} GB/s each way")
 print(f"# world-2 all-reduce bound on this transport: {bound:.2f} GB/s busbw")
+pair = []
+for i in (0, 1):
+    try:
+        pair.append({r["name"]: r for r in json.load(open(os.path.join(out, f"pair-{i}.json")))["rows"]})
+    except (OSError, ValueError):
+        pass
+if len(pair) == 2 and all("ce-both" in p for p in pair):
+    each = [p["ce-both"]["gbps_median"] for p in pair]
+    print(f"# two processes under MPS, both directions by copy engine at once: {each[0]:.2f} + "
+          f"{each[1]:.2f} = {sum(each):.2f} GB/s each way; world-2 bound {sum(each) / 2:.2f} GB/s busbw")
 try:
     rows = json.load(open(os.path.join(out, "json", "staged.json")))["rows"]
 except (OSError, ValueError) as e:

@@ -13,13 +13,18 @@
 //   sm-store/G+ce-h2d     kernel stores beside copy-engine reads
 // A row's GB/s is one direction's bytes over the time from the first start to the last end.
 // Usage: pcie_link [S_MiB=64] [REPS=10]; prints a table and, with JSON=path, writes JSON.
+// ROWS=name,name,... runs only those rows. START_AT=unix seconds waits, after the allocations,
+// until then: two processes started with the same START_AT (under MPS) run their rows at the
+// same time, the traffic of a world-2 all-reduce through host memory on one GPU.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #define CK(x)                                                                                 \
@@ -100,7 +105,9 @@ int main(int argc, char **argv) {
         if (kind == 'c') CK(cudaMemcpyAsync(d_dst, h_in, S, cudaMemcpyHostToDevice, s));
         if (kind == 's') copy16<<<G, 512, 0, s>>>((uint4 *)d_dst, (const uint4 *)h_in_dev, n16);
     };
+    const char *only = getenv("ROWS");
     auto run = [&](const std::string &name, char out_kind, char in_kind, int G) {
+        if (only && ("," + std::string(only) + ",").find("," + name + ",") == std::string::npos) return;
         std::vector<double> gbps;
         for (int r = 0; r <= REPS; r++) {
             CK(cudaDeviceSynchronize());
@@ -126,6 +133,13 @@ int main(int argc, char **argv) {
         rows.push_back(row);
     };
 
+    if (const char *at = getenv("START_AT")) {
+        const auto when = std::chrono::system_clock::time_point(
+            std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                std::chrono::duration<double>(atof(at))));
+        if (std::chrono::system_clock::now() > when) fprintf(stderr, "START_AT already passed\n");
+        std::this_thread::sleep_until(when);
+    }
     run("ce-d2h", 'c', 0, 0);
     run("ce-h2d", 0, 'c', 0);
     run("ce-both", 'c', 'c', 0);
