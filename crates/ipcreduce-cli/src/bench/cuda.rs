@@ -346,7 +346,7 @@ impl CudaRunner {
         )?;
         self.sync()?;
         let salts = pattern::salts(m.seed, m.world);
-        let wrong_final = pattern::count_wrong(m.dtype, m.op, &salts, next_iter - 1, &out);
+        let wrong_final = pattern::count_wrong(m.dtype, m.op, &salts, next_iter - 1, &out, m.world);
         // The smaller of the two: a refresh loop slowed by the machine (another process, a
         // clock change) would otherwise be subtracted in full and make the all-reduce look
         // faster than it is, even faster than nothing. With the smaller one, noise in the

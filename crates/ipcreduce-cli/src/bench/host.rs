@@ -21,6 +21,15 @@
 //! (agreed by every rank: the slowest estimate), at most [`MAX_CALLS`]: small messages need
 //! thousands of calls before one barrier's skew stops mattering. [`ROUNDS`] rounds; the row
 //! reports, per round, the slowest rank's mean, and their median, minimum and maximum.
+//!
+//! Between the barrier and the timed span, as many untimed lead-in calls as timed ones (OSU's
+//! `skip`, per round): the preparation and the check leave the cores idle or busy with other
+//! work for tens of milliseconds, and the calls right after ran slower than a program's
+//! steady back-to-back calls. On the 2-core machine, 4 ranks at 2 MiB (2026-12-07): after 50 ms
+//! of idling, the next round took 921-1311 us a call against 750-828 without the gap; 20
+//! lead-in calls brought it to 743-802 (one run 1108), 80 to 748-825. The lead-in calls write
+//! each result into the next slot's output, so that a timed call that writes nothing still
+//! leaves a wrong result (the previous slot's iteration) where its check looks.
 
 use super::pattern::{self, value};
 use super::{Measure, Measured, MAX_ROUNDS};
@@ -60,6 +69,20 @@ pub struct HostRunner {
     buf: Vec<u64>,
 }
 
+/// The calls of one round: untimed lead-in calls, then the timed ones.
+#[derive(Clone, Copy)]
+struct Calls {
+    lead_in: usize,
+    timed: usize,
+}
+
+/// The input and output slots of call `j` of a round: input `j mod slots`; output the same
+/// slot for a timed call, the next one for a lead-in call (whose result is then the wrong
+/// iteration for that slot, until a timed call overwrites it).
+fn slots_of_call(j: usize, slots: usize, lead_in: bool) -> (usize, usize) {
+    (j % slots, (j + usize::from(lead_in)) % slots)
+}
+
 fn bytes_mut(v: &mut [u64]) -> &mut [u8] {
     // SAFETY: any byte pattern is a valid u64 and the length covers the same memory.
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 8) }
@@ -86,7 +109,11 @@ impl HostRunner {
         let mut calls = 0u64;
         // Warm-up: untimed for the row, but its pace sets the length of a round.
         let warm = m.warmup.max(1);
-        let (span, _) = self.round(comm, m, &salts, &mut next_iter, warm, &mut wrong)?;
+        let warm_calls = Calls {
+            lead_in: 0,
+            timed: warm,
+        };
+        let (span, _) = self.round(comm, m, &salts, &mut next_iter, warm_calls, &mut wrong)?;
         calls += warm as u64;
         let pace = span.as_secs_f64() / warm as f64;
         let wanted = (ROUND_SPAN.as_secs_f64() / pace.max(1e-9)).ceil() as u64;
@@ -97,7 +124,11 @@ impl HostRunner {
         let mut rounds = [0.0f64; MAX_ROUNDS];
         let mut prep = Duration::ZERO;
         for r in rounds.iter_mut().take(ROUNDS) {
-            let (span, p) = self.round(comm, m, &salts, &mut next_iter, per_round, &mut wrong)?;
+            let round_calls = Calls {
+                lead_in: per_round,
+                timed: per_round,
+            };
+            let (span, p) = self.round(comm, m, &salts, &mut next_iter, round_calls, &mut wrong)?;
             *r = span.as_secs_f64() * 1e6 / per_round as f64;
             prep += p;
             calls += per_round as u64;
@@ -118,16 +149,18 @@ impl HostRunner {
     }
 
     /// `n` calls back to back over the slots that fit the cache budget ([`slots_for`]): each
-    /// slot's input filled with its own iteration and its output poisoned, a barrier, the calls
-    /// timed as one span (call `j` on slot `j mod slots`), then every slot's output checked
-    /// against its iteration. Returns the span and the time spent preparing and checking.
+    /// slot's input filled with its own iteration and its output poisoned, a barrier,
+    /// `lead_in` untimed calls (call `j` from slot `j mod slots` into the next slot's output),
+    /// the `n` calls timed as one span (call `j` on slot `j mod slots`), then every slot's
+    /// output checked against its iteration. Returns the span and the time spent preparing and
+    /// checking.
     fn round(
         &mut self,
         comm: &mut Communicator,
         m: &Measure,
         salts: &[u32],
         next_iter: &mut u32,
-        n: usize,
+        Calls { lead_in, timed: n }: Calls,
         wrong: &mut u64,
     ) -> Result<(Duration, Duration)> {
         let bytes = m.count * m.dtype.size();
@@ -156,15 +189,13 @@ impl HostRunner {
         let mut prep = t_prep.elapsed();
         comm.bootstrap().barrier()?;
         let base = self.buf.as_mut_ptr();
-        let t0 = Instant::now();
-        for j in 0..n {
-            let k = j % slots;
-            // SAFETY: input k and output k are distinct slots of `bytes` inside `buf`,
-            // aligned to 8; the call is finished when it returns (host calls are
-            // synchronous).
+        let mut call = |j: usize, lead_in: bool| -> Result<()> {
+            let (k, o) = slots_of_call(j, slots, lead_in);
+            // SAFETY: input k and output o are distinct slots of `bytes` inside `buf`, aligned
+            // to 8; the call is finished when it returns (host calls are synchronous).
             unsafe {
                 let send = base.add(k * slot_words);
-                let recv = base.add((slots + k) * slot_words);
+                let recv = base.add((slots + o) * slot_words);
                 comm.all_reduce_raw(
                     send.cast::<c_void>(),
                     recv.cast::<c_void>(),
@@ -173,8 +204,15 @@ impl HostRunner {
                     m.op,
                     m.algo,
                     std::ptr::null_mut(),
-                )?;
+                )
             }
+        };
+        for j in 0..lead_in {
+            call(j, true)?;
+        }
+        let t0 = Instant::now();
+        for j in 0..n {
+            call(j, false)?;
         }
         let span = t0.elapsed();
         let t_check = Instant::now();
@@ -182,7 +220,7 @@ impl HostRunner {
         for j in 0..slots.min(n) {
             let it = first.wrapping_add(j as u32);
             let out = &all[(slots + j) * slot_words * 8..][..bytes];
-            *wrong += pattern::count_wrong(m.dtype, m.op, salts, it, out);
+            *wrong += pattern::count_wrong(m.dtype, m.op, salts, it, out, m.world);
         }
         prep += t_check.elapsed();
         *next_iter = first.wrapping_add(slots as u32);
@@ -203,7 +241,45 @@ fn gather_max(comm: &mut Communicator, v: u64) -> Result<u64> {
 
 #[cfg(test)]
 mod tests {
-    use super::slots_for;
+    use super::{slots_for, slots_of_call};
+
+    /// A round as `round` runs it, on iteration numbers instead of data: every slot the check
+    /// reads holds its own iteration when every timed call writes, and a wrong one when the
+    /// timed calls on that slot write nothing, although lead-in calls ran before them. (Timed
+    /// calls on one slot write the same values, so the check sees the slot's last write.)
+    #[test]
+    fn timed_calls_that_write_nothing_leave_a_wrong_slot_despite_the_lead_in() {
+        const POISON: usize = usize::MAX;
+        for slots in 2..6 {
+            for n in 1..13 {
+                // The round: lead-in calls, then the timed ones but those on slot `skip`.
+                let run = |skip: Option<usize>| {
+                    let mut out = vec![POISON; slots];
+                    for j in 0..n {
+                        let (k, o) = slots_of_call(j, slots, true);
+                        out[o] = k;
+                    }
+                    for j in 0..n {
+                        let (k, o) = slots_of_call(j, slots, false);
+                        assert_eq!(k, o, "a timed call writes its own slot");
+                        if Some(k) != skip {
+                            out[o] = k;
+                        }
+                    }
+                    out
+                };
+                let checked = slots.min(n);
+                let all = run(None);
+                assert!(
+                    (0..checked).all(|k| all[k] == k),
+                    "slots {slots} n {n}: {all:?}"
+                );
+                for k in 0..checked {
+                    assert_ne!(run(Some(k))[k], k, "slots {slots} n {n}: slot {k} unseen");
+                }
+            }
+        }
+    }
 
     #[test]
     fn slots_stay_within_the_cache_budget() {

@@ -659,8 +659,9 @@ fn print_legend(args: &BenchArgs, cuda: bool, max_bytes: usize) {
     } else {
         "calls back to back on inputs prepared before the timed span, cycling through buffer \
          pairs that fit one core's L2 (at least two), each pair's last output checked after it; \
-         per round each rank's mean, the slowest rank's, median of 7 rounds (at least the timed \
-         calls asked for, more for small messages: rounds of about 10 ms)"
+         per round as many untimed lead-in calls as timed ones, then each rank's mean, the \
+         slowest rank's, median of 7 rounds (at least the timed calls asked for, more for small \
+         messages: rounds of about 10 ms)"
     };
     println!(
         "# time(us): mean per call over {} timed calls after {} warm-up calls, of the slowest \

@@ -60,8 +60,20 @@ pub fn salts(seed: u64, world: usize) -> Vec<u32> {
     (0..world).map(|r| salt(seed, r)).collect()
 }
 
-/// Wrong elements of `out` as the result of iteration `iter`, spread over the cores.
-pub fn count_wrong(dtype: DType, op: ReduceOp, salts: &[u32], iter: u32, out: &[u8]) -> u64 {
+/// Wrong elements of `out` as the result of iteration `iter`, spread over this rank's share of
+/// the cores: `ranks_here` ranks share the machine, and with as many ranks as cores or more, one
+/// thread. Threads beyond the share took cores from the other ranks, and the host backend's
+/// calls after such a check ran slower, even after as many untimed calls as timed ones (2-core
+/// machine, 4 ranks at 2 MiB, 2026-12-07: 1126-1302 us a call against 958-1015 with the check
+/// on one thread).
+pub fn count_wrong(
+    dtype: DType,
+    op: ReduceOp,
+    salts: &[u32],
+    iter: u32,
+    out: &[u8],
+    ranks_here: usize,
+) -> u64 {
     let count = out.len() / dtype.size();
     let wrong_in = |lo: usize, hi: usize| -> u64 {
         (lo..hi)
@@ -73,8 +85,9 @@ pub fn count_wrong(dtype: DType, op: ReduceOp, salts: &[u32], iter: u32, out: &[
     }
     // Asked only for large outputs: on Linux it reads the cgroup's CPU quota from files
     // (tens of microseconds), which an 8-byte output's check would spend on every call.
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if threads == 1 {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = cores / ranks_here.max(1);
+    if threads <= 1 {
         return wrong_in(0, count);
     }
     let per = count.div_ceil(threads);
@@ -143,11 +156,11 @@ mod tests {
                 + f64::from(value(salts[1], 1, 0, i as u64));
             store_f64(dtype, &mut recv, i, want);
         }
-        assert_eq!(count_wrong(dtype, op, &salts, 0, &recv), 0);
+        assert_eq!(count_wrong(dtype, op, &salts, 0, &recv, 1), 0);
         store_f64(dtype, &mut recv, 5, 1000.0);
-        assert_eq!(count_wrong(dtype, op, &salts, 0, &recv), 1);
+        assert_eq!(count_wrong(dtype, op, &salts, 0, &recv, 1), 1);
         store_f64(dtype, &mut recv, 5, expected(op, &salts, 0, 5));
-        assert_eq!(count_wrong(dtype, op, &salts, 1, &recv), n as u64);
+        assert_eq!(count_wrong(dtype, op, &salts, 1, &recv, 1), n as u64);
     }
 
     /// The device twin carries the same constants.
