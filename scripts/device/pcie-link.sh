@@ -4,9 +4,10 @@
 #            nothing of the library), without MPS: each direction of the GPU's PCIe link alone
 #            and while the other is busy, by copy engine and by kernel loads/stores of mapped
 #            host memory (probe.txt, probe.json).
-#   pair     under MPS, two probe processes at once (START_AT), each both directions by copy
-#            engine: the traffic of a world-2 all-reduce on one GPU, two ranks' copies sharing
-#            the copy engines and the link (pair-0.log, pair-1.log, pair-0.json, pair-1.json).
+#   pair     under MPS, two probe processes at once (START_AT), row by row: each direction by
+#            copy engine, then both: the traffic of a world-2 all-reduce on one GPU, two ranks'
+#            copies sharing the copy engines and the link (pair-0.log, pair-1.log, pair-0.json,
+#            pair-1.json).
 #   staged   under MPS, world 2, IPCREDUCE_TRANSPORT=host, bf16 sum, 1 MiB - MAX: one-shot,
 #            two-shot and auto, eager, every call checked (staged.log, json/staged.json).
 # An all-reduce of S bytes at world 2 on this transport moves 2S each way over the link (each
@@ -38,16 +39,25 @@ step probe-build 60 /usr/local/cuda/bin/nvcc -O3 -arch=sm_90 -o "$PROBE" \
 [ -x "$PROBE" ] && JSON="$OUT/probe.json" step probe 60 "$PROBE" 64 10
 cp "$OUT/probe.log" "$OUT/probe.txt" 2>/dev/null
 
-# pair_probe: two probes under MPS starting their rows at the same second; fails if either does.
+# pair_probe: two probes under MPS, one row at a time, both starting it at the same second (each
+# row its own launch: rows of unequal length would drift apart within one launch); fails if
+# either does. pair-I.json holds process I's rows.
 pair_probe() {
-  local at pids=() rc=0
-  at=$(($(date +%s) + 4))
-  for i in 0 1; do
-    ROWS=ce-both,ce-d2h,ce-h2d START_AT=$at JSON="$OUT/pair-$i.json" \
-      "$PROBE" 64 "$PAIR_REPS" >"$OUT/pair-$i.log" 2>&1 &
-    pids+=($!)
+  local at row i p pids rc=0
+  for row in ce-d2h ce-h2d ce-both; do
+    at=$(($(date +%s) + 3))
+    pids=()
+    for i in 0 1; do
+      ROWS=$row START_AT=$at JSON="$OUT/pair-$i-$row.json" \
+        "$PROBE" 64 "$PAIR_REPS" >>"$OUT/pair-$i.log" 2>&1 &
+      pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || rc=1; done
   done
-  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  for i in 0 1; do
+    python3 -c 'import json, sys; print(json.dumps({"rows": [r for f in sys.argv[1:] for r in json.load(open(f))["rows"]]}))' \
+      "$OUT"/pair-$i-ce-*.json >"$OUT/pair-$i.json" || rc=1
+  done
   cat "$OUT"/pair-*.log
   return $rc
 }
