@@ -161,8 +161,25 @@ pub fn count_wrong_nodes_par(
 
 /// How many of `0..count` satisfy `wrong`, spread over the machine's cores.
 fn par_count(count: usize, wrong: impl Fn(usize) -> bool + Sync) -> usize {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if count < 1 << 16 || threads == 1 {
+    par_count_shared(count, 1, wrong)
+}
+
+/// How many of `0..count` satisfy `wrong`, spread over one rank's share of the machine's
+/// cores when `ranks_here` ranks share it: one thread where the ranks fill the cores (more
+/// would take cores from the other ranks), and below 64 Ki elements.
+pub fn par_count_shared(
+    count: usize,
+    ranks_here: usize,
+    wrong: impl Fn(usize) -> bool + Sync,
+) -> usize {
+    if count < 1 << 16 {
+        return (0..count).filter(|&i| wrong(i)).count();
+    }
+    // Asked only for large counts: on Linux it reads the cgroup's CPU quota from files (tens
+    // of microseconds), which a small output's check would spend on every call.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = cores / ranks_here.max(1);
+    if threads <= 1 {
         return (0..count).filter(|&i| wrong(i)).count();
     }
     let per = count.div_ceil(threads);

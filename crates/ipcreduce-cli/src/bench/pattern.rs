@@ -75,31 +75,9 @@ pub fn count_wrong(
     ranks_here: usize,
 ) -> u64 {
     let count = out.len() / dtype.size();
-    let wrong_in = |lo: usize, hi: usize| -> u64 {
-        (lo..hi)
-            .filter(|&i| load_f64(dtype, out, i) != expected(op, salts, iter, i as u64))
-            .count() as u64
-    };
-    if count < 1 << 16 {
-        return wrong_in(0, count);
-    }
-    // Asked only for large outputs: on Linux it reads the cgroup's CPU quota from files
-    // (tens of microseconds), which an 8-byte output's check would spend on every call.
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = cores / ranks_here.max(1);
-    if threads <= 1 {
-        return wrong_in(0, count);
-    }
-    let per = count.div_ceil(threads);
-    std::thread::scope(|s| {
-        let parts: Vec<_> = (0..threads)
-            .map(|t| s.spawn(move || wrong_in((t * per).min(count), ((t + 1) * per).min(count))))
-            .collect();
-        parts
-            .into_iter()
-            .map(|h| h.join().unwrap_or(u64::MAX))
-            .sum()
-    })
+    ipcreduce::reference::par_count_shared(count, ranks_here, |i| {
+        load_f64(dtype, out, i) != expected(op, salts, iter, i as u64)
+    }) as u64
 }
 
 #[cfg(test)]
