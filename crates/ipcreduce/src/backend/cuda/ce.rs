@@ -528,11 +528,11 @@ pub(super) fn launch_staged(
     let slot = |r: usize, k: usize| args.data[r] + (k % STAGED_DEPTH * position_bytes) as u64;
     let scratch_at = |k: usize| scratch.ptr + (k % STAGED_DEPTH * scratch_position) as u64;
     // Captured into a CUDA graph, the copies stay on the lanes (copy stream 0 is lane 0, copy
-    // stream 1 lane 1, each in the order listed above): with copy streams of their own, graphs of these calls ran 1.3-12x slower
-    // than graphs with the copies on the lanes (two ranks under MPS on one H100, 2026-12-07,
-    // bench/results/2026-12-07-h100-ce-staged-streams/: 763 against 63 us a call at 64 KiB,
-    // where an eager call took 61 us), for a reason not found. On the lanes, every event edge
-    // below still holds and each lane adds its own order.
+    // stream 1 lane 1, each in the order listed above): with copy streams of their own, graphs
+    // of these calls ran 1.3-12x slower than graphs with the copies on the lanes (two ranks
+    // under MPS on one H100, 2026-12-07, bench/results/2026-12-07-h100-ce-staged-streams/: 763
+    // against 63 us a call at 64 KiB, where an eager call took 61 us), for a reason not found.
+    // On the lanes, every event edge below still holds and each lane adds its own order.
     let captured = l.origin.is_some();
     let (up, down) = if captured {
         (q.lane(0), q.lane(1))
