@@ -12,11 +12,20 @@
 //   ce-d2h+sm-load/G      copy-engine writes beside kernel loads (a hybrid staging design)
 //   sm-store/G+ce-h2d     kernel stores beside copy-engine reads
 // A row's GB/s is one direction's bytes over the time from the first start to the last end.
+// The JSON also gives each row's wall-clock span (unix seconds, the timed repetitions from the
+// first's start to the last's end) and its bytes per direction, so the rows of two processes
+// run together can be summed over the union of their spans: per-repetition rates cannot be
+// summed, since the repetitions of the two need not overlap.
 // Usage: pcie_link [S_MiB=64] [REPS=10]; prints a table and, with JSON=path, writes JSON.
 // ROWS=name,name,... runs only those rows. START_AT=unix seconds waits, after the allocations,
 // until then: two processes started with the same START_AT (under MPS) run their rows at the
 // same time, the traffic of a world-2 all-reduce through host memory on one GPU.
+// HOST=memfd takes the host buffers from a memfd mapped shared and registered with the GPU
+// (cudaHostRegister, mapped and portable), as the host-staged transport's slots are, instead of
+// cudaHostAlloc: whether such memory moves as fast.
 #include <cuda_runtime.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -52,8 +61,14 @@ __global__ void copy16(uint4 *__restrict__ dst, const uint4 *__restrict__ src, s
 
 struct Row {
     std::string name;
-    double med, lo, hi; // GB/s per direction
+    double med, lo, hi;   // GB/s per direction
+    double t_start, t_end; // wall clock, unix seconds: the timed repetitions' span
+    double bytes;          // per direction, all timed repetitions
 };
+
+static double unix_now() {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
 
 static std::vector<Row> rows;
 
@@ -74,8 +89,27 @@ int main(int argc, char **argv) {
     printf("# %s, %d SMs, S = %zu MiB, %d reps\n", p.name, p.multiProcessorCount, S >> 20, REPS);
 
     void *h_out, *h_in, *d_src, *d_dst, *d_src2, *d_dst2;
-    CK(cudaHostAlloc(&h_out, S, cudaHostAllocMapped | cudaHostAllocPortable));
-    CK(cudaHostAlloc(&h_in, S, cudaHostAllocMapped | cudaHostAllocPortable));
+    const char *host = getenv("HOST");
+    if (host && strcmp(host, "memfd") == 0) {
+        for (void **h : {&h_out, &h_in}) {
+            const int fd = memfd_create("pcie_link", 0);
+            if (fd < 0 || ftruncate(fd, (off_t)S) != 0) {
+                perror("memfd");
+                return 1;
+            }
+            *h = mmap(nullptr, S, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            if (*h == MAP_FAILED) {
+                perror("mmap");
+                return 1;
+            }
+            close(fd);
+            CK(cudaHostRegister(*h, S, cudaHostRegisterMapped | cudaHostRegisterPortable));
+        }
+        printf("# host buffers: memfd, mmap shared, cudaHostRegister\n");
+    } else {
+        CK(cudaHostAlloc(&h_out, S, cudaHostAllocMapped | cudaHostAllocPortable));
+        CK(cudaHostAlloc(&h_in, S, cudaHostAllocMapped | cudaHostAllocPortable));
+    }
     memset(h_out, 1, S);
     memset(h_in, 2, S);
     CK(cudaMalloc(&d_src, S));
@@ -109,8 +143,10 @@ int main(int argc, char **argv) {
     auto run = [&](const std::string &name, char out_kind, char in_kind, int G) {
         if (only && ("," + std::string(only) + ",").find("," + name + ",") == std::string::npos) return;
         std::vector<double> gbps;
+        double t_start = 0;
         for (int r = 0; r <= REPS; r++) {
             CK(cudaDeviceSynchronize());
+            if (r == 1) t_start = unix_now();
             CK(cudaEventRecord(start, s0));
             CK(cudaStreamWaitEvent(s1, start, 0));
             d2h(out_kind, G, s0);
@@ -125,8 +161,9 @@ int main(int argc, char **argv) {
             const float t = std::max(out_kind ? t0 : 0.f, in_kind ? t1 : 0.f);
             if (r > 0) gbps.push_back((double)S / (t * 1e-3) / 1e9);
         }
+        const double t_end = unix_now();
         Row row{name, median(gbps), *std::min_element(gbps.begin(), gbps.end()),
-                *std::max_element(gbps.begin(), gbps.end())};
+                *std::max_element(gbps.begin(), gbps.end()), t_start, t_end, (double)S * REPS};
         printf("%-22s %7.2f GB/s per direction  (min %.2f, max %.2f)\n", name.c_str(), row.med, row.lo,
                row.hi);
         fflush(stdout);
@@ -160,8 +197,11 @@ int main(int argc, char **argv) {
         }
         fprintf(f, "{\"gpu\": \"%s\", \"bytes\": %zu, \"reps\": %d, \"rows\": [", p.name, S, REPS);
         for (size_t i = 0; i < rows.size(); i++)
-            fprintf(f, "%s\n {\"name\": \"%s\", \"gbps_median\": %.3f, \"gbps_min\": %.3f, \"gbps_max\": %.3f}",
-                    i ? "," : "", rows[i].name.c_str(), rows[i].med, rows[i].lo, rows[i].hi);
+            fprintf(f,
+                    "%s\n {\"name\": \"%s\", \"gbps_median\": %.3f, \"gbps_min\": %.3f, \"gbps_max\": %.3f, "
+                    "\"t_start\": %.6f, \"t_end\": %.6f, \"bytes\": %.0f}",
+                    i ? "," : "", rows[i].name.c_str(), rows[i].med, rows[i].lo, rows[i].hi, rows[i].t_start,
+                    rows[i].t_end, rows[i].bytes);
         fprintf(f, "\n]}\n");
         fclose(f);
     }
