@@ -3,9 +3,9 @@
 //! (`ipcreduce::tune`) that every communicator's `Auto` then consults (rank 0's copy).
 //!
 //! Each CTA count is a communicator of its own (the grid is fixed per communicator); the
-//! default one also runs NCCL. Calls are timed like `bench` (registered buffers, the input
-//! refreshed and every call checked on the device, CUDA graph replays), and a wrong element
-//! fails the run. Rows of other world sizes already in the file are kept.
+//! default one also runs NCCL. Calls are timed like `bench` (registered buffers, except on the
+//! host-staged transport, which has none; the input refreshed and every call checked on the
+//! device, CUDA graph replays), and a wrong element fails the run. Rows of other world sizes already in the file are kept.
 //!
 //! On the host backend it measures one-shot against two-shot (no CTAs there) with `bench`'s
 //! host loop (back-to-back calls, each buffer pair's last output checked, the median of its
@@ -18,6 +18,7 @@ use crate::bench::{measure_sane, parse_list, sizes, Measure};
 use crate::cli::{parse_size, relaunch_with_progress, RankArgs};
 use crate::harness::gather_f64;
 use ipcreduce::error::{Error, Result};
+use ipcreduce::plan::Fabric;
 use ipcreduce::tune::{self, Sample, Table, TuneKey};
 use ipcreduce::types::{Algorithm, BackendChoice, BackendKind, DType, ReduceOp};
 use ipcreduce::{Communicator, Config};
@@ -140,7 +141,10 @@ fn tune_here(args: &TuneArgs) -> Result<()> {
             let mut runner = if host {
                 Runner::Host(HostRunner::new(&comm, capacity, false)?)
             } else {
-                Runner::Cuda(CudaRunner::new(&mut comm, capacity, true)?)
+                // Registered (zero-copy) buffers where the peers' memory is mapped; through
+                // host memory there are none, and the calls copy in as users' calls do.
+                let registered = comm.fabric() != Fabric::HostStaged;
+                Runner::Cuda(CudaRunner::new(&mut comm, capacity, registered)?)
             };
             for &bytes in &sizes {
                 let (iters, warmup) = iterations(bytes);

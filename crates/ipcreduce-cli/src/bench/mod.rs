@@ -493,7 +493,13 @@ fn bench(args: &BenchArgs) -> Result<bool> {
 
 /// Why registered buffers cannot be benchmarked here, if they cannot (the same on every rank).
 fn registration_unavailable(comm: &Communicator) -> Option<String> {
-    (comm.backend() != BackendKind::Cuda).then(|| "registered buffers need the cuda backend".into())
+    if comm.backend() != BackendKind::Cuda {
+        return Some("registered buffers need the cuda backend".into());
+    }
+    (comm.fabric() == ipcreduce::plan::Fabric::HostStaged).then(|| {
+        "registered buffers need peer memory, and this communicator stages through host memory"
+            .into()
+    })
 }
 
 /// What the library says ran for the last call: (path, CTAs, zero-copy); the algorithm when it
