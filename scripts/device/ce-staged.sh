@@ -9,7 +9,9 @@
 #   gputests  scripts/device/gpu-tests.sh with the tests of both copy-engine paths and of the
 #             host-staged graphs (OUT/gputests/).
 #   check     `check` at world 2, host transport, CASES cases up to 256 MiB: the copy-engine
-#             path from 64 KiB in 64 KiB chunks (many chunks a call), then the default knobs.
+#             path from 64 KiB in 64 KiB chunks (many chunks a call), then from 1 byte in its
+#             own chunks (smaller at both ends of a call: plan::ce_staged_pieces), then the
+#             default knobs.
 #   bench     world 2, bf16 sum, 64 KiB - MAX by 4x, eager and graph, every call checked:
 #             -a oneshot,twoshot,auto with the path off (IPCREDUCE_CE_STAGED_MIN=0: the staged
 #             kernels) and on from 1 byte (=1: every call above the LL limit), then the default
@@ -77,6 +79,7 @@ check() {
 if has check; then
   IPCREDUCE_CE_STAGED_MIN=65536 IPCREDUCE_STAGED_CHUNK=65536 check check-ce64K 120 \
     --cases "$CASES" --seed 41
+  IPCREDUCE_CE_STAGED_MIN=1 check check-ce 120 --cases "$CASES" --seed 43
   check check-default 120 --cases "$CASES" --seed 42
 fi
 

@@ -513,11 +513,9 @@ pub(super) fn launch_staged(
     let position_bytes = 2 * args.slot_bytes as usize / STAGED_DEPTH;
     let scratch_position = scratch.bytes / STAGED_DEPTH;
     let chunk = (chunk_bytes.min(position_bytes).min(scratch_position) / size).max(1);
-    let all = Span {
-        start: 0,
-        end: args.count as usize,
-    };
-    let chunks = all.len().div_ceil(chunk).max(1);
+    // Smaller chunks at both ends, where one direction of the link would idle for a chunk.
+    let pieces = crate::plan::ce_staged_pieces(args.count as usize, size, chunk);
+    let chunks = pieces.len();
     let reduce = l.gpu.function_of(
         crate::plan::CudaPath::CeStaged,
         call.dtype,
@@ -543,8 +541,8 @@ pub(super) fn launch_staged(
     q.begin()?;
     // Our copies into host memory start once lane 0's first barrier says every slot is free.
     q.record_wait(&staged.ready, q.lane(0), up)?;
-    for k in 0..chunks {
-        let (off, bytes) = part(all, k, chunk, size);
+    for (k, piece) in pieces.iter().enumerate() {
+        let (off, bytes) = ((piece.start * size) as u64, piece.len() * size);
         let p = k % STAGED_DEPTH;
         if k >= STAGED_DEPTH {
             q.wait(&staged.freed[p], up)?;
