@@ -36,13 +36,71 @@ pub fn salt(seed: u64, rank: usize) -> u32 {
 /// previous input, or every rank's, differs.
 #[inline]
 pub fn value(salt: u32, rank: usize, iter: u32, i: u64) -> i32 {
-    let h = lowbias32(i as u32 ^ lowbias32((i >> 32) as u32 ^ salt));
+    value_of_hash(hash(salt, i), rank, iter)
+}
+
+/// The hash behind element `i` of the rank with this salt, the same at every iteration.
+#[inline]
+fn hash(salt: u32, i: u64) -> u32 {
+    lowbias32(i as u32 ^ lowbias32((i >> 32) as u32 ^ salt))
+}
+
+/// [`value`] from the element's [`hash`].
+#[inline]
+fn value_of_hash(h: u32, rank: usize, iter: u32) -> i32 {
     let step = if rank == 0 {
         2 * (h & 15) + 1
     } else {
         2 * (h % 15) + 2
     };
     ((h >> 4).wrapping_add(iter.wrapping_mul(step)) & 31) as i32 - 16
+}
+
+/// Most bytes of [`Hashes`] a rank holds; larger messages hash in every round.
+pub const HASHES_MAX_BYTES: usize = 64 << 20;
+
+/// Every rank's hashes of a message's elements, made once for all the rounds of a measurement:
+/// a round's inputs and its check then cost a few integer operations per element and rank
+/// instead of two hashes each. Why: on the host backend that work runs on the cores the calls
+/// use, between the timed spans, and the calls after a busy preparation ran slower than after
+/// an idle one (2-core machine, 4 ranks at 2 MiB, 2026-12-07), so the less of it the better.
+pub struct Hashes {
+    world: usize,
+    /// Element-major: element `i` of rank `r` at `i * world + r`.
+    h: Vec<u32>,
+}
+
+impl Hashes {
+    /// The hashes of `count` elements for ranks with these salts; `None` above
+    /// [`HASHES_MAX_BYTES`].
+    pub fn new(salts: &[u32], count: usize) -> Option<Hashes> {
+        let world = salts.len();
+        if count.saturating_mul(world).saturating_mul(4) > HASHES_MAX_BYTES {
+            return None;
+        }
+        let mut h = Vec::with_capacity(count * world);
+        for i in 0..count as u64 {
+            h.extend(salts.iter().map(|&s| hash(s, i)));
+        }
+        Some(Hashes { world, h })
+    }
+
+    /// [`value`] of element `i` of `rank` at `iter`.
+    #[inline]
+    pub fn value(&self, rank: usize, iter: u32, i: usize) -> i32 {
+        value_of_hash(self.h[i * self.world + rank], rank, iter)
+    }
+
+    /// [`expected`] of element `i` at `iter`.
+    #[inline]
+    pub fn expected(&self, op: ReduceOp, iter: u32, i: usize) -> f64 {
+        let hs = &self.h[i * self.world..][..self.world];
+        let mut acc = f64::from(value_of_hash(hs[0], 0, iter));
+        for (r, &h) in hs.iter().enumerate().skip(1) {
+            acc = op.apply_f64(acc, f64::from(value_of_hash(h, r, iter)));
+        }
+        acc
+    }
 }
 
 /// The exact all-reduce of element `i` at `iter` over ranks with these salts.
@@ -77,6 +135,21 @@ pub fn count_wrong(
     let count = out.len() / dtype.size();
     ipcreduce::reference::par_count_shared(count, ranks_here, |i| {
         load_f64(dtype, out, i) != expected(op, salts, iter, i as u64)
+    }) as u64
+}
+
+/// [`count_wrong`] from a message's [`Hashes`] (made for at least `out`'s elements).
+pub fn count_wrong_hashed(
+    dtype: DType,
+    op: ReduceOp,
+    hashes: &Hashes,
+    iter: u32,
+    out: &[u8],
+    ranks_here: usize,
+) -> u64 {
+    let count = out.len() / dtype.size();
+    ipcreduce::reference::par_count_shared(count, ranks_here, |i| {
+        load_f64(dtype, out, i) != hashes.expected(op, iter, i)
     }) as u64
 }
 
@@ -139,6 +212,48 @@ mod tests {
         assert_eq!(count_wrong(dtype, op, &salts, 0, &recv, 1), 1);
         store_f64(dtype, &mut recv, 5, expected(op, &salts, 0, 5));
         assert_eq!(count_wrong(dtype, op, &salts, 1, &recv, 1), n as u64);
+    }
+
+    /// The hashes made once give the values and results of hashing every time, and count the
+    /// same wrong elements.
+    #[test]
+    fn hashes_made_once_agree_with_hashing_every_time() {
+        for world in [1usize, 2, 4, 8] {
+            let salts = salts(11, world);
+            let n = 3000;
+            let hashes = Hashes::new(&salts, n).expect("small");
+            for iter in [0u32, 1, 7, 1000] {
+                for i in 0..n {
+                    for (r, &s) in salts.iter().enumerate() {
+                        assert_eq!(hashes.value(r, iter, i), value(s, r, iter, i as u64));
+                    }
+                    for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+                        assert_eq!(
+                            hashes.expected(op, iter, i),
+                            expected(op, &salts, iter, i as u64)
+                        );
+                    }
+                }
+            }
+            let dtype = DType::F32;
+            let mut out = vec![0u8; n * 4];
+            for i in 0..n {
+                store_f64(
+                    dtype,
+                    &mut out,
+                    i,
+                    expected(ReduceOp::Sum, &salts, 3, i as u64),
+                );
+            }
+            store_f64(dtype, &mut out, 17, 99.0);
+            for iter in [3u32, 4] {
+                assert_eq!(
+                    count_wrong_hashed(dtype, ReduceOp::Sum, &hashes, iter, &out, 1),
+                    count_wrong(dtype, ReduceOp::Sum, &salts, iter, &out, 1)
+                );
+            }
+        }
+        assert!(Hashes::new(&salts(1, 8), HASHES_MAX_BYTES / 32 + 1).is_none());
     }
 
     /// The device twin carries the same constants.
