@@ -30,6 +30,10 @@
 //! lead-in calls brought it to 743-802 (one run 1108), 80 to 748-825. The lead-in calls write
 //! each result into the next slot's output, so that a timed call that writes nothing still
 //! leaves a wrong result (the previous slot's iteration) where its check looks.
+//!
+//! The inputs and the check come from the ranks' hashes made once per message size
+//! ([`pattern::Hashes`]), so the work between two timed spans is as small as it can be
+//! while every element still changes and is checked.
 
 use super::pattern::{self, value};
 use super::{Measure, Measured, MAX_ROUNDS};
