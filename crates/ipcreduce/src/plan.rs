@@ -289,8 +289,11 @@ pub const CE_DEFAULT_MIN_BYTES: usize = 0;
 /// cost about 27 us of barriers in which its lane's direction idled. With copy streams of their
 /// own (ce::launch_staged) it still loses up to 64 MiB and wins by 3 % at 256 MiB (one H100,
 /// eager: 16 MiB 14.9 against 17.7, 64 MiB 17.5 against 19.1, 256 MiB 19.9 against 19.4;
-/// bench/results/2026-12-07-h100-ce-staged-streams/). `IPCREDUCE_CE_STAGED_MIN` turns it on
-/// from that size.
+/// bench/results/2026-12-07-h100-ce-staged-streams/). Two ranks' processes on one H100 move
+/// 47.9 GB/s each way together by copy engines (a bound of 24.0 GB/s busbw) but 38.9 by
+/// kernels (19.4, where the staged kernels already are), and the path reached 21.2 GB/s at
+/// 256 MiB, one direction of the link idle at both ends of a call, which [`ce_staged_pieces`]
+/// shortens (bench/results/2026-12-07-h100-69beacd-link-pair/). `IPCREDUCE_CE_STAGED_MIN` turns it on from that size.
 pub const CE_STAGED_DEFAULT_MIN_BYTES: usize = 0;
 
 /// Bytes per chunk of the host-staged copy-engine path: each chunk's copy into host memory
