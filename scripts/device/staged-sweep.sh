@@ -11,7 +11,8 @@
 #            a peer's first compile inside a timed or checked call.
 #   check    `check` at WORLDS_CHECK (2 4 8), CASES (2000) cases each, host transport, up to
 #            MAX_BYTES (256M), default knobs; then world 2 with 64 KiB chunks (CASES_SMALL,
-#            many chunks per call: the pipeline's slot reuse).
+#            many chunks per call: the pipeline's slot reuse), also when WORLDS_CHECK is
+#            empty (CASES_SMALL=0 leaves it out).
 #   sweep    per world of WORLDS_SWEEP (2 4): bench -a oneshot,twoshot, bf16 sum, 256 KiB -
 #            SWEEP_MAX (256M) by 4x, eager, every call checked, for every ROUND x CHUNK x CTAS
 #            (IPCREDUCE_STAGED_ROUND / _CHUNK / _CTAS; ROUNDS="0 4": 0 is the kernels without
@@ -90,8 +91,8 @@ for w in $WORLDS_CHECK; do
   check "check-host-w$w" $((40 + 12 * w)) --ranks "$w" --cases "$CASES" --seed "$w"
 done
 # Many chunks per call: every slot parity reused within a call and across calls.
-IPCREDUCE_STAGED_CHUNK=65536 CHECK_MAX=16M check check-host-w2-chunk64K 40 --ranks 2 \
-  --cases "$CASES_SMALL" --seed 21
+[ "$CASES_SMALL" -gt 0 ] && IPCREDUCE_STAGED_CHUNK=65536 CHECK_MAX=16M \
+  check check-host-w2-chunk64K 40 --ranks 2 --cases "$CASES_SMALL" --seed 21
 
 for w in $WORLDS_SWEEP; do
   chunks=$CHUNKS ctas=$CTAS
