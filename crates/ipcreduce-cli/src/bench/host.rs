@@ -32,10 +32,10 @@
 //! leaves a wrong result (the previous slot's iteration) where its check looks.
 //!
 //! The inputs and the check come from the ranks' hashes made once per message size
-//! ([`pattern::Hashes`]), so the work between two timed spans is as small as it can be
+//! ([`Pattern`]), so the work between two timed spans is as small as it can be
 //! while every element still changes and is checked.
 
-use super::pattern::{self, value};
+use super::pattern::Pattern;
 use super::{Measure, Measured, MAX_ROUNDS};
 use ipcreduce::element::store_f64;
 use ipcreduce::error::{Error, Result};
@@ -73,14 +73,6 @@ pub struct HostRunner {
     buf: Vec<u64>,
 }
 
-/// What a measurement's inputs and results are made from: the ranks' salts and, for messages
-/// within [`pattern::HASHES_MAX_BYTES`], their hashes made once for every round.
-#[derive(Clone, Copy)]
-struct Data<'a> {
-    salts: &'a [u32],
-    hashes: Option<&'a pattern::Hashes>,
-}
-
 /// The calls of one round: untimed lead-in calls, then the timed ones.
 #[derive(Clone, Copy)]
 struct Calls {
@@ -115,12 +107,7 @@ impl HostRunner {
     /// One measurement: the warm-up (which also sets the calls per round), then [`ROUNDS`]
     /// rounds of back-to-back calls.
     pub fn measure(&mut self, comm: &mut Communicator, m: &Measure) -> Result<Measured> {
-        let salts = pattern::salts(m.seed, m.world);
-        let hashes = pattern::Hashes::new(&salts, m.count);
-        let data = Data {
-            salts: &salts,
-            hashes: hashes.as_ref(),
-        };
+        let pattern = Pattern::new(m.seed, m.world, m.count);
         let mut next_iter = 0u32;
         let mut wrong = 0u64;
         let mut calls = 0u64;
@@ -130,7 +117,7 @@ impl HostRunner {
             lead_in: 0,
             timed: warm,
         };
-        let (span, _) = self.round(comm, m, data, &mut next_iter, warm_calls, &mut wrong)?;
+        let (span, _) = self.round(comm, m, &pattern, &mut next_iter, warm_calls, &mut wrong)?;
         calls += warm as u64;
         let pace = span.as_secs_f64() / warm as f64;
         let wanted = (ROUND_SPAN.as_secs_f64() / pace.max(1e-9)).ceil() as u64;
@@ -145,7 +132,8 @@ impl HostRunner {
                 lead_in: per_round,
                 timed: per_round,
             };
-            let (span, p) = self.round(comm, m, data, &mut next_iter, round_calls, &mut wrong)?;
+            let (span, p) =
+                self.round(comm, m, &pattern, &mut next_iter, round_calls, &mut wrong)?;
             *r = span.as_secs_f64() * 1e6 / per_round as f64;
             prep += p;
             calls += per_round as u64;
@@ -175,7 +163,7 @@ impl HostRunner {
         &mut self,
         comm: &mut Communicator,
         m: &Measure,
-        data: Data,
+        pattern: &Pattern,
         next_iter: &mut u32,
         Calls { lead_in, timed: n }: Calls,
         wrong: &mut u64,
@@ -197,10 +185,7 @@ impl HostRunner {
                 let it = first.wrapping_add(j as u32);
                 let input = &mut inputs[j * slot_words * 8..][..bytes];
                 for i in 0..m.count {
-                    let v = match data.hashes {
-                        Some(h) => h.value(rank, it, i),
-                        None => value(data.salts[rank], rank, it, i as u64),
-                    };
+                    let v = pattern.value(rank, it, i);
                     store_f64(m.dtype, input, i, f64::from(v));
                 }
                 outputs[j * slot_words * 8..][..bytes].fill(0xFF);
@@ -240,10 +225,7 @@ impl HostRunner {
         for j in 0..slots.min(n) {
             let it = first.wrapping_add(j as u32);
             let out = &all[(slots + j) * slot_words * 8..][..bytes];
-            *wrong += match data.hashes {
-                Some(h) => pattern::count_wrong_hashed(m.dtype, m.op, h, it, out, m.world),
-                None => pattern::count_wrong(m.dtype, m.op, data.salts, it, out, m.world),
-            };
+            *wrong += pattern.count_wrong(m.dtype, m.op, it, out, m.world);
         }
         prep += t_check.elapsed();
         *next_iter = first.wrapping_add(slots as u32);

@@ -56,61 +56,92 @@ fn value_of_hash(h: u32, rank: usize, iter: u32) -> i32 {
     ((h >> 4).wrapping_add(iter.wrapping_mul(step)) & 31) as i32 - 16
 }
 
-/// Most bytes of [`Hashes`] a rank holds; larger messages hash in every round.
-pub const HASHES_MAX_BYTES: usize = 64 << 20;
-
-/// Every rank's hashes of a message's elements, made once for all the rounds of a measurement:
-/// a round's inputs and its check then cost a few integer operations per element and rank
-/// instead of two hashes each. Why: on the host backend that work runs on the cores the calls
-/// use, between the timed spans, and the calls after a busy preparation ran slower than after
-/// an idle one (2-core machine, 4 ranks at 2 MiB, 2026-12-07), so the less of it the better.
-pub struct Hashes {
-    world: usize,
-    /// Element-major: element `i` of rank `r` at `i * world + r`.
-    h: Vec<u32>,
+/// The exact all-reduce of element `i` at `iter` over ranks with these salts.
+#[inline]
+pub fn expected(op: ReduceOp, salts: &[u32], iter: u32, i: u64) -> f64 {
+    reduce(
+        op,
+        salts.iter().enumerate().map(|(r, &s)| value(s, r, iter, i)),
+    )
 }
 
-impl Hashes {
-    /// The hashes of `count` elements for ranks with these salts; `None` above
-    /// [`HASHES_MAX_BYTES`].
-    pub fn new(salts: &[u32], count: usize) -> Option<Hashes> {
-        let world = salts.len();
-        if count.saturating_mul(world).saturating_mul(4) > HASHES_MAX_BYTES {
-            return None;
-        }
-        let mut h = Vec::with_capacity(count * world);
-        for i in 0..count as u64 {
-            h.extend(salts.iter().map(|&s| hash(s, i)));
-        }
-        Some(Hashes { world, h })
+/// The ranks' values reduced in rank order.
+#[inline]
+fn reduce(op: ReduceOp, mut values: impl Iterator<Item = i32>) -> f64 {
+    let first = f64::from(values.next().expect("at least one rank"));
+    values.fold(first, |acc, v| op.apply_f64(acc, f64::from(v)))
+}
+
+/// Most bytes of hashes a [`Pattern`] holds; larger messages hash at every use.
+pub const HASHES_MAX_BYTES: usize = 64 << 20;
+
+/// One measurement's pattern: the ranks' salts and, within [`HASHES_MAX_BYTES`], every rank's
+/// hashes of the message's elements, made once for all its rounds. A round's inputs and its
+/// check then cost a few integer operations per element and rank instead of two hashes each.
+/// Why: on the host backend that work runs on the cores the calls use, between the timed
+/// spans, and the calls after a busy preparation ran slower than after an idle one (2-core
+/// machine, 4 ranks at 2 MiB, 2026-12-07), so the less of it the better. Its values and
+/// results are those of [`value`] and [`expected`].
+pub struct Pattern {
+    salts: Vec<u32>,
+    /// Element-major: element `i` of rank `r` at `i * world + r`.
+    hashes: Option<Vec<u32>>,
+}
+
+impl Pattern {
+    /// The pattern of `count` elements at `world` ranks from `seed`.
+    pub fn new(seed: u64, world: usize, count: usize) -> Pattern {
+        let salts = salts(seed, world);
+        let fits = count.saturating_mul(world).saturating_mul(4) <= HASHES_MAX_BYTES;
+        let hashes = fits.then(|| {
+            let mut h = Vec::with_capacity(count * world);
+            for i in 0..count as u64 {
+                h.extend(salts.iter().map(|&s| hash(s, i)));
+            }
+            h
+        });
+        Pattern { salts, hashes }
     }
 
     /// [`value`] of element `i` of `rank` at `iter`.
     #[inline]
     pub fn value(&self, rank: usize, iter: u32, i: usize) -> i32 {
-        value_of_hash(self.h[i * self.world + rank], rank, iter)
-    }
-
-    /// [`expected`] of element `i` at `iter`.
-    #[inline]
-    pub fn expected(&self, op: ReduceOp, iter: u32, i: usize) -> f64 {
-        let hs = &self.h[i * self.world..][..self.world];
-        let mut acc = f64::from(value_of_hash(hs[0], 0, iter));
-        for (r, &h) in hs.iter().enumerate().skip(1) {
-            acc = op.apply_f64(acc, f64::from(value_of_hash(h, r, iter)));
+        match &self.hashes {
+            Some(h) => value_of_hash(h[i * self.salts.len() + rank], rank, iter),
+            None => value(self.salts[rank], rank, iter, i as u64),
         }
-        acc
     }
-}
 
-/// The exact all-reduce of element `i` at `iter` over ranks with these salts.
-#[inline]
-pub fn expected(op: ReduceOp, salts: &[u32], iter: u32, i: u64) -> f64 {
-    let mut acc = f64::from(value(salts[0], 0, iter, i));
-    for (r, &s) in salts.iter().enumerate().skip(1) {
-        acc = op.apply_f64(acc, f64::from(value(s, r, iter, i)));
+    /// [`expected`] of element `i` at `iter`, from the hashes held.
+    #[inline]
+    fn expected_held(&self, h: &[u32], op: ReduceOp, iter: u32, i: usize) -> f64 {
+        let world = self.salts.len();
+        let hs = &h[i * world..][..world];
+        reduce(
+            op,
+            hs.iter()
+                .enumerate()
+                .map(|(r, &h)| value_of_hash(h, r, iter)),
+        )
     }
-    acc
+
+    /// [`count_wrong`] of `out` as the result of iteration `iter` (which source, decided once
+    /// for the whole output).
+    pub fn count_wrong(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        iter: u32,
+        out: &[u8],
+        ranks_here: usize,
+    ) -> u64 {
+        match &self.hashes {
+            Some(h) => count_wrong_by(dtype, out, ranks_here, |i| {
+                self.expected_held(h, op, iter, i)
+            }),
+            None => count_wrong(dtype, op, &self.salts, iter, out, ranks_here),
+        }
+    }
 }
 
 /// The salts of every rank of a world.
@@ -132,24 +163,21 @@ pub fn count_wrong(
     out: &[u8],
     ranks_here: usize,
 ) -> u64 {
-    let count = out.len() / dtype.size();
-    ipcreduce::reference::par_count_shared(count, ranks_here, |i| {
-        load_f64(dtype, out, i) != expected(op, salts, iter, i as u64)
-    }) as u64
+    count_wrong_by(dtype, out, ranks_here, |i| {
+        expected(op, salts, iter, i as u64)
+    })
 }
 
-/// [`count_wrong`] from a message's [`Hashes`] (made for at least `out`'s elements).
-pub fn count_wrong_hashed(
+/// Elements of `out` that differ from `expected(i)`, over `ranks_here`'s share of the cores.
+fn count_wrong_by(
     dtype: DType,
-    op: ReduceOp,
-    hashes: &Hashes,
-    iter: u32,
     out: &[u8],
     ranks_here: usize,
+    expected: impl Fn(usize) -> f64 + Sync,
 ) -> u64 {
     let count = out.len() / dtype.size();
     ipcreduce::reference::par_count_shared(count, ranks_here, |i| {
-        load_f64(dtype, out, i) != hashes.expected(op, iter, i)
+        load_f64(dtype, out, i) != expected(i)
     }) as u64
 }
 
@@ -214,22 +242,30 @@ mod tests {
         assert_eq!(count_wrong(dtype, op, &salts, 1, &recv, 1), n as u64);
     }
 
-    /// The hashes made once give the values and results of hashing every time, and count the
-    /// same wrong elements.
+    /// A pattern with its hashes made once gives the values and results of hashing every time,
+    /// as does one too large to hold them, and both count the same wrong elements.
     #[test]
-    fn hashes_made_once_agree_with_hashing_every_time() {
+    fn patterns_agree_with_hashing_every_time() {
         for world in [1usize, 2, 4, 8] {
             let salts = salts(11, world);
             let n = 3000;
-            let hashes = Hashes::new(&salts, n).expect("small");
+            let held = Pattern::new(11, world, n);
+            assert!(held.hashes.is_some());
+            let hashed = Pattern {
+                salts: salts.clone(),
+                hashes: None,
+            };
+            let h = held.hashes.as_deref().expect("held");
             for iter in [0u32, 1, 7, 1000] {
                 for i in 0..n {
-                    for (r, &s) in salts.iter().enumerate() {
-                        assert_eq!(hashes.value(r, iter, i), value(s, r, iter, i as u64));
+                    for pattern in [&held, &hashed] {
+                        for (r, &s) in salts.iter().enumerate() {
+                            assert_eq!(pattern.value(r, iter, i), value(s, r, iter, i as u64));
+                        }
                     }
                     for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
                         assert_eq!(
-                            hashes.expected(op, iter, i),
+                            held.expected_held(h, op, iter, i),
                             expected(op, &salts, iter, i as u64)
                         );
                     }
@@ -247,13 +283,17 @@ mod tests {
             }
             store_f64(dtype, &mut out, 17, 99.0);
             for iter in [3u32, 4] {
-                assert_eq!(
-                    count_wrong_hashed(dtype, ReduceOp::Sum, &hashes, iter, &out, 1),
-                    count_wrong(dtype, ReduceOp::Sum, &salts, iter, &out, 1)
-                );
+                for pattern in [&held, &hashed] {
+                    assert_eq!(
+                        pattern.count_wrong(dtype, ReduceOp::Sum, iter, &out, 1),
+                        count_wrong(dtype, ReduceOp::Sum, &salts, iter, &out, 1)
+                    );
+                }
             }
         }
-        assert!(Hashes::new(&salts(1, 8), HASHES_MAX_BYTES / 32 + 1).is_none());
+        assert!(Pattern::new(1, 8, HASHES_MAX_BYTES / 32 + 1)
+            .hashes
+            .is_none());
     }
 
     /// The device twin carries the same constants.
