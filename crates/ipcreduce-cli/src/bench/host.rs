@@ -3,19 +3,28 @@
 //!
 //! Host calls are synchronous and run on the rank's own core, so a check or a refresh between
 //! two timed calls would be timed too: the slowest rank's check delays every peer's next call,
-//! and the calls absorb that skew. Instead each round prepares its inputs first: it cycles
-//! through `slots` input/output buffer pairs (call `j` on slot `j mod slots`), each input a
-//! different iteration of `pattern` (every element differs from the previous iteration's, so
-//! a result made from the previous call's input is wrong) and each output poisoned; then one
-//! barrier, the calls back to back, timed as one span, and every slot's output checked against
-//! its iteration's exact result (a slot's last call: with more calls than slots, what an
-//! earlier call on the slot wrote is overwritten by the same values). The slots of all ranks
-//! stay within a cache budget ([`CACHE_BYTES`]), at least two: a program's back-to-back calls
-//! reuse one buffer pair that stays in cache, and two is the fewest with which no call has
-//! the input of the call before it. (Barriers between segments of fresh buffers,
-//! which this replaced, put one barrier before every call of a message larger than a rank's
-//! share, and the calls absorbed the ranks' skew: up to 7.6x the library's own loop,
-//! examples/host_loop.rs, at 2 MiB and 4 ranks.)
+//! and the calls absorb that skew. Instead the calls cycle through `slots` input/output buffer
+//! pairs (call `j` on slot `j mod slots`), slot `k`'s input being iteration `k` of `pattern`
+//! (every element differs from the next iteration's, so a result made from the previous
+//! call's input is wrong). A round poisons every slot's output, then one barrier, the calls
+//! back to back, timed as one span, and every slot's output compared with its iteration's
+//! exact result (a slot's last call: with more calls than slots, what an earlier call on the
+//! slot wrote is overwritten by the same values). The slots of all ranks stay within a cache
+//! budget ([`CACHE_BYTES`]), at least two: a program's back-to-back calls reuse one buffer
+//! pair that stays in cache, and two is the fewest with which no call has the input of the
+//! call before it. (Barriers between segments of fresh buffers, which this replaced, put one
+//! barrier before every call of a message larger than a rank's share, and the calls absorbed
+//! the ranks' skew: up to 7.6x the library's own loop, examples/host_loop.rs, at 2 MiB and 4
+//! ranks.)
+//!
+//! The inputs and the results they must give are made once per measurement, when a round
+//! first needs their slot ([`Slots`]); a round's own work is the poisoning and a comparison of
+//! bytes. Why: with more ranks than cores, CPU work between the timed spans slowed the calls
+//! after it, even past the lead-in below. On the 2-core machine, 4 ranks at 512 KiB
+//! (2026-12-08), twelve runs each: the bench took 255 us a call (median) where the library's
+//! loop took 213; skipping the per-round check brought it to 244, replacing the check by 3 ms
+//! of spinning to 270, by 3 ms of sleep to 197. Made once, in turns with the per-round version
+//! five times: 218 us against 282 (bench/results/2026-12-08-host-slots-once/).
 //!
 //! A round has at least `iters` calls and enough for [`ROUND_SPAN`] at the warm-up's pace
 //! (agreed by every rank: the slowest estimate), at most [`MAX_CALLS`]: small messages need
@@ -23,21 +32,17 @@
 //! reports, per round, the slowest rank's mean, and their median, minimum and maximum.
 //!
 //! Between the barrier and the timed span, as many untimed lead-in calls as timed ones (OSU's
-//! `skip`, per round): the preparation and the check leave the cores idle or busy with other
-//! work for tens of milliseconds, and the calls right after ran slower than a program's
-//! steady back-to-back calls. On the 2-core machine, 4 ranks at 2 MiB (2026-12-07): after 50 ms
-//! of idling, the next round took 921-1311 us a call against 750-828 without the gap; 20
-//! lead-in calls brought it to 743-802 (one run 1108), 80 to 748-825. The lead-in calls write
-//! each result into the next slot's output, so that a timed call that writes nothing still
-//! leaves a wrong result (the previous slot's iteration) where its check looks.
-//!
-//! The inputs and the check come from the ranks' hashes made once per message size
-//! ([`Pattern`]), so the work between two timed spans is as small as it can be
-//! while every element still changes and is checked.
+//! `skip`, per round): the barrier leaves the cores idle or busy with other work, and the
+//! calls right after ran slower than a program's steady back-to-back calls. On the 2-core
+//! machine, 4 ranks at 2 MiB (2026-12-07): after 50 ms of idling, the next round took
+//! 921-1311 us a call against 750-828 without the gap; 20 lead-in calls brought it to 743-802
+//! (one run 1108), 80 to 748-825. The lead-in calls write each result into the next slot's
+//! output, so that a timed call that writes nothing still leaves a wrong result (the previous
+//! slot's iteration, or the poison) where its check looks.
 
 use super::pattern::Pattern;
 use super::{Measure, Measured, MAX_ROUNDS};
-use ipcreduce::element::store_f64;
+use ipcreduce::element::{load_f64, store_f64};
 use ipcreduce::error::{Error, Result};
 use ipcreduce::Communicator;
 use std::ffi::c_void;
@@ -68,9 +73,75 @@ pub fn slots_for(slot_bytes: usize, world: usize, calls: usize) -> usize {
 }
 
 pub struct HostRunner {
-    /// Inputs, then outputs, of one round: `2 * slots` buffers of `slot` bytes in u64 words
-    /// (the buffers must be aligned to the element size).
-    buf: Vec<u64>,
+    slots: Slots,
+}
+
+/// One measurement's buffers: slot `k`'s input (iteration `k` of the pattern), output, and
+/// the exact result of its input, each `words` u64 words (so aligned to any element size).
+/// Slots are made when a round first needs them and kept for the measurement's later rounds.
+#[derive(Default)]
+struct Slots {
+    words: usize,
+    /// Slots whose input and expected result are made.
+    made: usize,
+    inputs: Vec<u64>,
+    outputs: Vec<u64>,
+    expected: Vec<u64>,
+}
+
+impl Slots {
+    /// Empty slots of `words` words each, for a new measurement.
+    fn reset(&mut self, words: usize) {
+        self.words = words;
+        self.made = 0;
+    }
+
+    /// Makes slots up to `slots`: rank `rank`'s input of iteration `k` in slot `k`, and the
+    /// result every rank must get from it.
+    fn make(&mut self, m: &Measure, pattern: &Pattern, rank: usize, slots: usize) {
+        if slots <= self.made {
+            return;
+        }
+        let len = slots * self.words;
+        for v in [&mut self.inputs, &mut self.outputs, &mut self.expected] {
+            if v.len() < len {
+                v.resize(len, 0);
+            }
+        }
+        let bytes = m.count * m.dtype.size();
+        for k in self.made..slots {
+            let it = k as u32;
+            let input = &mut bytes_mut(&mut self.inputs[k * self.words..])[..bytes];
+            for i in 0..m.count {
+                store_f64(m.dtype, input, i, f64::from(pattern.value(rank, it, i)));
+            }
+            let want = &mut bytes_mut(&mut self.expected[k * self.words..])[..bytes];
+            for i in 0..m.count {
+                store_f64(m.dtype, want, i, pattern.expected(m.op, it, i));
+            }
+        }
+        self.made = slots;
+    }
+
+    /// Fills the first `slots` outputs with a value no call gives (all bits set: NaN).
+    fn poison(&mut self, slots: usize) {
+        self.outputs[..slots * self.words].fill(u64::MAX);
+    }
+
+    /// Elements of slot `k`'s output (`bytes` long) that differ from its expected result.
+    fn wrong(&self, m: &Measure, k: usize, bytes: usize) -> u64 {
+        let slot = k * self.words..(k + 1) * self.words;
+        let out = &bytes_of(&self.outputs[slot.clone()])[..bytes];
+        let want = &bytes_of(&self.expected[slot])[..bytes];
+        // Equal bytes are equal values (small integers have one encoding in each dtype);
+        // only a mismatch pays for the element by element count.
+        if out == want {
+            return 0;
+        }
+        (0..m.count)
+            .filter(|&i| load_f64(m.dtype, out, i) != load_f64(m.dtype, want, i))
+            .count() as u64
+    }
 }
 
 /// The calls of one round: untimed lead-in calls, then the timed ones.
@@ -92,6 +163,11 @@ fn bytes_mut(v: &mut [u64]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 8) }
 }
 
+fn bytes_of(v: &[u64]) -> &[u8] {
+    // SAFETY: the length covers the same memory, and u8 has no invalid values.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 8) }
+}
+
 impl HostRunner {
     pub fn new(comm: &Communicator, _capacity: usize, registered: bool) -> Result<HostRunner> {
         if registered {
@@ -101,14 +177,18 @@ impl HostRunner {
                 "registered buffers need the cuda backend",
             ));
         }
-        Ok(HostRunner { buf: Vec::new() })
+        Ok(HostRunner {
+            slots: Slots::default(),
+        })
     }
 
     /// One measurement: the warm-up (which also sets the calls per round), then [`ROUNDS`]
     /// rounds of back-to-back calls.
     pub fn measure(&mut self, comm: &mut Communicator, m: &Measure) -> Result<Measured> {
         let pattern = Pattern::new(m.seed, m.world, m.count);
-        let mut next_iter = 0u32;
+        // Slots start on 8 bytes; at least one word so that empty messages have addresses.
+        self.slots
+            .reset((m.count * m.dtype.size()).div_ceil(8).max(1));
         let mut wrong = 0u64;
         let mut calls = 0u64;
         // Warm-up: untimed for the row, but its pace sets the length of a round.
@@ -117,7 +197,7 @@ impl HostRunner {
             lead_in: 0,
             timed: warm,
         };
-        let (span, _) = self.round(comm, m, &pattern, &mut next_iter, warm_calls, &mut wrong)?;
+        let (span, _) = self.round(comm, m, &pattern, warm_calls, &mut wrong)?;
         calls += warm as u64;
         let pace = span.as_secs_f64() / warm as f64;
         let wanted = (ROUND_SPAN.as_secs_f64() / pace.max(1e-9)).ceil() as u64;
@@ -132,8 +212,7 @@ impl HostRunner {
                 lead_in: per_round,
                 timed: per_round,
             };
-            let (span, p) =
-                self.round(comm, m, &pattern, &mut next_iter, round_calls, &mut wrong)?;
+            let (span, p) = self.round(comm, m, &pattern, round_calls, &mut wrong)?;
             *r = span.as_secs_f64() * 1e6 / per_round as f64;
             prep += p;
             calls += per_round as u64;
@@ -153,57 +232,39 @@ impl HostRunner {
         })
     }
 
-    /// `n` calls back to back over the slots that fit the cache budget ([`slots_for`]): each
-    /// slot's input filled with its own iteration and its output poisoned, a barrier,
+    /// `n` calls back to back over the slots that fit the cache budget ([`slots_for`]): the
+    /// slots made if this is the first round to use them, their outputs poisoned, a barrier,
     /// `lead_in` untimed calls (call `j` from slot `j mod slots` into the next slot's output),
     /// the `n` calls timed as one span (call `j` on slot `j mod slots`), then every slot's
-    /// output checked against its iteration. Returns the span and the time spent preparing and
-    /// checking.
+    /// output compared with its expected result. Returns the span and the time spent
+    /// preparing and checking.
     fn round(
         &mut self,
         comm: &mut Communicator,
         m: &Measure,
         pattern: &Pattern,
-        next_iter: &mut u32,
         Calls { lead_in, timed: n }: Calls,
         wrong: &mut u64,
     ) -> Result<(Duration, Duration)> {
         let bytes = m.count * m.dtype.size();
-        // Slots start on 8 bytes; at least one word so that empty messages have addresses.
-        let slot_words = bytes.div_ceil(8).max(1);
-        let slots = slots_for(slot_words * 8, m.world, n);
-        let rank = comm.rank();
+        let words = self.slots.words;
+        let slots = slots_for(words * 8, m.world, n);
         let t_prep = Instant::now();
-        if self.buf.len() < 2 * slots * slot_words {
-            self.buf.resize(2 * slots * slot_words, 0);
-        }
-        let first = *next_iter;
-        {
-            let all = bytes_mut(&mut self.buf);
-            let (inputs, outputs) = all.split_at_mut(slots * slot_words * 8);
-            for j in 0..slots {
-                let it = first.wrapping_add(j as u32);
-                let input = &mut inputs[j * slot_words * 8..][..bytes];
-                for i in 0..m.count {
-                    let v = pattern.value(rank, it, i);
-                    store_f64(m.dtype, input, i, f64::from(v));
-                }
-                outputs[j * slot_words * 8..][..bytes].fill(0xFF);
-            }
-        }
+        self.slots.make(m, pattern, comm.rank(), slots);
+        self.slots.poison(slots);
         let mut prep = t_prep.elapsed();
         comm.bootstrap().barrier()?;
-        let base = self.buf.as_mut_ptr();
+        let send_base = self.slots.inputs.as_mut_ptr();
+        let recv_base = self.slots.outputs.as_mut_ptr();
         let mut call = |j: usize, lead_in: bool| -> Result<()> {
             let (k, o) = slots_of_call(j, slots, lead_in);
-            // SAFETY: input k and output o are distinct slots of `bytes` inside `buf`, aligned
-            // to 8; the call is finished when it returns (host calls are synchronous).
+            // SAFETY: input k and output o are slots of `bytes` inside their buffers (made
+            // above), aligned to 8; the call is finished when it returns (host calls are
+            // synchronous).
             unsafe {
-                let send = base.add(k * slot_words);
-                let recv = base.add((slots + o) * slot_words);
                 comm.all_reduce_raw(
-                    send.cast::<c_void>(),
-                    recv.cast::<c_void>(),
+                    send_base.add(k * words).cast::<c_void>(),
+                    recv_base.add(o * words).cast::<c_void>(),
                     m.count,
                     m.dtype,
                     m.op,
@@ -221,14 +282,10 @@ impl HostRunner {
         }
         let span = t0.elapsed();
         let t_check = Instant::now();
-        let all = bytes_mut(&mut self.buf);
-        for j in 0..slots.min(n) {
-            let it = first.wrapping_add(j as u32);
-            let out = &all[(slots + j) * slot_words * 8..][..bytes];
-            *wrong += pattern.count_wrong(m.dtype, m.op, it, out, m.world);
+        for k in 0..slots.min(n) {
+            *wrong += self.slots.wrong(m, k, bytes);
         }
         prep += t_check.elapsed();
-        *next_iter = first.wrapping_add(slots as u32);
         Ok((span, prep))
     }
 }
@@ -246,7 +303,93 @@ fn gather_max(comm: &mut Communicator, v: u64) -> Result<u64> {
 
 #[cfg(test)]
 mod tests {
-    use super::{slots_for, slots_of_call};
+    use super::{slots_for, slots_of_call, Measure, Pattern, Slots};
+    use crate::bench::pattern;
+    use ipcreduce::element::{load_f64, store_f64};
+    use ipcreduce::types::{Algorithm, DType, ReduceOp};
+
+    /// Slots made for a measurement hold each rank's input of their iteration and the exact
+    /// result of every rank's (computed here from the pattern's free functions, rank by rank),
+    /// and `wrong` counts exactly the elements of an output that differ from it: none for the
+    /// right result, one for one changed element, all for the poison and for the result of
+    /// the next slot's iteration (a stale call).
+    #[test]
+    fn slots_hold_their_iteration_and_count_wrong_elements() {
+        for dtype in [DType::F32, DType::F16, DType::Bf16] {
+            let (world, count, seed) = (4, 1001, 9);
+            let m = Measure {
+                dtype,
+                op: ReduceOp::Sum,
+                algo: Algorithm::Auto,
+                count,
+                world,
+                seed,
+                warmup: 1,
+                iters: 1,
+                graph: None,
+            };
+            let bytes = count * dtype.size();
+            let salts = pattern::salts(seed, world);
+            let p = Pattern::new(seed, world, count);
+            let mut slots = Slots::default();
+            slots.reset(bytes.div_ceil(8));
+            slots.make(&m, &p, 2, 2);
+            // More slots later keep the first ones and add the next iteration.
+            slots.make(&m, &p, 2, 3);
+            assert_eq!(slots.made, 3);
+            let words = slots.words;
+            let view = |v: &[u64], k: usize| -> Vec<u8> {
+                v[k * words..][..words]
+                    .iter()
+                    .flat_map(|w| w.to_le_bytes())
+                    .take(bytes)
+                    .collect()
+            };
+            for k in 0..3 {
+                let input = view(&slots.inputs, k);
+                for i in 0..count {
+                    let want = pattern::value(salts[2], 2, k as u32, i as u64);
+                    assert_eq!(
+                        load_f64(dtype, &input, i),
+                        f64::from(want),
+                        "{dtype} slot {k}"
+                    );
+                }
+            }
+            let result = |it: u32| -> Vec<u8> {
+                let mut out = vec![0u8; bytes];
+                for i in 0..count {
+                    let sum: i32 = (0..world)
+                        .map(|r| pattern::value(salts[r], r, it, i as u64))
+                        .sum();
+                    store_f64(dtype, &mut out, i, f64::from(sum));
+                }
+                out
+            };
+            let mut put = |k: usize, data: &[u8]| {
+                for (w, chunk) in slots.outputs[k * words..][..words]
+                    .iter_mut()
+                    .zip(data.chunks(8))
+                {
+                    let mut b = w.to_le_bytes();
+                    b[..chunk.len()].copy_from_slice(chunk);
+                    *w = u64::from_le_bytes(b);
+                }
+            };
+            put(0, &result(0));
+            let mut one_off = result(1);
+            store_f64(dtype, &mut one_off, 500, 99.0);
+            put(1, &one_off);
+            put(2, &result(0));
+            assert_eq!(slots.wrong(&m, 0, bytes), 0, "{dtype}");
+            assert_eq!(slots.wrong(&m, 1, bytes), 1, "{dtype}");
+            assert_eq!(slots.wrong(&m, 2, bytes), count as u64, "{dtype}: stale");
+            slots.poison(3);
+            for k in 0..3 {
+                assert_eq!(slots.wrong(&m, k, bytes), count as u64, "{dtype}: poison");
+            }
+        }
+    }
 
     /// A round as `round` runs it, on iteration numbers instead of data: every slot the check
     /// reads holds its own iteration when every timed call writes, and a wrong one when the
