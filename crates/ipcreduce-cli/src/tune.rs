@@ -100,7 +100,7 @@ fn tune_here(args: &TuneArgs) -> Result<()> {
         }
     }
     let mut samples: Vec<(usize, Sample)> = Vec::new(); // (element size, sample)
-    let mut world_key: Option<(usize, usize, Option<TuneKey>)> = None;
+    let mut world_key: Option<(usize, usize, Option<TuneKey>, Fabric)> = None;
     let mut progress: Option<crate::progress::Reporter> = None;
     let mut done = 0u64;
     for &grid in &grids {
@@ -129,9 +129,13 @@ fn tune_here(args: &TuneArgs) -> Result<()> {
             let key = if host {
                 Some(TuneKey::of_host())
             } else {
-                comm.cuda_device().and_then(TuneKey::of_machine)
+                // Through host memory a table of its own (TuneKey::through).
+                let fabric = comm.fabric();
+                comm.cuda_device()
+                    .and_then(TuneKey::of_machine)
+                    .map(|k| k.through(fabric))
             };
-            world_key = Some((rank, world, key));
+            world_key = Some((rank, world, key, comm.fabric()));
         }
         let algos: Vec<Algorithm> = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Nccl]
             .into_iter()
@@ -209,7 +213,7 @@ fn tune_here(args: &TuneArgs) -> Result<()> {
             }
         }
     }
-    let Some((0, world, key)) = world_key else {
+    let Some((0, world, key, fabric)) = world_key else {
         return Ok(());
     };
     let key = key.ok_or_else(|| bad("this machine's key (GPU, driver) cannot be read".into()))?;
@@ -220,7 +224,7 @@ fn tune_here(args: &TuneArgs) -> Result<()> {
     };
     let path = match &args.output {
         Some(p) => p.clone(),
-        None => tune::cache_path_for(backend, |k| std::env::var(k).ok())
+        None => tune::cache_path_for(backend, fabric, |k| std::env::var(k).ok())
             .ok_or_else(|| bad("no place for the table: set IPCREDUCE_TUNE_FILE or HOME".into()))?,
     };
     write_table(&path, &key, world, &samples)?;

@@ -77,7 +77,7 @@ impl Communicator {
             flight.attach_device();
         }
         // The tuning hook: every rank uses rank 0's measured table.
-        let tune = crate::tune::agree(&mut boot, kind, backend.device())?;
+        let tune = crate::tune::agree(&mut boot, kind, backend.device(), backend.fabric())?;
         backend.use_tuning(&tune);
         phases.mark("tuning table");
         phases.log(boot.rank());

@@ -3,7 +3,10 @@
 //!
 //! `ipcreduce tune` measures and writes the table to a cache file (a plain text format of its
 //! own, read strictly: see `tune/text.rs`) keyed by the GPU model, the topology (GPU count,
-//! P2P between every pair) and the driver version. The host backend has a table of its own
+//! P2P between every pair and used: not on the host-staged transport) and the driver version.
+//! Calls through host memory have a table of their own (`tune-staged.txt`, [`TuneKey::through`]):
+//! a machine with P2P may run them too (`IPCREDUCE_TRANSPORT=host`), and their choices would
+//! be wrong for its calls through peer memory. The host backend has a table of its own
 //! (`tune-host.txt`, same format), keyed by the CPU model and core count ([`TuneKey::of_host`]):
 //! a machine with GPUs may run both backends. At communicator init rank 0 loads it and
 //! every rank uses rank 0's copy (the choice must be the same on every rank); `Auto` consults
@@ -14,6 +17,7 @@
 //! Everything here is pure except [`TuneKey::of_machine`] (driver queries) and [`agree`]
 //! (the communicator's init hook: file and bootstrap).
 
+use crate::plan::Fabric;
 use crate::types::{Algorithm, BackendKind};
 use std::path::{Path, PathBuf};
 
@@ -30,6 +34,9 @@ pub const FILE_NAME: &str = "tune.txt";
 /// The host backend's table in the cache directory.
 pub const HOST_FILE_NAME: &str = "tune-host.txt";
 
+/// The cuda backend's table for the host-staged transport in the cache directory.
+pub const STAGED_FILE_NAME: &str = "tune-staged.txt";
+
 /// What a host table's `gpu` line starts with (the rest names the CPU).
 pub const HOST_KEY_PREFIX: &str = "host: ";
 
@@ -41,7 +48,8 @@ pub struct TuneKey {
     pub gpu: String,
     /// GPUs visible to the process.
     pub gpus: usize,
-    /// Whether every pair of visible GPUs can access each other's memory.
+    /// Whether the calls went through peer memory: every pair of visible GPUs can access each
+    /// other's memory, and the transport used it (not the host-staged one).
     pub p2p: bool,
     /// Driver version.
     pub driver: String,
@@ -212,20 +220,23 @@ pub fn from_samples(world: usize, elem_bytes: usize, samples: &[Sample]) -> Vec<
 /// Where the table lives: `IPCREDUCE_TUNE_FILE`, else `$XDG_CACHE_HOME/ipcreduce/tune.txt`,
 /// else `$HOME/.cache/ipcreduce/tune.txt`. `env` reads a variable (tests pass their own).
 pub fn cache_path(env: impl Fn(&str) -> Option<String>) -> Option<PathBuf> {
-    cache_path_for(BackendKind::Cuda, env)
+    cache_path_for(BackendKind::Cuda, Fabric::Peer, env)
 }
 
-/// [`cache_path`] for `backend`'s table: the host backend's is [`HOST_FILE_NAME`] in the same
-/// directory; `IPCREDUCE_TUNE_FILE` names the file for either (the key inside tells them
-/// apart: a table of the other backend is not used).
+/// [`cache_path`] for `backend`'s table on `fabric`: the host backend's is [`HOST_FILE_NAME`]
+/// and the host-staged transport's [`STAGED_FILE_NAME`], in the same directory;
+/// `IPCREDUCE_TUNE_FILE` names the file for any (the key inside tells them apart: a table of
+/// another backend or transport is not used).
 pub fn cache_path_for(
     backend: BackendKind,
+    fabric: Fabric,
     env: impl Fn(&str) -> Option<String>,
 ) -> Option<PathBuf> {
     let set = |k: &str| env(k).filter(|v| !v.is_empty());
-    let name = match backend {
-        BackendKind::Host => HOST_FILE_NAME,
-        BackendKind::Cuda => FILE_NAME,
+    let name = match (backend, fabric) {
+        (BackendKind::Host, _) => HOST_FILE_NAME,
+        (BackendKind::Cuda, Fabric::HostStaged) => STAGED_FILE_NAME,
+        (BackendKind::Cuda, Fabric::Peer | Fabric::PciePeer) => FILE_NAME,
     };
     if let Some(p) = set("IPCREDUCE_TUNE_FILE") {
         return Some(PathBuf::from(p));
@@ -306,6 +317,17 @@ impl TuneKey {
         d.join("; ")
     }
 
+    /// This key for calls over `fabric`: through host memory (the host-staged transport) no
+    /// peer memory is used, whatever the GPUs could do, so `p2p` is false. A machine without
+    /// P2P keeps its key; one with P2P gets another, so a table tuned there with
+    /// `IPCREDUCE_TRANSPORT=host` does not steer its calls through peer memory.
+    pub fn through(self, fabric: Fabric) -> TuneKey {
+        match fabric {
+            Fabric::HostStaged => TuneKey { p2p: false, ..self },
+            Fabric::Peer | Fabric::PciePeer => self,
+        }
+    }
+
     /// This machine's key for the host backend: the CPU model and the cores online (what the
     /// one-shot/two-shot crossover depends on), no GPU, the kernel release.
     pub fn of_host() -> TuneKey {
@@ -365,21 +387,24 @@ impl TuneKey {
 }
 
 /// The communicator's init hook (collective): rank 0 loads the table for this machine (the
-/// host backend's, or the cuda backend's on `device`) and every rank takes rank 0's, so every
-/// rank's `Auto` decides alike.
+/// host backend's, or the cuda backend's on `device` over `fabric`) and every rank takes rank
+/// 0's, so every rank's `Auto` decides alike.
 pub(crate) fn agree(
     boot: &mut crate::bootstrap::Bootstrap,
     backend: BackendKind,
     device: Option<usize>,
+    fabric: Fabric,
 ) -> crate::error::Result<Table> {
     let key = match (boot.rank(), backend, device) {
         (0, BackendKind::Host, _) => Some(Some(TuneKey::of_host())),
-        (0, BackendKind::Cuda, Some(ordinal)) => Some(TuneKey::of_machine(ordinal)),
+        (0, BackendKind::Cuda, Some(ordinal)) => {
+            Some(TuneKey::of_machine(ordinal).map(|k| k.through(fabric)))
+        }
         _ => None,
     };
     let mine = match key {
         Some(key) => {
-            let path = cache_path_for(backend, |k| std::env::var(k).ok());
+            let path = cache_path_for(backend, fabric, |k| std::env::var(k).ok());
             match key {
                 None => {
                     tracing::warn!("tuning table not used: this machine's key cannot be read");
@@ -806,16 +831,73 @@ mod tests {
         assert_eq!(cache_path(env(&[])), None);
         // The host backend's table beside the cuda one; the explicit file names either.
         assert_eq!(
-            cache_path_for(BackendKind::Host, env(&[("HOME", "/h")])),
+            cache_path_for(BackendKind::Host, Fabric::Peer, env(&[("HOME", "/h")])),
             Some(PathBuf::from("/h/.cache/ipcreduce/tune-host.txt"))
         );
         assert_eq!(
             cache_path_for(
                 BackendKind::Host,
+                Fabric::Peer,
                 env(&[("IPCREDUCE_TUNE_FILE", "/x/t.txt"), ("HOME", "/h")])
             ),
             Some(PathBuf::from("/x/t.txt"))
         );
+        // The host-staged transport's table beside the peer one (PCIe P2P is peer memory).
+        for (fabric, name) in [
+            (Fabric::Peer, "tune.txt"),
+            (Fabric::PciePeer, "tune.txt"),
+            (Fabric::HostStaged, "tune-staged.txt"),
+        ] {
+            assert_eq!(
+                cache_path_for(BackendKind::Cuda, fabric, env(&[("HOME", "/h")])),
+                Some(PathBuf::from("/h/.cache/ipcreduce").join(name)),
+                "{fabric:?}"
+            );
+            assert_eq!(
+                cache_path_for(
+                    BackendKind::Cuda,
+                    fabric,
+                    env(&[("IPCREDUCE_TUNE_FILE", "/x/t.txt"), ("HOME", "/h")])
+                ),
+                Some(PathBuf::from("/x/t.txt"))
+            );
+        }
+    }
+
+    /// A table measured through host memory on a machine with P2P is not used for its calls
+    /// through peer memory, nor the other way round (even from one file named by
+    /// `IPCREDUCE_TUNE_FILE`); on a machine without P2P the key is the same either way.
+    #[test]
+    fn staged_and_peer_tables_are_kept_apart() {
+        let peer = key();
+        assert!(peer.p2p);
+        let staged = peer.clone().through(Fabric::HostStaged);
+        assert_eq!(
+            staged,
+            TuneKey {
+                p2p: false,
+                ..key()
+            }
+        );
+        assert_eq!(peer.clone().through(Fabric::Peer), peer);
+        assert_eq!(peer.clone().through(Fabric::PciePeer), peer);
+        let no_p2p = TuneKey {
+            p2p: false,
+            ..key()
+        };
+        assert_eq!(no_p2p.clone().through(Fabric::HostStaged), no_p2p);
+        let dir = scratch("staged");
+        let file = dir.join("one-file.txt");
+        for (measured, used) in [(&staged, &peer), (&peer, &staged)] {
+            let mut t = table();
+            t.key = Some(measured.clone());
+            std::fs::write(&file, t.to_text()).unwrap();
+            let (got, note) = load(Some(&file), used);
+            assert_eq!(got, Table::builtin(), "{measured:?} used for {used:?}");
+            assert!(matches!(note, Some(Note::Bad(m)) if m.contains("P2P")));
+            assert_eq!(load(Some(&file), measured), (t, None));
+        }
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]
