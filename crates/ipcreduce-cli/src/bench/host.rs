@@ -21,10 +21,10 @@
 //! first needs their slot ([`Slots`]); a round's own work is the poisoning and a comparison of
 //! bytes. Why: with more ranks than cores, CPU work between the timed spans slowed the calls
 //! after it, even past the lead-in below. On the 2-core machine, 4 ranks at 512 KiB
-//! (2026-12-08), twelve runs each: the bench took 255 us a call (median) where the library's
-//! loop took 213; skipping the per-round check brought it to 244, replacing the check by 3 ms
-//! of spinning to 270, by 3 ms of sleep to 197. Made once, in turns with the per-round version
-//! five times: 218 us against 282 (bench/results/2026-12-08-host-slots-once/).
+//! (2026-12-08, 8-12 runs in turns): the bench took 255-309 us a call (median) where the
+//! library's loop took 213-218; without the per-round check 244, with 3 ms of spinning in its
+//! place 270, with 3 ms of sleep 197-217. Made once, in turns with the per-round version five
+//! times: 218 us against 282 (bench/results/2026-12-08-host-slots-once/).
 //!
 //! A round has at least `iters` calls and enough for [`ROUND_SPAN`] at the warm-up's pace
 //! (agreed by every rank: the slowest estimate), at most [`MAX_CALLS`]: small messages need
