@@ -19,14 +19,19 @@
 #             NAME-rN); with BASE_BIN, each round also runs the copy-engine path of that build
 #             (bench-ce-base), right after ours.
 #   chunks    the copy-engine path at 4 MiB - MAX with IPCREDUCE_STAGED_CHUNK = each of CHUNKS.
+#   tune      `tune` at world 2 on this transport, bf16, 1 MiB - TUNE_MAX by 2 (OUT/tune-staged.txt:
+#             FAIL unless its key says p2p no, the host-staged transport's key), then
+#             -a auto,oneshot,twoshot with that table (bench-tuned), eager and graph.
 # Then OUT/compare.txt: per mode and size the staged kernels' best, the copy-engine path, auto
 # with the defaults, their ratios, and busbw against BOUND (GB/s, the link's bound measured by
 # scripts/device/pcie-link.sh); with several rounds, each figure is the median of the rounds
 # and the copy-engine path's spread (min-max busbw) follows; with BASE_BIN, the base build's
-# copy-engine path and ours over it (time ratio, > 1: ours faster). summary.txt:
+# copy-engine path and ours over it (time ratio, > 1: ours faster); with tune, auto with the
+# table against the faster of one-shot and two-shot in the same run. summary.txt:
 # PASS/FAIL/SKIP per step; a row with wrong elements fails.
 # Knobs: CASES (2000), MAX (256M), CHUNKS ("1M 2M 4M 8M 16M"), ITERS (8), BOUND (24.49),
-#   PHASES ("gputests check bench chunks"), BUDGET (540), ROUNDS (1), BASE_BIN (none).
+#   PHASES ("gputests check bench chunks tune"), BUDGET (540), ROUNDS (1), BASE_BIN (none),
+#   TUNE_MAX (32M).
 set -u
 # shellcheck source=lib/steps.sh source-path=SCRIPTDIR
 . "$(dirname "$0")/lib/steps.sh" || exit 2
@@ -37,7 +42,8 @@ MAX=${MAX:-256M}
 CHUNKS=${CHUNKS-1M 2M 4M 8M 16M}
 ITERS=${ITERS:-8}
 BOUND=${BOUND:-24.49}
-PHASES=" ${PHASES:-gputests check bench chunks} "
+PHASES=" ${PHASES:-gputests check bench chunks tune} "
+TUNE_MAX=${TUNE_MAX:-32M}
 BUDGET=${BUDGET:-540}
 ROUNDS=${ROUNDS:-1}
 BASE_BIN=${BASE_BIN:-}
@@ -48,7 +54,7 @@ unset IPCREDUCE_TOPOLOGY IPCREDUCE_DENY_PEER IPCREDUCE_BLOCKS IPCREDUCE_SLOT_BYT
   IPCREDUCE_CE_STAGED_MIN
 export CUDA_VISIBLE_DEVICES=0
 env_txt "CASES=$CASES MAX=$MAX CHUNKS=$CHUNKS ITERS=$ITERS BOUND=$BOUND PHASES=$PHASES BUDGET=$BUDGET
-ROUNDS=$ROUNDS BASE_BIN=$BASE_BIN
+ROUNDS=$ROUNDS BASE_BIN=$BASE_BIN TUNE_MAX=$TUNE_MAX
 bin: $("$BIN" --version 2>&1) base: $([ -z "$BASE_BIN" ] || "$BASE_BIN" --version 2>&1)
 tests=$(cat target/gpu-tests/gpu.commit 2>/dev/null)"
 has() { [[ $PHASES == *" $1 "* ]]; }
@@ -109,6 +115,19 @@ if has chunks; then
       bench "chunk-$c" 40 -a auto -b 4M -e "$MAX" -G 0
   done
 fi
+if has tune; then
+  table="$OUT/tune-staged.txt"
+  if step tune 120 "$BIN" tune --backend cuda --ranks 2 -d bf16 --ctas "" -b 1M -e "$TUNE_MAX" \
+    -f 2 -o "$table" --json "$OUT/tune-samples.json"; then
+    if grep -qx "p2p no" "$table"; then
+      IPCREDUCE_TUNE_FILE=$table bench bench-tuned 90 -a auto,oneshot,twoshot -b 1M -e "$TUNE_MAX" \
+        -f 2 -G 5
+    else
+      echo "FAIL tune: $table lacks 'p2p no' (the host-staged transport's key)" | tee -a "$SUMMARY"
+      status=1
+    fi
+  fi
+fi
 mps_off
 
 python3 - "$OUT" "$BOUND" <<'PY' | tee "$OUT/compare.txt"
@@ -163,6 +182,17 @@ for key in sorted(set(kernels) | set(ce) | set(auto), key=lambda k: (k[0], k[1])
         line += ["-" if b is None else "%.2f[%.2f-%.2f]" % (b["busbw_gbps"], b["lo"], b["hi"]),
                  "-" if not (b and c) else "%.3f" % (b["time_us"] / c["time_us"])]
     print(*line)
+tuned = {a: pick("bench-tuned", a) for a in ("auto", "oneshot", "twoshot")}
+if tuned["auto"]:
+    print("# auto with the tuned table against the faster path in the same run (>= 0.95: within 5 %)")
+    print("# mode bytes auto(path) oneshot twoshot best/auto")
+    for key in sorted(tuned["auto"], key=lambda k: (k[0], k[1])):
+        a = tuned["auto"][key]
+        paths = [tuned[p].get(key) for p in ("oneshot", "twoshot")]
+        best = min((r["time_us"] for r in paths if r), default=None)
+        print(key[0], key[1], "%.2f(%s)" % (a["busbw_gbps"], a["path"]),
+              *("-" if r is None else "%.2f" % r["busbw_gbps"] for r in paths),
+              "-" if best is None else "%.3f" % (best / a["time_us"]))
 print("# chunk sweep (eager busbw of the copy-engine path)")
 for run in sorted(r for r in runs if r.startswith("chunk-")):
     print(run, " ".join("%d:%.2f" % (r["bytes"] >> 20, r["busbw_gbps"]) for r in runs[run]))
