@@ -76,13 +76,22 @@ pub struct HostRunner {
     slots: Slots,
 }
 
+/// Largest message whose slots hold their expected results ([`Slots`]): two slots of it, the
+/// fewest a round has, then hold 64 MiB. Larger messages compute them again at every check
+/// (from the [`Pattern`]), so that the bench needs the memory of the inputs and outputs only,
+/// as before; their calls take long enough that the check's cost matters less.
+const HELD_RESULT_MAX_BYTES: usize = 32 << 20;
+
 /// One measurement's buffers: slot `k`'s input (iteration `k` of the pattern), output, and
-/// the exact result of its input, each `words` u64 words (so aligned to any element size).
-/// Slots are made when a round first needs them and kept for the measurement's later rounds.
+/// the exact result of its input (up to [`HELD_RESULT_MAX_BYTES`]), each `words` u64 words
+/// (so aligned to any element size). Slots are made when a round first needs them and kept
+/// for the measurement's later rounds.
 #[derive(Default)]
 struct Slots {
     words: usize,
-    /// Slots whose input and expected result are made.
+    /// Whether `expected` holds each slot's result (else the check computes it).
+    held: bool,
+    /// Slots whose input (and expected result) are made.
     made: usize,
     inputs: Vec<u64>,
     outputs: Vec<u64>,
@@ -90,10 +99,14 @@ struct Slots {
 }
 
 impl Slots {
-    /// Empty slots of `words` words each, for a new measurement.
-    fn reset(&mut self, words: usize) {
+    /// Empty slots of `words` words each, for a new measurement; their results held or not.
+    fn reset(&mut self, words: usize, held: bool) {
         self.words = words;
+        self.held = held;
         self.made = 0;
+        if !held {
+            self.expected = Vec::new();
+        }
     }
 
     /// Makes slots up to `slots`: rank `rank`'s input of iteration `k` in slot `k`, and the
@@ -103,10 +116,13 @@ impl Slots {
             return;
         }
         let len = slots * self.words;
-        for v in [&mut self.inputs, &mut self.outputs, &mut self.expected] {
+        for v in [&mut self.inputs, &mut self.outputs] {
             if v.len() < len {
                 v.resize(len, 0);
             }
+        }
+        if self.held && self.expected.len() < len {
+            self.expected.resize(len, 0);
         }
         let bytes = m.count * m.dtype.size();
         for k in self.made..slots {
@@ -114,6 +130,9 @@ impl Slots {
             let input = &mut bytes_mut(&mut self.inputs[k * self.words..])[..bytes];
             for i in 0..m.count {
                 store_f64(m.dtype, input, i, f64::from(pattern.value(rank, it, i)));
+            }
+            if !self.held {
+                continue;
             }
             let want = &mut bytes_mut(&mut self.expected[k * self.words..])[..bytes];
             for i in 0..m.count {
@@ -129,9 +148,12 @@ impl Slots {
     }
 
     /// Elements of slot `k`'s output (`bytes` long) that differ from its expected result.
-    fn wrong(&self, m: &Measure, k: usize, bytes: usize) -> u64 {
+    fn wrong(&self, m: &Measure, pattern: &Pattern, k: usize, bytes: usize) -> u64 {
         let slot = k * self.words..(k + 1) * self.words;
         let out = &bytes_of(&self.outputs[slot.clone()])[..bytes];
+        if !self.held {
+            return pattern.count_wrong(m.dtype, m.op, k as u32, out, m.world);
+        }
         let want = &bytes_of(&self.expected[slot])[..bytes];
         // Equal bytes are equal values (small integers have one encoding in each dtype);
         // only a mismatch pays for the element by element count.
@@ -187,8 +209,9 @@ impl HostRunner {
     pub fn measure(&mut self, comm: &mut Communicator, m: &Measure) -> Result<Measured> {
         let pattern = Pattern::new(m.seed, m.world, m.count);
         // Slots start on 8 bytes; at least one word so that empty messages have addresses.
+        let bytes = m.count * m.dtype.size();
         self.slots
-            .reset((m.count * m.dtype.size()).div_ceil(8).max(1));
+            .reset(bytes.div_ceil(8).max(1), bytes <= HELD_RESULT_MAX_BYTES);
         let mut wrong = 0u64;
         let mut calls = 0u64;
         // Warm-up: untimed for the row, but its pace sets the length of a round.
@@ -283,7 +306,7 @@ impl HostRunner {
         let span = t0.elapsed();
         let t_check = Instant::now();
         for k in 0..slots.min(n) {
-            *wrong += self.slots.wrong(m, k, bytes);
+            *wrong += self.slots.wrong(m, pattern, k, bytes);
         }
         prep += t_check.elapsed();
         Ok((span, prep))
@@ -308,14 +331,17 @@ mod tests {
     use ipcreduce::element::{load_f64, store_f64};
     use ipcreduce::types::{Algorithm, DType, ReduceOp};
 
-    /// Slots made for a measurement hold each rank's input of their iteration and the exact
-    /// result of every rank's (computed here from the pattern's free functions, rank by rank),
-    /// and `wrong` counts exactly the elements of an output that differ from it: none for the
+    /// Slots made for a measurement hold each rank's input of their iteration, and `wrong`
+    /// counts exactly the elements of an output that differ from the exact result of every
+    /// rank's (computed here from the pattern's free functions, rank by rank): none for the
     /// right result, one for one changed element, all for the poison and for the result of
-    /// the next slot's iteration (a stale call).
+    /// the next slot's iteration (a stale call). With the results held and without.
     #[test]
     fn slots_hold_their_iteration_and_count_wrong_elements() {
-        for dtype in [DType::F32, DType::F16, DType::Bf16] {
+        let cases = [DType::F32, DType::F16, DType::Bf16]
+            .into_iter()
+            .flat_map(|d| [(d, true), (d, false)]);
+        for (dtype, held) in cases {
             let (world, count, seed) = (4, 1001, 9);
             let m = Measure {
                 dtype,
@@ -332,7 +358,7 @@ mod tests {
             let salts = pattern::salts(seed, world);
             let p = Pattern::new(seed, world, count);
             let mut slots = Slots::default();
-            slots.reset(bytes.div_ceil(8));
+            slots.reset(bytes.div_ceil(8), held);
             slots.make(&m, &p, 2, 2);
             // More slots later keep the first ones and add the next iteration.
             slots.make(&m, &p, 2, 3);
@@ -352,7 +378,7 @@ mod tests {
                     assert_eq!(
                         load_f64(dtype, &input, i),
                         f64::from(want),
-                        "{dtype} slot {k}"
+                        "{dtype} held {held} slot {k}"
                     );
                 }
             }
@@ -381,12 +407,20 @@ mod tests {
             store_f64(dtype, &mut one_off, 500, 99.0);
             put(1, &one_off);
             put(2, &result(0));
-            assert_eq!(slots.wrong(&m, 0, bytes), 0, "{dtype}");
-            assert_eq!(slots.wrong(&m, 1, bytes), 1, "{dtype}");
-            assert_eq!(slots.wrong(&m, 2, bytes), count as u64, "{dtype}: stale");
+            assert_eq!(slots.wrong(&m, &p, 0, bytes), 0, "{dtype} held {held}");
+            assert_eq!(slots.wrong(&m, &p, 1, bytes), 1, "{dtype} held {held}");
+            assert_eq!(
+                slots.wrong(&m, &p, 2, bytes),
+                count as u64,
+                "{dtype} held {held}: stale"
+            );
             slots.poison(3);
             for k in 0..3 {
-                assert_eq!(slots.wrong(&m, k, bytes), count as u64, "{dtype}: poison");
+                assert_eq!(
+                    slots.wrong(&m, &p, k, bytes),
+                    count as u64,
+                    "{dtype} held {held}: poison"
+                );
             }
         }
     }

@@ -125,6 +125,18 @@ impl Pattern {
             None => expected(op, &self.salts, iter, i as u64),
         }
     }
+
+    /// [`count_wrong`] of `out` as the result of iteration `iter`, from this pattern.
+    pub fn count_wrong(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        iter: u32,
+        out: &[u8],
+        ranks_here: usize,
+    ) -> u64 {
+        count_wrong_by(dtype, out, ranks_here, |i| self.expected(op, iter, i))
+    }
 }
 
 /// The salts of every rank of a world.
