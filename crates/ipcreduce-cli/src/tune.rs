@@ -6,7 +6,8 @@
 //! default one also runs NCCL. Calls are timed like `bench` (registered buffers, except on the
 //! host-staged transport, which has none; the input refreshed and every call checked on the
 //! device, CUDA graph replays), and a wrong element fails the run. Rows of other world sizes
-//! already in the file are kept.
+//! already in the file are kept. On the host-staged transport the table is its own
+//! (`tune-staged.txt`, its key with P2P off: `TuneKey::through`).
 //!
 //! On the host backend it measures one-shot against two-shot (no CTAs there) with `bench`'s
 //! host loop (back-to-back calls, each buffer pair's last output checked, the median of its
