@@ -127,16 +127,16 @@ fn tune_here(args: &TuneArgs) -> Result<()> {
         let progress =
             progress.get_or_insert_with(|| crate::progress::Reporter::new(rank, total, "sizes"));
         if world_key.is_none() {
+            let fabric = comm.fabric();
             let key = if host {
                 Some(TuneKey::of_host())
             } else {
                 // Through host memory a table of its own (TuneKey::through).
-                let fabric = comm.fabric();
                 comm.cuda_device()
                     .and_then(TuneKey::of_machine)
                     .map(|k| k.through(fabric))
             };
-            world_key = Some((rank, world, key, comm.fabric()));
+            world_key = Some((rank, world, key, fabric));
         }
         let algos: Vec<Algorithm> = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Nccl]
             .into_iter()

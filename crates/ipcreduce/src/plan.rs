@@ -293,7 +293,8 @@ pub const CE_DEFAULT_MIN_BYTES: usize = 0;
 /// 47.9 GB/s each way together by copy engines (a bound of 24.0 GB/s busbw) but 38.9 by
 /// kernels (19.4, where the staged kernels already are), and the path reached 21.2 GB/s at
 /// 256 MiB, one direction of the link idle at both ends of a call, which [`ce_staged_pieces`]
-/// shortens (bench/results/2026-12-07-h100-69beacd-link-pair/). `IPCREDUCE_CE_STAGED_MIN` turns it on from that size.
+/// shortens (bench/results/2026-12-07-h100-69beacd-link-pair/). `IPCREDUCE_CE_STAGED_MIN`
+/// turns it on from that size.
 pub const CE_STAGED_DEFAULT_MIN_BYTES: usize = 0;
 
 /// Bytes per chunk of the host-staged copy-engine path: each chunk's copy into host memory
@@ -336,30 +337,33 @@ pub fn ce_staged_pieces(count: usize, elem: usize, chunk: usize) -> Vec<Span> {
         .filter(|&c| c * elem >= CE_STAGED_RAMP_MIN_BYTES)
         .collect();
     let ramp_total: usize = ramp.iter().sum();
-    let mut lens = Vec::new();
-    if !ramp.is_empty() && count >= 2 * ramp_total + 2 * chunk {
-        let rest = count - 2 * ramp_total;
-        // The middle stays a multiple of `align`, so every ramp chunk after it starts aligned;
-        // the few elements over go to the last chunk.
-        let middle = rest / align * align;
-        let n = middle.div_ceil(chunk);
-        let each = middle
-            .div_ceil(n)
-            .next_multiple_of(align)
-            .min(chunk / align * align);
-        lens.extend_from_slice(&ramp);
-        let mut left = middle;
-        while left > 0 {
-            let take = each.min(left);
-            lens.push(take);
-            left -= take;
-        }
-        lens.extend(ramp.iter().rev());
-        *lens.last_mut().expect("the ramp is not empty") += rest - middle;
-    } else {
-        let n = count.div_ceil(chunk).max(1);
-        lens.extend((0..n).map(|k| chunk.min(count - (k * chunk).min(count))));
+    if ramp.is_empty() || count < 2 * ramp_total + 2 * chunk {
+        // Even chunks; an empty call still has its one (empty) chunk.
+        let even: Vec<Span> = chunks(count, chunk).collect();
+        return if even.is_empty() {
+            vec![Span { start: 0, end: 0 }]
+        } else {
+            even
+        };
     }
+    let rest = count - 2 * ramp_total;
+    // The middle stays a multiple of `align`, so every ramp chunk after it starts aligned; the
+    // few elements over go to the last chunk.
+    let middle = rest / align * align;
+    let n = middle.div_ceil(chunk);
+    let each = middle
+        .div_ceil(n)
+        .next_multiple_of(align)
+        .min(chunk / align * align);
+    let mut lens = ramp.clone();
+    let mut left = middle;
+    while left > 0 {
+        let take = each.min(left);
+        lens.push(take);
+        left -= take;
+    }
+    lens.extend(ramp.iter().rev());
+    *lens.last_mut().expect("the ramp is not empty") += rest - middle;
     let mut start = 0;
     lens.into_iter()
         .map(|len| {

@@ -40,7 +40,7 @@
 //! output, so that a timed call that writes nothing still leaves a wrong result (the previous
 //! slot's iteration, or the poison) where its check looks.
 
-use super::pattern::Pattern;
+use super::pattern::{self, Pattern};
 use super::{Measure, Measured, MAX_ROUNDS};
 use ipcreduce::element::{load_f64, store_f64};
 use ipcreduce::error::{Error, Result};
@@ -160,9 +160,7 @@ impl Slots {
         if out == want {
             return 0;
         }
-        (0..m.count)
-            .filter(|&i| load_f64(m.dtype, out, i) != load_f64(m.dtype, want, i))
-            .count() as u64
+        pattern::count_wrong_by(m.dtype, out, m.world, |i| load_f64(m.dtype, want, i))
     }
 }
 

@@ -164,7 +164,7 @@ pub fn count_wrong(
 }
 
 /// Elements of `out` that differ from `expected(i)`, over `ranks_here`'s share of the cores.
-fn count_wrong_by(
+pub fn count_wrong_by(
     dtype: DType,
     out: &[u8],
     ranks_here: usize,
